@@ -1,0 +1,542 @@
+/*
+ * libmla: Multi-head Latent Attention for LLM serving engines.
+ *
+ * Public C API (C11). Every function returns an mla_status unless it is a pure
+ * query (version, status string, last-error text). Handles are opaque; every
+ * *_destroy accepts NULL. No function allocates on the hot path: attention and
+ * plan calls take a caller-owned workspace whose size a *_workspace_size()
+ * query reports.
+ *
+ * Conventions used throughout (see README "Conventions"):
+ *  - Shapes are written [dim0, dim1, ...], row-major, innermost last.
+ *  - LSE is the natural log of the softmax denominator of the *scaled* logits,
+ *    fp32, shape [T, H]. A query with no visible key gets o = 0, lse = -inf.
+ *    MLA_FLAG_LSE_BASE2 returns lse * log2(e) instead.
+ *  - Causal masks are bottom-right aligned: a request with Q queries and K keys
+ *    lets query i (0-based) see keys j <= K - Q + i.
+ *  - Geometry: latent width L = 512, rope width R = 64, row width D = 576.
+ */
+#ifndef MLA_H
+#define MLA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32) && defined(MLA_BUILD_SHARED)
+#define MLA_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#define MLA_API __attribute__((visibility("default")))
+#else
+#define MLA_API
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* Version                                                                   */
+/* ------------------------------------------------------------------------ */
+#define MLA_VERSION_MAJOR 0
+#define MLA_VERSION_MINOR 1
+#define MLA_VERSION_PATCH 0
+#define MLA_VERSION_NUMBER \
+  (MLA_VERSION_MAJOR * 10000 + MLA_VERSION_MINOR * 100 + MLA_VERSION_PATCH)
+
+/* MLA_VERSION_NUMBER of the library actually linked. */
+MLA_API unsigned mla_version(void);
+/* "MAJOR.MINOR.PATCH" of the library actually linked. */
+MLA_API const char *mla_version_string(void);
+
+/* ------------------------------------------------------------------------ */
+/* Geometry                                                                  */
+/* ------------------------------------------------------------------------ */
+#define MLA_LATENT 512 /* kv_lora_rank: latent width = absorbed V width */
+#define MLA_ROPE 64    /* rope width */
+#define MLA_ROW 576    /* MLA_LATENT + MLA_ROPE: one KV cache row */
+#define MLA_FP8_BLOCK 128      /* values per fp32 scale in the block-scaled format */
+#define MLA_FP8_BLOCK_ROW_BYTES 656 /* 512 e4m3 + 4 fp32 scales + 64 bf16 rope */
+#define MLA_MAX_PAGE_SIZE 256
+#define MLA_MAX_HEADS 1024
+#define MLA_MAX_HEAD_DIM 256   /* ragged MHA: Dqk, Dv <= this */
+/* Planner's fill value for block-table entries past a request's pages. */
+#define MLA_BLOCK_TABLE_PAD (-1)
+
+/* ------------------------------------------------------------------------ */
+/* Status                                                                    */
+/* ------------------------------------------------------------------------ */
+/* Values are pinned: they never change between versions. */
+typedef enum mla_status {
+  MLA_OK = 0,
+  MLA_ERR_INVALID_ARGUMENT = 1, /* NULL where required, negative or zero size,
+                                   malformed shape, non-power-of-two page */
+  MLA_ERR_OUT_OF_RANGE = 2,     /* id/index outside the object's bounds
+                                   (layer, request id, slot, token position) */
+  MLA_ERR_UNSUPPORTED = 3,      /* well-formed but not implemented for this
+                                   combination (dtype x mode x device) */
+  MLA_ERR_OUT_OF_MEMORY = 4,    /* host or device allocation failed */
+  MLA_ERR_CACHE_FULL = 5,       /* the page allocator has too few free pages;
+                                   nothing was changed */
+  MLA_ERR_WORKSPACE_TOO_SMALL = 6, /* caller workspace below the reported size */
+  MLA_ERR_CAPACITY = 7,         /* exceeds a limit fixed at creation
+                                   (max_reqs, max_context, max_bs, max_tokens) */
+  MLA_ERR_BAD_STATE = 8,        /* call not valid now (request not live, no plan) */
+  MLA_ERR_DEVICE = 9,           /* a CUDA / device error; message has details */
+  MLA_ERR_INTERNAL = 10         /* a library bug: please report */
+} mla_status;
+
+/* Static, never NULL: "MLA_OK", "MLA_ERR_INVALID_ARGUMENT", ...; unknown
+ * values give "MLA_ERR_UNKNOWN". */
+MLA_API const char *mla_status_string(mla_status s);
+
+/* ------------------------------------------------------------------------ */
+/* Data types                                                                */
+/* ------------------------------------------------------------------------ */
+typedef enum mla_dtype {
+  MLA_DTYPE_F32 = 0,
+  MLA_DTYPE_BF16 = 1,
+  MLA_DTYPE_F16 = 2,
+  MLA_DTYPE_FP8_E4M3 = 3,       /* cache only: e4m3fn, one fp32 scale per layer */
+  MLA_DTYPE_FP8_E4M3_BLOCK = 4, /* cache only: 656 B/row block-scaled format */
+  MLA_DTYPE_F64 = 5             /* reserved for references; not accepted */
+} mla_dtype;
+
+/* Bytes per element for F32/BF16/F16/FP8_E4M3; 0 for the block format. */
+MLA_API size_t mla_dtype_size(mla_dtype t);
+MLA_API const char *mla_dtype_name(mla_dtype t);
+/* Convert n elements between F32, BF16, F16 and F64 (round to nearest even;
+ * NaN stays NaN; F64 to BF16/F16 rounds through F32). src and dst must not
+ * overlap. */
+MLA_API mla_status mla_convert(const void *src, mla_dtype src_dtype, void *dst, mla_dtype dst_dtype,
+                               int64_t n);
+
+/* ------------------------------------------------------------------------ */
+/* Context: device, threads, last error                                      */
+/* ------------------------------------------------------------------------ */
+typedef struct mla_ctx_s mla_ctx;
+
+typedef enum mla_device { MLA_DEVICE_CPU = 0, MLA_DEVICE_CUDA = 1 } mla_device;
+
+typedef struct mla_ctx_desc {
+  mla_device device; /* MLA_DEVICE_CPU in this version; CUDA -> UNSUPPORTED
+                        when the library was built without CUDA */
+  int num_threads;   /* CPU worker threads; 0 = number of online CPUs */
+} mla_ctx_desc;
+
+/* desc may be NULL (CPU, all cores). */
+MLA_API mla_status mla_ctx_create(const mla_ctx_desc *desc, mla_ctx **out);
+MLA_API void mla_ctx_destroy(mla_ctx *ctx);
+MLA_API mla_status mla_ctx_set_threads(mla_ctx *ctx, int num_threads);
+MLA_API mla_status mla_ctx_get_threads(const mla_ctx *ctx, int *num_threads);
+/* Text of the last failure on this handle ("" if none); valid until the next
+ * call on the handle. NULL handle gives a static message. */
+MLA_API const char *mla_ctx_last_error(const mla_ctx *ctx);
+
+/* ------------------------------------------------------------------------ */
+/* Paged latent KV cache                                                     */
+/* ------------------------------------------------------------------------ */
+/* Per layer: num_pages * page_size rows ("slots") of one MLA_ROW-wide row.
+ * Slot s lives in page s / page_size. Page 0 is reserved as the dummy target
+ * of padded rows (the request table never hands it out). */
+typedef struct mla_kv_cache_s mla_kv_cache;
+
+typedef struct mla_kv_cache_desc {
+  int num_layers;     /* >= 1 */
+  int num_pages;      /* >= 2 (page 0 reserved) */
+  int page_size;      /* power of two, 1..256 */
+  mla_dtype dtype;    /* BF16, F16, FP8_E4M3, FP8_E4M3_BLOCK */
+  const float *fp8_scales; /* [num_layers] for FP8_E4M3, NULL = all 1.0; >0 */
+} mla_kv_cache_desc;
+
+MLA_API mla_status mla_kv_cache_create(mla_ctx *ctx, const mla_kv_cache_desc *desc,
+                                       mla_kv_cache **out);
+MLA_API void mla_kv_cache_destroy(mla_kv_cache *cache);
+MLA_API const char *mla_kv_cache_last_error(const mla_kv_cache *cache);
+/* Copy of the creation descriptor (fp8_scales points into the cache). */
+MLA_API mla_status mla_kv_cache_get_desc(const mla_kv_cache *cache, mla_kv_cache_desc *desc);
+/* Bytes of one row: 1152 (bf16/f16), 576 (fp8 per-tensor), 656 (fp8 block). */
+MLA_API mla_status mla_kv_cache_row_bytes(const mla_kv_cache *cache, size_t *bytes);
+/* Raw storage of one layer: [num_pages * page_size, row_bytes]. */
+MLA_API mla_status mla_kv_cache_layer_data(mla_kv_cache *cache, int layer, void **data);
+MLA_API mla_status mla_kv_cache_set_fp8_scale(mla_kv_cache *cache, int layer, float scale);
+
+/* Scatter T rows: row t of c [T,512] and r [T,64] (src_dtype F32/BF16/F16,
+ * contiguous) goes to slot slots[t] of `layer`, converted/quantized to the
+ * cache dtype (fp8: divide by the scale, saturate to +-448, round to nearest
+ * even; NaN stays NaN). Duplicate slots: the last row wins. Every slot is
+ * checked before anything is written. */
+MLA_API mla_status mla_kv_cache_write(mla_kv_cache *cache, int layer, int num_tokens,
+                                      const int32_t *slots /* [T] */,
+                                      const void *c /* [T, 512] */,
+                                      const void *r /* [T, 64] */, mla_dtype src_dtype);
+/* Gather T rows back, dequantized to dst_dtype (F32/BF16/F16). c_out or r_out
+ * may be NULL to skip that part. */
+MLA_API mla_status mla_kv_cache_read(const mla_kv_cache *cache, int layer, int num_tokens,
+                                     const int32_t *slots /* [T] */,
+                                     void *c_out /* [T, 512] */, void *r_out /* [T, 64] */,
+                                     mla_dtype dst_dtype);
+/* Copy rows src_slots[i] -> dst_slots[i] in every layer (bytes as stored). */
+MLA_API mla_status mla_kv_cache_copy_rows(mla_kv_cache *cache, int num_rows,
+                                          const int32_t *src_slots, const int32_t *dst_slots);
+
+/* ------------------------------------------------------------------------ */
+/* Request table + page allocator (req_to_token)                             */
+/* ------------------------------------------------------------------------ */
+/* req_to_token: int32 [max_reqs, max_context], slot of each position of each
+ * live request; entries past a request's length hold MLA_SLOT_UNUSED.
+ * Allocation is page-aligned: positions [k*P, (k+1)*P) of a request live in
+ * one page, at offsets 0..P-1. Pages are reference counted: a fork shares the
+ * parent's prefix pages; writing (extend) into a page whose count is > 1
+ * first copies it to a fresh page (copy-on-write, rows copied in every layer
+ * of the attached cache). */
+#define MLA_SLOT_UNUSED 0 /* slot 0 is the reserved dummy row */
+typedef struct mla_req_table_s mla_req_table;
+
+typedef struct mla_req_table_desc {
+  int max_reqs;    /* >= 1: request ids are 0..max_reqs-1 */
+  int max_context; /* >= 1: max tokens per request */
+  int num_pages;   /* must equal the cache's when a cache is attached */
+  int page_size;   /* must equal the cache's when a cache is attached */
+} mla_req_table_desc;
+
+/* cache may be NULL (metadata only: copy-on-write then moves no data). */
+MLA_API mla_status mla_req_table_create(mla_ctx *ctx, const mla_req_table_desc *desc,
+                                        mla_kv_cache *cache, mla_req_table **out);
+MLA_API void mla_req_table_destroy(mla_req_table *rt);
+MLA_API const char *mla_req_table_last_error(const mla_req_table *rt);
+MLA_API mla_status mla_req_table_get_desc(const mla_req_table *rt, mla_req_table_desc *desc);
+
+/* New empty request; *req_id = lowest free id. CAPACITY when all are live. */
+MLA_API mla_status mla_req_add(mla_req_table *rt, int32_t *req_id);
+/* Append n >= 0 positions; their slots are written to slots_out [n] (may be
+ * NULL). All-or-nothing: CACHE_FULL / CAPACITY leave every request as it was. */
+MLA_API mla_status mla_req_extend(mla_req_table *rt, int32_t req_id, int n, int32_t *slots_out);
+/* Release a request and its page references. */
+MLA_API mla_status mla_req_free(mla_req_table *rt, int32_t req_id);
+/* New request sharing positions [0, prefix_len) of src (prefix_len <= src's
+ * length); *new_id receives its id. Shares pages, copies nothing now. */
+MLA_API mla_status mla_req_fork(mla_req_table *rt, int32_t src_id, int prefix_len,
+                                int32_t *new_id);
+/* Shrink to new_len <= length (roll back rejected drafts); whole pages past
+ * the new length are released. */
+MLA_API mla_status mla_req_truncate(mla_req_table *rt, int32_t req_id, int new_len);
+MLA_API mla_status mla_req_length(const mla_req_table *rt, int32_t req_id, int *len);
+MLA_API mla_status mla_req_is_live(const mla_req_table *rt, int32_t req_id, int *live);
+/* Pointer to req_to_token [max_reqs, max_context] (row stride = max_context). */
+MLA_API mla_status mla_req_table_data(const mla_req_table *rt, const int32_t **req_to_token);
+MLA_API mla_status mla_req_table_free_pages(const mla_req_table *rt, int *free_pages);
+/* Reference count of a page (0 = free); page 0 reports 1 (reserved). */
+MLA_API mla_status mla_req_table_page_refs(const mla_req_table *rt, int page, int *refs);
+
+/* ------------------------------------------------------------------------ */
+/* Forward modes and batch description                                       */
+/* ------------------------------------------------------------------------ */
+typedef enum mla_mode {
+  MLA_MODE_IDLE = 0,          /* nothing to do; batch_size may be 0 */
+  MLA_MODE_DECODE = 1,        /* 1 query/request, kv = seq_lens[i] (incl. this token) */
+  MLA_MODE_TARGET_VERIFY = 2, /* num_draft_tokens queries, kv = seq_lens[i] + ndt, causal */
+  MLA_MODE_DRAFT_EXTEND = 3,  /* extend_lens[i] queries (varlen) or a fixed window of
+                                 num_draft_tokens queries when extend_lens == NULL;
+                                 kv = seq_lens[i], causal */
+  MLA_MODE_EXTEND = 4         /* extend_lens[i] = seq_lens[i] - prefix_lens[i] queries,
+                                 kv = seq_lens[i], causal; prefix_lens NULL = no prefix */
+} mla_mode;
+
+typedef struct mla_batch {
+  mla_mode mode;
+  int32_t batch_size;          /* >= 0 */
+  const int32_t *req_ids;      /* [bs] rows of req_to_token */
+  const int32_t *seq_lens;     /* [bs] see mla_mode */
+  const int32_t *extend_lens;  /* [bs] DRAFT_EXTEND varlen; EXTEND: optional check */
+  const int32_t *prefix_lens;  /* [bs] EXTEND only; NULL = all zero */
+  int32_t num_draft_tokens;    /* TARGET_VERIFY ndt; DRAFT_EXTEND fixed window W */
+} mla_batch;
+
+/* ------------------------------------------------------------------------ */
+/* Plan (metadata)                                                           */
+/* ------------------------------------------------------------------------ */
+/* Fixed capacities a plan workspace is sized for. */
+typedef struct mla_plan_limits {
+  int max_bs;          /* max requests per batch */
+  int max_q_tokens;    /* max total query rows per batch */
+  int max_kv_tokens;   /* max total visible keys per batch (sum of kv lens) */
+  int max_context;     /* max kv length of one request */
+  int page_size;       /* power of two 1..256 */
+  int num_sm;          /* SM (or worker) count the split schedule targets, >= 1 */
+} mla_plan_limits;
+
+/* Split-KV schedule (FlashMLA's rule as baseline): KV is cut into 64-token
+ * blocks; each request costs ceil(kv/64) + MLA_SCHED_FIXED_OVERHEAD blocks;
+ * the total is spread over num_sm_parts = max(1, num_sm / ceil(q_per_req*H/64))
+ * parts of payload ceil(total/parts) + overhead blocks each. Part p covers the
+ * token range [begin_req:begin_tok, end_req:end_tok) (end exclusive; a part may
+ * span several requests). Request i is cut into num_splits[i+1]-num_splits[i]
+ * pieces, piece k's partial state index being num_splits[i] + k. A request
+ * with one piece needs no combine. */
+#define MLA_SCHED_BLOCK 64
+#define MLA_SCHED_FIXED_OVERHEAD 5
+#define MLA_SCHED_META_INTS 8
+enum {
+  MLA_SCHED_BEGIN_REQ = 0,   /* first request (batch index) of the part */
+  MLA_SCHED_BEGIN_TOK = 1,   /* first kv token of begin_req */
+  MLA_SCHED_END_REQ = 2,     /* last request of the part (inclusive) */
+  MLA_SCHED_END_TOK = 3,     /* end kv token (exclusive) within end_req */
+  MLA_SCHED_BEGIN_SPLIT = 4, /* piece index (within begin_req) of the first piece */
+  MLA_SCHED_NUM_REQS = 5     /* end_req - begin_req + 1, or 0 for an empty part */
+  /* 6, 7: reserved, zero */
+};
+
+typedef struct mla_plan {
+  mla_mode mode;
+  int32_t batch_size;
+  int32_t num_q_tokens;      /* qo_indptr[bs] */
+  int32_t num_kv_tokens;     /* kv_indptr[bs] */
+  int32_t max_q_len;
+  int32_t max_kv_len;
+  int32_t causal;            /* 1 for every mode with several queries/request */
+  int32_t page_size;
+  int32_t block_table_width; /* pages per block-table row = ceil(max_kv_len / P) */
+  int32_t num_heads;         /* heads the split schedule was sized for */
+  const int32_t *req_ids;    /* [bs] */
+  const int32_t *qo_indptr;  /* [bs+1] query row offsets */
+  const int32_t *kv_indptr;  /* [bs+1] kv token offsets */
+  const int32_t *kv_lens;    /* [bs] */
+  const int32_t *kv_indices; /* [num_kv_tokens] slot of each visible key */
+  const int32_t *page_indptr;  /* [bs+1] */
+  const int32_t *page_indices; /* [page_indptr[bs]] page id of each used page */
+  const int32_t *block_table;  /* [bs, block_table_width], MLA_BLOCK_TABLE_PAD past */
+  int32_t num_sm_parts;
+  const int32_t *sched_meta;   /* [num_sm_parts, MLA_SCHED_META_INTS] */
+  const int32_t *num_splits;   /* [bs+1] prefix sums of pieces per request */
+  int32_t total_splits;        /* num_splits[bs] */
+} mla_plan;
+
+MLA_API mla_status mla_plan_workspace_size(mla_ctx *ctx, const mla_plan_limits *lim,
+                                           size_t *bytes);
+/* Build a plan for `batch` from the request table into `workspace` (host
+ * memory; the plan's pointers point into it, so the plan is valid while the
+ * workspace is unchanged). num_heads sizes the split schedule. Fails with
+ * CAPACITY when the batch exceeds `lim`, OUT_OF_RANGE for a request id
+ * outside the table or a kv length past the request's length in the table,
+ * BAD_STATE for a request that is not live. rt may be NULL for IDLE. */
+MLA_API mla_status mla_plan_build(mla_ctx *ctx, const mla_req_table *rt, const mla_batch *batch,
+                                  const mla_plan_limits *lim, int num_heads, void *workspace,
+                                  size_t workspace_bytes, mla_plan *plan);
+
+/* Chunked-prefix plan (EXTEND with prefix through MHA): the prefixes are cut
+ * into chunks of chunk_len = max(1, chunk_capacity / bs) tokens per request;
+ * chunk c of request i covers prefix positions [c*chunk_len,
+ * min((c+1)*chunk_len, prefix_lens[i])). */
+typedef struct mla_chunk_plan {
+  int32_t batch_size;
+  int32_t num_chunks;       /* ceil(max prefix / chunk_len); 0 when no prefix */
+  int32_t chunk_len;
+  const int32_t *starts;    /* [num_chunks, bs] first prefix position */
+  const int32_t *lens;      /* [num_chunks, bs] tokens (may be 0) */
+  const int32_t *cu_seq_lens; /* [num_chunks, bs+1] prefix sums of lens */
+  const int32_t *max_lens;  /* [num_chunks] */
+  const int32_t *slot_indptr; /* [num_chunks+1] offsets into slots */
+  const int32_t *slots;     /* [total prefix tokens] chunk-major, then request */
+} mla_chunk_plan;
+
+MLA_API mla_status mla_chunk_plan_workspace_size(mla_ctx *ctx, int max_bs,
+                                                 int max_prefix_tokens, int chunk_capacity,
+                                                 size_t *bytes);
+MLA_API mla_status mla_chunk_plan_build(mla_ctx *ctx, const mla_req_table *rt, int batch_size,
+                                        const int32_t *req_ids /* [bs] */,
+                                        const int32_t *prefix_lens /* [bs] */,
+                                        int chunk_capacity, void *workspace,
+                                        size_t workspace_bytes, mla_chunk_plan *plan);
+
+/* Multi-step draft decode (EAGLE/MTP, topk = 1): step i (0 <= i < num_steps)
+ * has one query per request and kv_len = seq_lens[r] + i + 1, keys being
+ * req_to_token[req, 0 : kv_len]. Built for all steps in one call. */
+typedef struct mla_draft_plan {
+  int32_t batch_size;
+  int32_t num_steps;
+  const int32_t *kv_indptr;  /* [num_steps, bs+1] */
+  const int32_t *kv_indices; /* step i at offset step_offset[i] */
+  const int32_t *step_offset;/* [num_steps+1] offsets into kv_indices */
+} mla_draft_plan;
+
+MLA_API mla_status mla_draft_plan_workspace_size(mla_ctx *ctx, int max_bs, int num_steps,
+                                                 int max_context, size_t *bytes);
+MLA_API mla_status mla_draft_plan_build(mla_ctx *ctx, const mla_req_table *rt, int batch_size,
+                                        const int32_t *req_ids /* [bs] */,
+                                        const int32_t *seq_lens /* [bs] */, int num_steps,
+                                        void *workspace, size_t workspace_bytes,
+                                        mla_draft_plan *plan);
+
+/* Decode context parallel: position p of every request lives on rank p mod N,
+ * in that rank's cache at local slot = global slot / N. For rank r the local
+ * kv length of a request of length K is the count of p < K with p mod N == r. */
+typedef struct mla_dcp_plan {
+  int32_t batch_size;
+  int32_t rank, world;
+  const int32_t *kv_lens;    /* [bs] local lengths */
+  const int32_t *kv_indptr;  /* [bs+1] */
+  const int32_t *kv_indices; /* [kv_indptr[bs]] local slots, in position order */
+} mla_dcp_plan;
+
+MLA_API mla_status mla_dcp_plan_workspace_size(mla_ctx *ctx, int max_bs, int max_kv_tokens,
+                                               size_t *bytes);
+/* kv_lens [bs] and kv_indptr [bs+1] / kv_indices describe the global (token
+ * granularity) keys, e.g. a plan's arrays. */
+MLA_API mla_status mla_dcp_plan_build(mla_ctx *ctx, int batch_size, const int32_t *kv_lens,
+                                      const int32_t *kv_indptr, const int32_t *kv_indices,
+                                      int rank, int world, void *workspace,
+                                      size_t workspace_bytes, mla_dcp_plan *plan);
+
+/* ------------------------------------------------------------------------ */
+/* Attention kernels                                                         */
+/* ------------------------------------------------------------------------ */
+#define MLA_FLAG_LSE_BASE2 1u /* lse returned as log2 of the denominator */
+#define MLA_FLAG_OUT_F32 2u   /* mla_attention_ragged: out is fp32 whatever
+                                 act_dtype is (for partial states to merge) */
+
+/* Absorbed MLA over the paged latent cache, for every mode the plan
+ * describes: query row t of request i (qo_indptr[i] <= t < qo_indptr[i+1])
+ * attends to that request's plan kv_indices, bottom-right causal when
+ * plan->causal. s_j = scale * (q_nope.c_j + q_rope.r_j); o = sum softmax * c_j. */
+typedef struct mla_absorbed_args {
+  int num_heads;          /* 1..MLA_MAX_HEADS */
+  float scale;            /* softmax scale (> 0, finite) */
+  unsigned flags;         /* MLA_FLAG_* */
+  mla_dtype act_dtype;    /* dtype of q and out: F32, BF16, F16 */
+  const void *q_nope;     /* [Tq, H, 512] at the strides below */
+  const void *q_rope;     /* [Tq, H, 64] */
+  int64_t q_stride_token; /* elements between tokens; 0 = H*512 (nope) / H*64 (rope) */
+  int64_t q_stride_head;  /* elements between heads; 0 = 512 (nope) / 64 (rope) */
+  void *out;              /* [Tq, H, 512] contiguous */
+  float *lse;             /* [Tq, H] or NULL */
+} mla_absorbed_args;
+
+MLA_API mla_status mla_attention_absorbed_workspace_size(mla_ctx *ctx, const mla_plan *plan,
+                                                         int num_heads, size_t *bytes);
+MLA_API mla_status mla_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, int layer,
+                                          const mla_plan *plan, const mla_absorbed_args *args,
+                                          void *workspace, size_t workspace_bytes);
+
+/* Ragged MHA: request i owns query rows [qo_indptr[i], qo_indptr[i+1]) and
+ * key/value rows [kv_indptr[i], kv_indptr[i+1]). num_kv_heads divides
+ * num_heads (grouped queries). Optional logit soft cap (> 0 enables):
+ * s = cap * tanh(scale * q.k / cap). */
+typedef struct mla_ragged_args {
+  int batch_size;
+  int num_heads, num_kv_heads;
+  int qk_dim, v_dim;         /* 1..MLA_MAX_HEAD_DIM each; default 192 / 128 */
+  float scale;
+  float softcap;             /* 0 = off */
+  int causal;                /* bottom-right */
+  unsigned flags;
+  mla_dtype act_dtype;       /* F32, BF16, F16 for q, k, v and out */
+  const int32_t *qo_indptr;  /* [bs+1] */
+  const int32_t *kv_indptr;  /* [bs+1] */
+  const void *q;             /* [Tq, H, qk_dim] */
+  const void *k;             /* [Tk, Hkv, qk_dim] */
+  const void *v;             /* [Tk, Hkv, v_dim] */
+  void *out;                 /* [Tq, H, v_dim] */
+  float *lse;                /* [Tq, H] or NULL */
+} mla_ragged_args;
+
+MLA_API mla_status mla_attention_ragged(mla_ctx *ctx, const mla_ragged_args *args);
+
+/* Merge n partial states over the same queries:
+ * o = sum_k w_k o_k / sum_k w_k, w_k = exp(lse_k - max), lse = max + ln sum w.
+ * All sides empty (lse = -inf) gives o = 0, lse = -inf; never NaN from an
+ * empty side. out may alias o_parts[0] (in place); lse_out may alias
+ * lse_parts[0]. lse inputs/outputs are natural log unless flags has
+ * MLA_FLAG_LSE_BASE2 (then both are base 2). */
+MLA_API mla_status mla_merge_states(mla_ctx *ctx, int num_states, int num_tokens, int num_heads,
+                                    int head_dim, mla_dtype act_dtype, unsigned flags,
+                                    const void *const *o_parts /* n x [T, H, dim] */,
+                                    const float *const *lse_parts /* n x [T, H] */,
+                                    void *out /* [T, H, dim] */, float *lse_out /* [T, H] */);
+
+/* Gather latent rows (dequantized) for the MHA paths: row t = slot slots[t]. */
+MLA_API mla_status mla_gather_latent(mla_ctx *ctx, const mla_kv_cache *cache, int layer,
+                                     int num_tokens, const int32_t *slots /* [T] */,
+                                     mla_dtype dst_dtype, void *c_out /* [T, 512] */,
+                                     void *r_out /* [T, 64] */);
+
+/* The k/v expansion helper of chunked-prefix MHA (a plain matmul on the CPU):
+ * k[t,h,0:nope] = c[t] . w_kc[h], k[t,h,nope:nope+64] = r[t],
+ * v[t,h,:] = c[t] . w_vc[h], with kv_b_proj = [H, nope + v_dim, 512] (per head
+ * the nope rows then the v rows, as DeepSeek's kv_b_proj weight).
+ * c and r are in latent_dtype (F32 keeps dequantized fp8 rows exact);
+ * kv_b_proj, k_out and v_out in act_dtype. Accumulation is fp32. */
+MLA_API mla_status mla_expand_kv(mla_ctx *ctx, int num_tokens, int num_heads, int nope_dim,
+                                 int v_dim, mla_dtype latent_dtype, mla_dtype act_dtype,
+                                 const void *c /* [T, 512] */, const void *r /* [T, 64] */,
+                                 const void *kv_b_proj /* [H, nope+v_dim, 512] */,
+                                 void *k_out /* [T, H, nope+64] */,
+                                 void *v_out /* [T, H, v_dim] */);
+
+/* ------------------------------------------------------------------------ */
+/* Backend: cache + request table + workspace, one call per forward mode      */
+/* ------------------------------------------------------------------------ */
+typedef struct mla_backend_s mla_backend;
+
+typedef enum mla_extend_impl {
+  MLA_EXTEND_ABSORBED = 0,   /* EXTEND with prefix: absorbed paged attention */
+  MLA_EXTEND_MHA_CHUNKED = 1 /* EXTEND with prefix: MHA over extend + prefix chunks, merged */
+} mla_extend_impl;
+
+typedef struct mla_backend_desc {
+  mla_kv_cache_desc cache;   /* layers, pages, page size, cache dtype */
+  int max_reqs, max_context; /* request table */
+  int max_bs, max_q_tokens;  /* per batch */
+  int num_heads;             /* local query heads */
+  float scale;               /* softmax scale of the absorbed and MHA paths */
+  mla_dtype act_dtype;       /* F32, BF16, F16 for q, new kv, out */
+  int qk_nope_dim, v_dim;    /* MHA path (default 128, 128): Dqk = nope + 64 */
+  mla_extend_impl extend_impl;
+  int chunk_capacity;        /* chunked-prefix tokens per chunk (all requests) */
+  int num_sm;                /* split schedule target; 0 = ctx threads */
+} mla_backend_desc;
+
+MLA_API mla_status mla_backend_create(mla_ctx *ctx, const mla_backend_desc *desc,
+                                      mla_backend **out);
+MLA_API void mla_backend_destroy(mla_backend *be);
+MLA_API const char *mla_backend_last_error(const mla_backend *be);
+MLA_API mla_status mla_backend_cache(mla_backend *be, mla_kv_cache **cache);
+MLA_API mla_status mla_backend_req_table(mla_backend *be, mla_req_table **rt);
+
+/* Plan a batch (once per forward, shared by all layers). The batch's
+ * requests must already hold every position the mode reads (extend the
+ * request table first; the slots it returns are this step's out_cache_loc). */
+MLA_API mla_status mla_backend_plan(mla_backend *be, const mla_batch *batch);
+/* The current plan (valid until the next mla_backend_plan). */
+MLA_API mla_status mla_backend_get_plan(const mla_backend *be, const mla_plan **plan);
+
+typedef struct mla_forward_args {
+  int layer;
+  /* KV write of this step, done before attention (skipped when num_new == 0). */
+  int num_new;                 /* rows to write */
+  const int32_t *new_slots;    /* [num_new] */
+  const void *new_c;           /* [num_new, 512] act dtype */
+  const void *new_r;           /* [num_new, 64] */
+  /* Absorbed modes (DECODE, TARGET_VERIFY, DRAFT_EXTEND, EXTEND+prefix absorbed). */
+  const void *q_nope;          /* [Tq, H, 512] */
+  const void *q_rope;          /* [Tq, H, 64] */
+  /* MHA modes (EXTEND without prefix; EXTEND+prefix chunked). */
+  const void *q;               /* [Tq, H, nope+64] */
+  const void *k;               /* [Tq, H, nope+64]  this step's keys */
+  const void *v;               /* [Tq, H, v_dim] */
+  const void *kv_b_proj;       /* [H, nope+v_dim, 512] chunked prefix only */
+  void *out;                   /* [Tq, H, 512] absorbed, [Tq, H, v_dim] MHA */
+  float *lse;                  /* [Tq, H] or NULL */
+  unsigned flags;              /* MLA_FLAG_* */
+} mla_forward_args;
+
+/* Run one layer of the planned batch. IDLE and empty batches return MLA_OK
+ * without touching anything. */
+MLA_API mla_status mla_backend_forward(mla_backend *be, const mla_forward_args *args);
+/* Which path a planned EXTEND takes: 1 when it uses MHA (no prefix, or
+ * chunked), 0 when absorbed. */
+MLA_API mla_status mla_backend_uses_mha(const mla_backend *be, int *uses_mha);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MLA_H */

@@ -1,0 +1,372 @@
+/* The backend: one object owning the KV cache, the request table, the plan
+ * and every workspace, serving all forward modes of DESIGN §3.
+ *
+ * Flow per forward step: the engine extends its requests in the request
+ * table (those slots are this step's out_cache_loc), calls
+ * mla_backend_plan() once, then mla_backend_forward() per layer, which writes
+ * this step's latent rows into the cache and runs attention. All buffers are
+ * sized at creation from the descriptor's limits, so steps do not allocate. */
+#include <stdlib.h>
+
+#include "../cache/cache.h"
+#include "../core/internal.h"
+
+#define MLA_DEFAULT_CHUNK_CAPACITY 1024
+
+struct mla_backend_s {
+  mla_ctx *ctx;
+  mla_backend_desc desc;
+  mla_kv_cache *cache;
+  mla_req_table *rt;
+  mla_plan_limits lim;
+
+  void *plan_ws;
+  size_t plan_ws_bytes;
+  mla_plan plan;
+  int planned;
+  int has_prefix; /* EXTEND batch with a non-zero prefix */
+
+  void *attn_ws;
+  size_t attn_ws_bytes;
+
+  /* Chunked-prefix MHA (only when extend_impl == MLA_EXTEND_MHA_CHUNKED). */
+  void *chunk_ws;
+  size_t chunk_ws_bytes;
+  mla_chunk_plan chunks;
+  float *chunk_c, *chunk_r; /* [cap, 512], [cap, 64] dequantized latent rows (fp32: exact) */
+  void *chunk_k, *chunk_v;  /* [cap, H, nope+64], [cap, H, v_dim] act dtype, as engines expand */
+  float *acc_o, *part_o;    /* [max_q_tokens, H, v_dim] running and per-chunk states, fp32 */
+  float *part_lse;          /* [max_q_tokens, H] */
+  float *main_lse;          /* [max_q_tokens, H] when the caller wants none */
+
+  mla_errbuf err;
+};
+
+/* Copy the failing sub-call's message (kept in the ctx, cache or table) into
+ * the backend's own error slot. */
+static mla_status forward_fail(mla_backend *be, mla_status st, const char *what, const char *detail) {
+  return mla_fail(&be->err, st, what, "%s", detail && detail[0] ? detail : mla_status_string(st));
+}
+
+void mla_backend_destroy(mla_backend *be) {
+  if (!be) return;
+  mla_req_table_destroy(be->rt);
+  mla_kv_cache_destroy(be->cache);
+  free(be->plan_ws);
+  free(be->attn_ws);
+  free(be->chunk_ws);
+  free(be->chunk_c);
+  free(be->chunk_r);
+  free(be->chunk_k);
+  free(be->chunk_v);
+  free(be->acc_o);
+  free(be->part_o);
+  free(be->part_lse);
+  free(be->main_lse);
+  free(be);
+}
+
+const char *mla_backend_last_error(const mla_backend *be) {
+  return be ? be->err.msg : "mla_backend_last_error: backend is NULL";
+}
+
+/* Attention workspace for the largest plan the limits allow. */
+static mla_status size_attention_workspace(mla_backend *be, const mla_plan *plan) {
+  size_t need = 0;
+  mla_status st = mla_attention_absorbed_workspace_size(be->ctx, plan, be->desc.num_heads, &need);
+  if (st != MLA_OK) return forward_fail(be, st, "mla_backend", mla_ctx_last_error(be->ctx));
+  if (need <= be->attn_ws_bytes) return MLA_OK;
+  void *p = realloc(be->attn_ws, need);
+  if (!p) return mla_fail(&be->err, MLA_ERR_OUT_OF_MEMORY, "mla_backend", "workspace of %zu bytes", need);
+  be->attn_ws = p;
+  be->attn_ws_bytes = need;
+  return MLA_OK;
+}
+
+static void *alloc_or_null(size_t bytes) { return bytes ? malloc(bytes) : NULL; }
+
+mla_status mla_backend_create(mla_ctx *ctx, const mla_backend_desc *desc, mla_backend **out) {
+  if (!out) return ctx ? mla_fail(&ctx->err, MLA_ERR_INVALID_ARGUMENT, __func__, "argument 'out' is NULL")
+                       : MLA_ERR_INVALID_ARGUMENT;
+  *out = NULL;
+  if (!ctx) return MLA_ERR_INVALID_ARGUMENT;
+  mla_errbuf *eb = &ctx->err;
+  MLA_REQUIRE_PTR(eb, desc);
+  mla_backend_desc d = *desc;
+  if (d.qk_nope_dim == 0) d.qk_nope_dim = 128;
+  if (d.v_dim == 0) d.v_dim = 128;
+  if (d.chunk_capacity == 0) d.chunk_capacity = MLA_DEFAULT_CHUNK_CAPACITY;
+  if (d.num_sm == 0) d.num_sm = mla_ctx_workers(ctx);
+  MLA_REQUIRE(eb, d.max_bs >= 1, MLA_ERR_INVALID_ARGUMENT, "max_bs = %d, expected >= 1", d.max_bs);
+  MLA_REQUIRE(eb, d.max_q_tokens >= 1, MLA_ERR_INVALID_ARGUMENT, "max_q_tokens = %d, expected >= 1",
+              d.max_q_tokens);
+  MLA_REQUIRE(eb, d.max_context >= 1, MLA_ERR_INVALID_ARGUMENT, "max_context = %d, expected >= 1",
+              d.max_context);
+  MLA_REQUIRE(eb, d.num_heads >= 1 && d.num_heads <= MLA_MAX_HEADS, MLA_ERR_INVALID_ARGUMENT,
+              "num_heads = %d, expected 1..%d", d.num_heads, MLA_MAX_HEADS);
+  MLA_REQUIRE(eb, isfinite(d.scale) && d.scale > 0, MLA_ERR_INVALID_ARGUMENT,
+              "scale = %g, expected finite > 0", (double)d.scale);
+  MLA_REQUIRE(eb, mla_is_act_dtype(d.act_dtype), MLA_ERR_UNSUPPORTED,
+              "act_dtype = %s, expected f32, bf16 or f16", mla_dtype_name(d.act_dtype));
+  MLA_REQUIRE(eb, d.qk_nope_dim >= 1 && d.qk_nope_dim + MLA_ROPE <= MLA_MAX_HEAD_DIM,
+              MLA_ERR_INVALID_ARGUMENT, "qk_nope_dim = %d, expected 1..%d", d.qk_nope_dim,
+              MLA_MAX_HEAD_DIM - MLA_ROPE);
+  MLA_REQUIRE(eb, d.v_dim >= 1 && d.v_dim <= MLA_MAX_HEAD_DIM, MLA_ERR_INVALID_ARGUMENT,
+              "v_dim = %d, expected 1..%d", d.v_dim, MLA_MAX_HEAD_DIM);
+  MLA_REQUIRE(eb, d.extend_impl == MLA_EXTEND_ABSORBED || d.extend_impl == MLA_EXTEND_MHA_CHUNKED,
+              MLA_ERR_INVALID_ARGUMENT, "extend_impl = %d", (int)d.extend_impl);
+  MLA_REQUIRE(eb, d.chunk_capacity >= 1, MLA_ERR_INVALID_ARGUMENT, "chunk_capacity = %d, expected >= 1",
+              d.chunk_capacity);
+  MLA_REQUIRE(eb, d.num_sm >= 1, MLA_ERR_INVALID_ARGUMENT, "num_sm = %d, expected >= 0", d.num_sm);
+  int64_t max_kv = (int64_t)d.max_bs * d.max_context;
+  MLA_REQUIRE(eb, max_kv <= INT32_MAX && (int64_t)d.max_q_tokens * d.num_heads * MLA_LATENT <= INT32_MAX * 8LL,
+              MLA_ERR_INVALID_ARGUMENT, "max_bs * max_context = %lld exceeds int32 indexing",
+              (long long)max_kv);
+
+  mla_backend *be = calloc(1, sizeof *be);
+  if (!be) return mla_fail(eb, MLA_ERR_OUT_OF_MEMORY, __func__, "backend struct");
+  be->ctx = ctx;
+  be->desc = d;
+  mla_status st = mla_kv_cache_create(ctx, &d.cache, &be->cache);
+  if (st != MLA_OK) {
+    mla_backend_destroy(be);
+    return st; /* the cache recorded its message in ctx */
+  }
+  be->desc.cache.fp8_scales = be->cache->fp8_scales;
+  mla_req_table_desc rd = {d.max_reqs, d.max_context, d.cache.num_pages, d.cache.page_size};
+  st = mla_req_table_create(ctx, &rd, be->cache, &be->rt);
+  if (st != MLA_OK) {
+    mla_backend_destroy(be);
+    return st;
+  }
+
+  mla_plan_limits lim = {d.max_bs, d.max_q_tokens, (int)max_kv, d.max_context, d.cache.page_size, d.num_sm};
+  be->lim = lim;
+  st = mla_plan_workspace_size(ctx, &lim, &be->plan_ws_bytes);
+  if (st == MLA_OK && !(be->plan_ws = malloc(be->plan_ws_bytes))) st = MLA_ERR_OUT_OF_MEMORY;
+  if (st == MLA_OK) {
+    /* The largest plan the limits allow sizes the attention workspace. */
+    mla_plan worst;
+    memset(&worst, 0, sizeof worst);
+    worst.mode = MLA_MODE_EXTEND;
+    worst.batch_size = d.max_bs;
+    worst.num_q_tokens = d.max_q_tokens;
+    worst.num_kv_tokens = (int32_t)max_kv;
+    worst.max_q_len = d.max_q_tokens;
+    worst.max_kv_len = d.max_context;
+    worst.causal = 1;
+    worst.page_size = d.cache.page_size;
+    worst.num_heads = d.num_heads;
+    st = size_attention_workspace(be, &worst);
+  }
+  if (st == MLA_OK && d.extend_impl == MLA_EXTEND_MHA_CHUNKED) {
+    int cap = d.chunk_capacity;
+    size_t es = mla_dtype_size(d.act_dtype), H = (size_t)d.num_heads;
+    size_t dqk = (size_t)d.qk_nope_dim + MLA_ROPE, dv = (size_t)d.v_dim;
+    st = mla_chunk_plan_workspace_size(ctx, d.max_bs, (int)max_kv, cap, &be->chunk_ws_bytes);
+    if (st == MLA_OK) {
+      be->chunk_ws = alloc_or_null(be->chunk_ws_bytes);
+      be->chunk_c = alloc_or_null((size_t)cap * MLA_LATENT * sizeof(float));
+      be->chunk_r = alloc_or_null((size_t)cap * MLA_ROPE * sizeof(float));
+      be->chunk_k = alloc_or_null((size_t)cap * H * dqk * es);
+      be->chunk_v = alloc_or_null((size_t)cap * H * dv * es);
+      be->acc_o = alloc_or_null((size_t)d.max_q_tokens * H * dv * sizeof(float));
+      be->part_o = alloc_or_null((size_t)d.max_q_tokens * H * dv * sizeof(float));
+      be->part_lse = alloc_or_null((size_t)d.max_q_tokens * H * sizeof(float));
+      be->main_lse = alloc_or_null((size_t)d.max_q_tokens * H * sizeof(float));
+      if (!be->chunk_ws || !be->chunk_c || !be->chunk_r || !be->chunk_k || !be->chunk_v ||
+          !be->acc_o || !be->part_o || !be->part_lse || !be->main_lse)
+        st = mla_fail(eb, MLA_ERR_OUT_OF_MEMORY, __func__, "chunked-prefix buffers (chunk_capacity %d)", cap);
+    }
+  }
+  if (st != MLA_OK) {
+    if (be->err.msg[0]) mla_fail(eb, st, __func__, "%s", be->err.msg);
+    mla_backend_destroy(be);
+    return st;
+  }
+  *out = be;
+  return MLA_OK;
+}
+
+mla_status mla_backend_cache(mla_backend *be, mla_kv_cache **cache) {
+  if (!be) return MLA_ERR_INVALID_ARGUMENT;
+  MLA_REQUIRE_PTR(&be->err, cache);
+  *cache = be->cache;
+  return MLA_OK;
+}
+
+mla_status mla_backend_req_table(mla_backend *be, mla_req_table **rt) {
+  if (!be) return MLA_ERR_INVALID_ARGUMENT;
+  MLA_REQUIRE_PTR(&be->err, rt);
+  *rt = be->rt;
+  return MLA_OK;
+}
+
+mla_status mla_backend_plan(mla_backend *be, const mla_batch *batch) {
+  if (!be) return MLA_ERR_INVALID_ARGUMENT;
+  MLA_REQUIRE_PTR(&be->err, batch);
+  be->planned = 0;
+  mla_plan plan;
+  mla_status st = mla_plan_build(be->ctx, be->rt, batch, &be->lim, be->desc.num_heads, be->plan_ws,
+                                 be->plan_ws_bytes, &plan);
+  if (st != MLA_OK) return forward_fail(be, st, __func__, mla_ctx_last_error(be->ctx));
+  int has_prefix = 0;
+  if (batch->mode == MLA_MODE_EXTEND && batch->prefix_lens)
+    for (int i = 0; i < batch->batch_size; i++) has_prefix |= batch->prefix_lens[i] > 0;
+  if (has_prefix && be->desc.extend_impl == MLA_EXTEND_MHA_CHUNKED) {
+    st = mla_chunk_plan_build(be->ctx, be->rt, batch->batch_size, batch->req_ids, batch->prefix_lens,
+                              be->desc.chunk_capacity, be->chunk_ws, be->chunk_ws_bytes, &be->chunks);
+    if (st != MLA_OK) return forward_fail(be, st, __func__, mla_ctx_last_error(be->ctx));
+  }
+  st = size_attention_workspace(be, &plan);
+  if (st != MLA_OK) return st;
+  be->plan = plan;
+  be->has_prefix = has_prefix;
+  be->planned = 1;
+  mla_clear_error(&be->err);
+  return MLA_OK;
+}
+
+mla_status mla_backend_get_plan(const mla_backend *be, const mla_plan **plan) {
+  if (!be || !plan) return MLA_ERR_INVALID_ARGUMENT;
+  if (!be->planned) return MLA_ERR_BAD_STATE;
+  *plan = &be->plan;
+  return MLA_OK;
+}
+
+mla_status mla_backend_uses_mha(const mla_backend *be, int *uses_mha) {
+  if (!be || !uses_mha) return MLA_ERR_INVALID_ARGUMENT;
+  if (!be->planned) return MLA_ERR_BAD_STATE;
+  *uses_mha = be->plan.mode == MLA_MODE_EXTEND &&
+              (!be->has_prefix || be->desc.extend_impl == MLA_EXTEND_MHA_CHUNKED);
+  return MLA_OK;
+}
+
+static mla_status run_absorbed(mla_backend *be, const mla_forward_args *a) {
+  mla_absorbed_args aa;
+  memset(&aa, 0, sizeof aa);
+  aa.num_heads = be->desc.num_heads;
+  aa.scale = be->desc.scale;
+  aa.flags = a->flags;
+  aa.act_dtype = be->desc.act_dtype;
+  aa.q_nope = a->q_nope;
+  aa.q_rope = a->q_rope;
+  aa.out = a->out;
+  aa.lse = a->lse;
+  mla_status st = mla_attention_absorbed(be->ctx, be->cache, a->layer, &be->plan, &aa, be->attn_ws,
+                                         be->attn_ws_bytes);
+  if (st != MLA_OK) return forward_fail(be, st, "mla_backend_forward", mla_ctx_last_error(be->ctx));
+  return MLA_OK;
+}
+
+/* MHA over this step's tokens only: q, k, v of the extend tokens, causal. */
+static mla_ragged_args extend_ragged(const mla_backend *be, const mla_forward_args *a) {
+  mla_ragged_args r;
+  memset(&r, 0, sizeof r);
+  r.batch_size = be->plan.batch_size;
+  r.num_heads = r.num_kv_heads = be->desc.num_heads;
+  r.qk_dim = be->desc.qk_nope_dim + MLA_ROPE;
+  r.v_dim = be->desc.v_dim;
+  r.scale = be->desc.scale;
+  r.causal = 1;
+  r.act_dtype = be->desc.act_dtype;
+  r.qo_indptr = be->plan.qo_indptr;
+  r.kv_indptr = be->plan.qo_indptr;
+  r.q = a->q;
+  r.k = a->k;
+  r.v = a->v;
+  r.out = a->out;
+  r.lse = a->lse;
+  return r;
+}
+
+/* Chunked-prefix MHA: causal attention over the extend tokens, then each
+ * prefix chunk (gathered latent rows expanded to k/v with kv_b_proj) attended
+ * non-causally, merged into the running (o, lse) by log-sum-exp. The running
+ * state stays fp32 (rounding it to bf16 after every merge would compound) and
+ * the LSE natural-log until the end; the output is converted once. */
+static mla_status run_mha_chunked(mla_backend *be, const mla_forward_args *a) {
+  const mla_backend_desc *d = &be->desc;
+  int T = be->plan.num_q_tokens, H = d->num_heads;
+  float *lse = a->lse ? a->lse : be->main_lse;
+  mla_ragged_args r = extend_ragged(be, a);
+  r.flags = MLA_FLAG_OUT_F32;
+  r.out = be->acc_o;
+  r.lse = lse;
+  mla_status st = mla_attention_ragged(be->ctx, &r);
+  const mla_chunk_plan *cp = &be->chunks;
+  for (int c = 0; st == MLA_OK && c < cp->num_chunks; c++) {
+    int n = cp->slot_indptr[c + 1] - cp->slot_indptr[c];
+    if (n == 0) continue;
+    st = mla_gather_latent(be->ctx, be->cache, a->layer, n, cp->slots + cp->slot_indptr[c], MLA_DTYPE_F32,
+                           be->chunk_c, be->chunk_r);
+    if (st == MLA_OK)
+      st = mla_expand_kv(be->ctx, n, H, d->qk_nope_dim, d->v_dim, MLA_DTYPE_F32, d->act_dtype, be->chunk_c,
+                         be->chunk_r, a->kv_b_proj, be->chunk_k, be->chunk_v);
+    if (st == MLA_OK) {
+      mla_ragged_args rc = r;
+      rc.causal = 0;
+      rc.kv_indptr = cp->cu_seq_lens + (size_t)c * (cp->batch_size + 1);
+      rc.k = be->chunk_k;
+      rc.v = be->chunk_v;
+      rc.out = be->part_o;
+      rc.lse = be->part_lse;
+      st = mla_attention_ragged(be->ctx, &rc);
+    }
+    if (st == MLA_OK) {
+      const void *parts[2] = {be->acc_o, be->part_o};
+      const float *lses[2] = {lse, be->part_lse};
+      st = mla_merge_states(be->ctx, 2, T, H, d->v_dim, MLA_DTYPE_F32, 0, parts, lses, be->acc_o, lse);
+    }
+  }
+  if (st != MLA_OK) return forward_fail(be, st, "mla_backend_forward", mla_ctx_last_error(be->ctx));
+  mla_convert(be->acc_o, MLA_DTYPE_F32, a->out, d->act_dtype, (int64_t)T * H * d->v_dim);
+  if (a->lse && (a->flags & MLA_FLAG_LSE_BASE2))
+    for (int64_t i = 0; i < (int64_t)T * H; i++) a->lse[i] *= 1.4426950408889634f; /* log2(e) */
+  return MLA_OK;
+}
+
+mla_status mla_backend_forward(mla_backend *be, const mla_forward_args *a) {
+  if (!be) return MLA_ERR_INVALID_ARGUMENT;
+  mla_errbuf *eb = &be->err;
+  MLA_REQUIRE_PTR(eb, a);
+  MLA_REQUIRE(eb, be->planned, MLA_ERR_BAD_STATE, "no plan: call mla_backend_plan first");
+  MLA_REQUIRE(eb, a->layer >= 0 && a->layer < be->desc.cache.num_layers, MLA_ERR_OUT_OF_RANGE,
+              "layer = %d, expected 0..%d", a->layer, be->desc.cache.num_layers - 1);
+  MLA_REQUIRE(eb, a->num_new >= 0, MLA_ERR_INVALID_ARGUMENT, "num_new = %d", a->num_new);
+  MLA_REQUIRE(eb, (a->flags & ~MLA_FLAG_LSE_BASE2) == 0, MLA_ERR_INVALID_ARGUMENT, "flags = 0x%x",
+              a->flags);
+  const mla_plan *p = &be->plan;
+  int rows = p->num_q_tokens;
+  int uses_mha = 0;
+  mla_backend_uses_mha(be, &uses_mha);
+  int chunked = uses_mha && be->has_prefix;
+  if (rows > 0) {
+    MLA_REQUIRE_PTR(eb, a->out);
+    if (uses_mha) {
+      MLA_REQUIRE(eb, a->q && a->k && a->v, MLA_ERR_INVALID_ARGUMENT,
+                  "EXTEND through MHA needs q, k and v (one is NULL)");
+      if (chunked) MLA_REQUIRE_PTR(eb, a->kv_b_proj);
+    } else {
+      MLA_REQUIRE(eb, a->q_nope && a->q_rope, MLA_ERR_INVALID_ARGUMENT,
+                  "absorbed attention needs q_nope and q_rope (one is NULL)");
+    }
+  }
+  /* This step's latent rows go into the cache before attention reads them. */
+  if (a->num_new > 0) {
+    MLA_REQUIRE(eb, a->new_slots && a->new_c && a->new_r, MLA_ERR_INVALID_ARGUMENT,
+                "num_new = %d but new_slots, new_c or new_r is NULL", a->num_new);
+    mla_status st = mla_kv_cache_write(be->cache, a->layer, a->num_new, a->new_slots, a->new_c, a->new_r,
+                                       be->desc.act_dtype);
+    if (st != MLA_OK) return forward_fail(be, st, __func__, mla_kv_cache_last_error(be->cache));
+  }
+  mla_clear_error(eb);
+  if (p->mode == MLA_MODE_IDLE || rows == 0) return MLA_OK;
+  if (!uses_mha) return run_absorbed(be, a);
+  if (chunked) return run_mha_chunked(be, a);
+  mla_ragged_args r = extend_ragged(be, a);
+  r.flags = a->flags;
+  mla_status st = mla_attention_ragged(be->ctx, &r);
+  if (st != MLA_OK) return forward_fail(be, st, __func__, mla_ctx_last_error(be->ctx));
+  return MLA_OK;
+}

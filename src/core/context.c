@@ -1,0 +1,209 @@
+/* Execution context and its CPU worker pool.
+ *
+ * The pool keeps num_threads - 1 persistent pthreads; mla_parallel_for hands
+ * them one job at a time (the caller works too) and waits for all. Work is
+ * distributed dynamically in chunks through an atomic counter so uneven rows
+ * (ragged batches) balance. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#ifdef MLA_WITH_CUDA
+int mla_cuda_device_count(void); /* src/cuda/device.cu */
+#endif
+
+struct mla_threadpool {
+  int num_workers; /* extra threads (total - 1) */
+  pthread_t *threads;
+  pthread_mutex_t mu;
+  pthread_cond_t wake, done;
+  unsigned long generation;
+  int pending; /* workers still running the current job */
+  int stop;
+  /* current job */
+  mla_range_fn fn;
+  void *arg;
+  int64_t n, chunk;
+  atomic_llong next;
+};
+
+static void run_chunks(struct mla_threadpool *p, int worker) {
+  for (;;) {
+    int64_t b = (int64_t)atomic_fetch_add(&p->next, p->chunk);
+    if (b >= p->n) break;
+    int64_t e = b + p->chunk < p->n ? b + p->chunk : p->n;
+    p->fn(p->arg, b, e, worker);
+  }
+}
+
+typedef struct {
+  struct mla_threadpool *pool;
+  int worker;
+} worker_arg;
+
+static void *worker_main(void *v) {
+  worker_arg wa = *(worker_arg *)v;
+  free(v);
+  struct mla_threadpool *p = wa.pool;
+  unsigned long seen = 0;
+  pthread_mutex_lock(&p->mu);
+  for (;;) {
+    while (!p->stop && p->generation == seen) pthread_cond_wait(&p->wake, &p->mu);
+    if (p->stop) break;
+    seen = p->generation;
+    pthread_mutex_unlock(&p->mu);
+    run_chunks(p, wa.worker);
+    pthread_mutex_lock(&p->mu);
+    if (--p->pending == 0) pthread_cond_signal(&p->done);
+  }
+  pthread_mutex_unlock(&p->mu);
+  return NULL;
+}
+
+static void pool_destroy(struct mla_threadpool *p) {
+  if (!p) return;
+  pthread_mutex_lock(&p->mu);
+  p->stop = 1;
+  pthread_cond_broadcast(&p->wake);
+  pthread_mutex_unlock(&p->mu);
+  for (int i = 0; i < p->num_workers; i++) pthread_join(p->threads[i], NULL);
+  pthread_mutex_destroy(&p->mu);
+  pthread_cond_destroy(&p->wake);
+  pthread_cond_destroy(&p->done);
+  free(p->threads);
+  free(p);
+}
+
+static struct mla_threadpool *pool_create(int total_threads) {
+  struct mla_threadpool *p = calloc(1, sizeof *p);
+  if (!p) return NULL;
+  p->threads = calloc((size_t)total_threads, sizeof(pthread_t));
+  if (!p->threads) {
+    free(p);
+    return NULL;
+  }
+  pthread_mutex_init(&p->mu, NULL);
+  pthread_cond_init(&p->wake, NULL);
+  pthread_cond_init(&p->done, NULL);
+  for (int i = 0; i < total_threads - 1; i++) {
+    worker_arg *wa = malloc(sizeof *wa);
+    if (!wa) break;
+    wa->pool = p;
+    wa->worker = i + 1;
+    if (pthread_create(&p->threads[i], NULL, worker_main, wa) != 0) {
+      free(wa);
+      break;
+    }
+    p->num_workers++;
+  }
+  if (p->num_workers == 0) {
+    pool_destroy(p);
+    return NULL;
+  }
+  return p;
+}
+
+int mla_ctx_workers(const mla_ctx *ctx) {
+  return (ctx && ctx->pool) ? ctx->pool->num_workers + 1 : 1;
+}
+
+void mla_parallel_for(mla_ctx *ctx, int64_t n, int64_t grain, mla_range_fn fn, void *arg) {
+  if (n <= 0) return;
+  if (grain < 1) grain = 1;
+  struct mla_threadpool *p = ctx ? ctx->pool : NULL;
+  if (!p || n <= grain) {
+    fn(arg, 0, n, 0);
+    return;
+  }
+  int workers = p->num_workers + 1;
+  /* About 4 chunks per worker for balance, never below the grain. */
+  int64_t chunk = n / ((int64_t)workers * 4);
+  if (chunk < grain) chunk = grain;
+  pthread_mutex_lock(&p->mu);
+  p->fn = fn;
+  p->arg = arg;
+  p->n = n;
+  p->chunk = chunk;
+  atomic_store(&p->next, 0);
+  p->pending = p->num_workers;
+  p->generation++;
+  pthread_cond_broadcast(&p->wake);
+  pthread_mutex_unlock(&p->mu);
+  run_chunks(p, 0);
+  pthread_mutex_lock(&p->mu);
+  while (p->pending > 0) pthread_cond_wait(&p->done, &p->mu);
+  pthread_mutex_unlock(&p->mu);
+}
+
+static int online_cpus(void) {
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n < 1 ? 1 : (n > 1024 ? 1024 : (int)n);
+}
+
+static mla_status apply_threads(mla_ctx *ctx, int num_threads) {
+  int want = num_threads == 0 ? online_cpus() : num_threads;
+  struct mla_threadpool *pool = NULL;
+  if (want > 1) {
+    pool = pool_create(want);
+    if (!pool) return mla_fail(&ctx->err, MLA_ERR_OUT_OF_MEMORY, "mla_ctx", "cannot start %d threads", want);
+    want = pool->num_workers + 1;
+  }
+  pool_destroy(ctx->pool);
+  ctx->pool = pool;
+  ctx->num_threads = want;
+  return MLA_OK;
+}
+
+mla_status mla_ctx_create(const mla_ctx_desc *desc, mla_ctx **out) {
+  if (!out) return MLA_ERR_INVALID_ARGUMENT;
+  *out = NULL;
+  mla_ctx_desc d = {MLA_DEVICE_CPU, 0};
+  if (desc) d = *desc;
+  if (d.num_threads < 0 || d.num_threads > 1024) return MLA_ERR_INVALID_ARGUMENT;
+  if (d.device != MLA_DEVICE_CPU && d.device != MLA_DEVICE_CUDA) return MLA_ERR_INVALID_ARGUMENT;
+  if (d.device == MLA_DEVICE_CUDA) {
+#ifdef MLA_WITH_CUDA
+    if (mla_cuda_device_count() <= 0) return MLA_ERR_DEVICE; /* no usable GPU */
+#endif
+    /* The CUDA kernels land with the CUDA issues; until then a CUDA context
+     * is refused rather than silently running on the CPU. */
+    return MLA_ERR_UNSUPPORTED;
+  }
+  mla_ctx *ctx = calloc(1, sizeof *ctx);
+  if (!ctx) return MLA_ERR_OUT_OF_MEMORY;
+  ctx->device = d.device;
+  mla_status st = apply_threads(ctx, d.num_threads);
+  if (st != MLA_OK) {
+    free(ctx);
+    return st;
+  }
+  *out = ctx;
+  return MLA_OK;
+}
+
+void mla_ctx_destroy(mla_ctx *ctx) {
+  if (!ctx) return;
+  pool_destroy(ctx->pool);
+  free(ctx);
+}
+
+mla_status mla_ctx_set_threads(mla_ctx *ctx, int num_threads) {
+  if (!ctx) return MLA_ERR_INVALID_ARGUMENT;
+  MLA_REQUIRE(&ctx->err, num_threads >= 0 && num_threads <= 1024, MLA_ERR_INVALID_ARGUMENT,
+              "num_threads = %d, expected 0 (all CPUs) .. 1024", num_threads);
+  mla_clear_error(&ctx->err);
+  return apply_threads(ctx, num_threads);
+}
+
+mla_status mla_ctx_get_threads(const mla_ctx *ctx, int *num_threads) {
+  if (!ctx || !num_threads) return MLA_ERR_INVALID_ARGUMENT;
+  *num_threads = ctx->num_threads;
+  return MLA_OK;
+}
+
+const char *mla_ctx_last_error(const mla_ctx *ctx) {
+  return ctx ? ctx->err.msg : "mla_ctx_last_error: ctx is NULL";
+}

@@ -1,0 +1,228 @@
+/* Ragged (varlen) MHA on the CPU: the EXTEND prefill path (192/128) and the
+ * prefix-chunk path of chunked-prefix MHA.
+ *
+ * Work item = (request, kv head, block of the query heads sharing it, block
+ * of query tokens), at most RAG_ROWS (token, head) rows, so a key/value tile
+ * converted to fp32 once serves every query head of its group. There is no
+ * workspace argument: the tiles live on the stack, sized for the call's head
+ * dims (about 130 KiB for 192/128, at most about 200 KiB at the 256/256
+ * limit), once per chunk of work a thread takes.
+ *
+ * Tensor sizes cannot be checked: q has qo_indptr[bs] rows and k / v have
+ * kv_indptr[bs] rows, each of the documented width; the caller guarantees
+ * the buffers are that large. */
+#include <limits.h>
+
+#include "cpu.h"
+
+#define RAG_ROWS 64
+#define RAG_KEYS 32
+
+typedef struct rg_job {
+  const mla_ragged_args *a;
+  const mla_cpu_kernels *k;
+  int G;       /* query heads per kv head */
+  int hb, qb;  /* heads and tokens per item */
+  int nhb;     /* head blocks per kv head */
+  float qscale;
+  float cap2;  /* softcap * log2(e) (0 = off) */
+} rg_job;
+
+static int64_t items_of(const rg_job *J, int i) {
+  const int Q = J->a->qo_indptr[i + 1] - J->a->qo_indptr[i];
+  return mla_cdiv(Q, J->qb) * J->a->num_kv_heads * J->nhb;
+}
+
+/* Per-thread tiles, carved from one stack buffer (floats, 64-byte aligned). */
+typedef struct rg_tiles {
+  float *QT;  /* [dqk, RAG_ROWS] */
+  float *Kt;  /* [RAG_KEYS, dqk] */
+  float *Vt;  /* [RAG_KEYS, dvp] */
+  float *S;   /* [RAG_KEYS, RAG_ROWS] */
+  float *acc; /* [RAG_ROWS, dvp] */
+} rg_tiles;
+
+static size_t al16(size_t n) { return (n + 15) & ~(size_t)15; }
+
+static size_t tiles_floats(int dqk, int dvp) {
+  return al16((size_t)dqk * RAG_ROWS) + al16((size_t)RAG_KEYS * dqk) +
+         al16((size_t)RAG_KEYS * dvp) + al16((size_t)RAG_KEYS * RAG_ROWS) +
+         al16((size_t)RAG_ROWS * dvp);
+}
+
+static rg_tiles tiles_carve(float *buf, int dqk, int dvp) {
+  rg_tiles t;
+  float *p = (float *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
+  t.QT = p, p += al16((size_t)dqk * RAG_ROWS);
+  t.Kt = p, p += al16((size_t)RAG_KEYS * dqk);
+  t.Vt = p, p += al16((size_t)RAG_KEYS * dvp);
+  t.S = p, p += al16((size_t)RAG_KEYS * RAG_ROWS);
+  t.acc = p;
+  return t;
+}
+
+static void run_item(const rg_job *J, const rg_tiles *T, int req, int64_t local) {
+  const mla_ragged_args *a = J->a;
+  const mla_cpu_kernels *k = J->k;
+  const int H = a->num_heads, Hkv = a->num_kv_heads;
+  const int dqk = a->qk_dim, dv = a->v_dim, dvp = mla_cpu_round_up(dv, MLA_CPU_DV_ALIGN);
+  const int64_t q0g = a->qo_indptr[req], k0g = a->kv_indptr[req];
+  const int Q = a->qo_indptr[req + 1] - a->qo_indptr[req];
+  const int K = a->kv_indptr[req + 1] - a->kv_indptr[req];
+
+  const int per_q = Hkv * J->nhb;
+  const int qblk = (int)(local / per_q), rest = (int)(local % per_q);
+  const int g = rest / J->nhb, hblk = rest % J->nhb;
+  const int qa0 = qblk * J->qb, nq = Q - qa0 < J->qb ? Q - qa0 : J->qb;
+  const int h0 = g * J->G + hblk * J->hb;
+  const int nh = g * J->G + J->G - h0 < J->hb ? g * J->G + J->G - h0 : J->hb;
+  const int rows = nq * nh, rb = mla_cpu_round_up(rows, MLA_CPU_ROW_ALIGN);
+
+  float *QT = T->QT, *Kt = T->Kt, *Vt = T->Vt, *S = T->S, *acc = T->acc;
+  float m[RAG_ROWS], l[RAG_ROWS], alpha[RAG_ROWS], tmp[MLA_MAX_HEAD_DIM];
+  int lim[RAG_ROWS];
+
+  int minlim = INT_MAX, maxlim = -1;
+  for (int r = 0; r < rb; r++) {
+    if (r < rows) {
+      const int qa = qa0 + r / nh, h = h0 + r % nh;
+      mla_cpu_load_act(k, a->act_dtype, a->q, ((q0g + qa) * H + h) * (int64_t)dqk, dqk, tmp);
+      for (int d = 0; d < dqk; d++) QT[(size_t)d * rb + r] = tmp[d] * J->qscale;
+      lim[r] = a->causal ? K - Q + qa : K - 1;
+      if (lim[r] < minlim) minlim = lim[r];
+      if (lim[r] > maxlim) maxlim = lim[r];
+    } else {
+      for (int d = 0; d < dqk; d++) QT[(size_t)d * rb + r] = 0.0f;
+    }
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+  }
+  memset(acc, 0, (size_t)rows * dvp * sizeof(float));
+  /* value columns [dv, dvp) stay zero: the kernels compute on them */
+  for (int j = 0; j < RAG_KEYS; j++) memset(Vt + (size_t)j * dvp + dv, 0, (size_t)(dvp - dv) * 4);
+
+  const int kend = K < maxlim + 1 ? K : maxlim + 1;
+  for (int kt = 0; kt < kend; kt += RAG_KEYS) {
+    const int n = kend - kt < RAG_KEYS ? kend - kt : RAG_KEYS;
+    for (int j = 0; j < n; j++) {
+      const int64_t row = (k0g + kt + j) * Hkv + g;
+      mla_cpu_load_act(k, a->act_dtype, a->k, row * dqk, dqk, Kt + (size_t)j * dqk);
+      mla_cpu_load_act(k, a->act_dtype, a->v, row * dv, dv, Vt + (size_t)j * dvp);
+    }
+    k->qk(n, dqk, Kt, dqk, QT, rb, S);
+    if (J->cap2 > 0.0f) /* s2 = cap log2(e) tanh(scale q.k / cap): QT holds scale / cap */
+      for (int j = 0; j < n; j++) k->softcap(S + (size_t)j * rb, rows, J->cap2);
+    if (kt + n - 1 > minlim)
+      for (int j = 0; j < n; j++)
+        for (int r = 0; r < rows; r++)
+          if (kt + j > lim[r]) S[j * rb + r] = -INFINITY;
+    k->softmax(n, rb, S, m, l, alpha);
+    k->pv(n, rows, S, rb, Vt, dvp, dvp, alpha, acc, dvp);
+  }
+
+  for (int r = 0; r < rows; r++) {
+    const int64_t t = q0g + qa0 + r / nh;
+    const int h = h0 + r % nh;
+    float *o = acc + (size_t)r * dvp;
+    double lse2;
+    if (m[r] == -INFINITY) {
+      memset(o, 0, (size_t)dv * sizeof(float));
+      lse2 = -INFINITY;
+    } else {
+      const float inv = 1.0f / l[r];
+      for (int e = 0; e < dv; e++) o[e] *= inv;
+      lse2 = (double)m[r] + log2((double)l[r]);
+    }
+    mla_store_f32((a->flags & MLA_FLAG_OUT_F32) ? MLA_DTYPE_F32 : a->act_dtype, a->out,
+                  (t * H + h) * (int64_t)dv, dv, o);
+    if (a->lse)
+      a->lse[t * H + h] = (float)((a->flags & MLA_FLAG_LSE_BASE2) ? lse2 : lse2 * MLA_CPU_LN2);
+  }
+}
+
+static void items_range(void *arg, int64_t b, int64_t e, int worker) {
+  const rg_job *J = arg;
+  (void)worker;
+  const int dvp = mla_cpu_round_up(J->a->v_dim, MLA_CPU_DV_ALIGN);
+  float buf[tiles_floats(J->a->qk_dim, dvp) + 16]; /* VLA: sized by this call's dims */
+  const rg_tiles T = tiles_carve(buf, J->a->qk_dim, dvp);
+  int i = 0;
+  int64_t first = 0;
+  while (i < J->a->batch_size && first + items_of(J, i) <= b) first += items_of(J, i++);
+  for (int64_t it = b; it < e; it++) {
+    while (it - first >= items_of(J, i)) first += items_of(J, i++);
+    run_item(J, &T, i, it - first);
+  }
+}
+
+mla_status mla_attention_ragged(mla_ctx *ctx, const mla_ragged_args *args) {
+  if (!ctx) return MLA_ERR_INVALID_ARGUMENT;
+  mla_errbuf *eb = &ctx->err;
+  mla_clear_error(eb);
+  MLA_REQUIRE_PTR(eb, args);
+  const mla_ragged_args *a = args;
+  MLA_REQUIRE(eb, a->batch_size >= 0, MLA_ERR_INVALID_ARGUMENT, "args->batch_size = %d is negative",
+              a->batch_size);
+  MLA_REQUIRE(eb, a->num_heads >= 1 && a->num_heads <= MLA_MAX_HEADS, MLA_ERR_INVALID_ARGUMENT,
+              "args->num_heads = %d, expected 1..%d", a->num_heads, MLA_MAX_HEADS);
+  MLA_REQUIRE(eb, a->num_kv_heads >= 1 && a->num_heads % a->num_kv_heads == 0,
+              MLA_ERR_INVALID_ARGUMENT,
+              "args->num_kv_heads = %d must be >= 1 and divide num_heads = %d",
+              a->num_kv_heads, a->num_heads);
+  MLA_REQUIRE(eb, a->qk_dim >= 1 && a->qk_dim <= MLA_MAX_HEAD_DIM, MLA_ERR_INVALID_ARGUMENT,
+              "args->qk_dim = %d, expected 1..%d", a->qk_dim, MLA_MAX_HEAD_DIM);
+  MLA_REQUIRE(eb, a->v_dim >= 1 && a->v_dim <= MLA_MAX_HEAD_DIM, MLA_ERR_INVALID_ARGUMENT,
+              "args->v_dim = %d, expected 1..%d", a->v_dim, MLA_MAX_HEAD_DIM);
+  MLA_REQUIRE(eb, isfinite(a->scale) && a->scale > 0.0f, MLA_ERR_INVALID_ARGUMENT,
+              "args->scale = %g, expected finite and > 0", (double)a->scale);
+  MLA_REQUIRE(eb, isfinite(a->softcap) && a->softcap >= 0.0f, MLA_ERR_INVALID_ARGUMENT,
+              "args->softcap = %g, expected finite and >= 0 (0 = off)", (double)a->softcap);
+  MLA_REQUIRE(eb, a->causal == 0 || a->causal == 1, MLA_ERR_INVALID_ARGUMENT,
+              "args->causal = %d, expected 0 or 1", a->causal);
+  MLA_REQUIRE(eb, (a->flags & ~(MLA_FLAG_LSE_BASE2 | MLA_FLAG_OUT_F32)) == 0,
+              MLA_ERR_INVALID_ARGUMENT, "args->flags = 0x%x has unknown bits", a->flags);
+  {
+    mla_status st_ = mla_cpu_check_act(eb, __func__, "args->act_dtype", a->act_dtype);
+    if (st_ != MLA_OK) return st_;
+  }
+  if (a->batch_size == 0) return MLA_OK;
+  MLA_REQUIRE_PTR(eb, a->qo_indptr);
+  MLA_REQUIRE_PTR(eb, a->kv_indptr);
+  MLA_REQUIRE(eb, a->qo_indptr[0] == 0 && a->kv_indptr[0] == 0, MLA_ERR_INVALID_ARGUMENT,
+              "args->qo_indptr[0] and kv_indptr[0] must be 0");
+  for (int i = 0; i < a->batch_size; i++) {
+    MLA_REQUIRE(eb, a->qo_indptr[i + 1] >= a->qo_indptr[i], MLA_ERR_INVALID_ARGUMENT,
+                "args->qo_indptr decreases at %d (%d -> %d)", i, (int)a->qo_indptr[i],
+                (int)a->qo_indptr[i + 1]);
+    MLA_REQUIRE(eb, a->kv_indptr[i + 1] >= a->kv_indptr[i], MLA_ERR_INVALID_ARGUMENT,
+                "args->kv_indptr decreases at %d (%d -> %d)", i, (int)a->kv_indptr[i],
+                (int)a->kv_indptr[i + 1]);
+  }
+  const int64_t Tq = a->qo_indptr[a->batch_size], Tk = a->kv_indptr[a->batch_size];
+  if (Tq == 0) return MLA_OK;
+  MLA_REQUIRE_PTR(eb, a->q);
+  MLA_REQUIRE_PTR(eb, a->out);
+  if (Tk > 0) {
+    MLA_REQUIRE_PTR(eb, a->k);
+    MLA_REQUIRE_PTR(eb, a->v);
+  }
+
+  rg_job J;
+  J.a = a;
+  J.k = mla_cpu_kernels_get();
+  J.G = a->num_heads / a->num_kv_heads;
+  J.hb = J.G < RAG_ROWS ? J.G : RAG_ROWS;
+  J.qb = RAG_ROWS / J.hb;
+  J.nhb = (int)mla_cdiv(J.G, J.hb);
+  if (a->softcap > 0.0f) {
+    J.qscale = a->scale / a->softcap;
+    J.cap2 = (float)(a->softcap * MLA_CPU_LOG2E);
+  } else {
+    J.qscale = (float)(a->scale * MLA_CPU_LOG2E);
+    J.cap2 = 0.0f;
+  }
+  int64_t n = 0;
+  for (int i = 0; i < a->batch_size; i++) n += items_of(&J, i);
+  mla_parallel_for(ctx, n, 1, items_range, &J);
+  return MLA_OK;
+}

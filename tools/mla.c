@@ -1,0 +1,116 @@
+/* The `mla` command-line tool. Uses only the public API (and the oracle). */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "demo.h"
+#include "mla.h"
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: mla <command> [options]\n"
+          "\n"
+          "commands:\n"
+          "  demo        run one batch of every forward mode through the backend on the CPU,\n"
+          "              check each against the float64 oracle and print a table\n"
+          "  --help, -h  this text\n"
+          "  --version   library version\n"
+          "\n"
+          "demo options:\n"
+          "  --dtype D        cache dtype: bf16 (default), f16, fp8, fp8-block\n"
+          "  --act D          activation dtype: bf16 (default), f16, f32\n"
+          "  --page-size P    page size, power of two 1..256 (default 64)\n"
+          "  --heads H        query heads 1..1024 (default 16)\n"
+          "  --requests N     requests per batch 1..64 (default 4)\n"
+          "  --max-prompt N   longest prompt 1..8192 (default 300)\n"
+          "  --threads N      CPU threads, 0 = all (default 0)\n"
+          "  --seed S         RNG seed (default 1)\n");
+}
+
+/* Parse a whole decimal integer within [lo, hi]. */
+static int parse_int(const char *s, long lo, long hi, long *v) {
+  if (!s || !*s) return 0;
+  char *end = NULL;
+  errno = 0;
+  long x = strtol(s, &end, 10);
+  if (errno || *end || x < lo || x > hi) return 0;
+  *v = x;
+  return 1;
+}
+
+static int parse_dtype(const char *s, mla_dtype *t, int cache) {
+  if (!s) return 0;
+  if (!strcmp(s, "bf16")) *t = MLA_DTYPE_BF16;
+  else if (!strcmp(s, "f16") || !strcmp(s, "fp16")) *t = MLA_DTYPE_F16;
+  else if (cache && (!strcmp(s, "fp8") || !strcmp(s, "fp8-e4m3"))) *t = MLA_DTYPE_FP8_E4M3;
+  else if (cache && !strcmp(s, "fp8-block")) *t = MLA_DTYPE_FP8_E4M3_BLOCK;
+  else if (!cache && (!strcmp(s, "f32") || !strcmp(s, "fp32"))) *t = MLA_DTYPE_F32;
+  else return 0;
+  return 1;
+}
+
+static int bad(const char *what, const char *value) {
+  fprintf(stderr, "mla: invalid %s '%s'\n\n", what, value ? value : "(missing)");
+  usage(stderr);
+  return 2;
+}
+
+static int cmd_demo(int argc, char **argv) {
+  demo_opts o;
+  demo_default_opts(&o);
+  for (int i = 0; i < argc; i++) {
+    const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    long x;
+    if (!strcmp(k, "--dtype")) {
+      if (!parse_dtype(v, &o.cache_dtype, 1)) return bad("--dtype", v);
+    } else if (!strcmp(k, "--act")) {
+      if (!parse_dtype(v, &o.act_dtype, 0)) return bad("--act", v);
+    } else if (!strcmp(k, "--page-size")) {
+      if (!parse_int(v, 1, 256, &x) || (x & (x - 1))) return bad("--page-size", v);
+      o.page_size = (int)x;
+    } else if (!strcmp(k, "--heads")) {
+      if (!parse_int(v, 1, 1024, &x)) return bad("--heads", v);
+      o.heads = (int)x;
+    } else if (!strcmp(k, "--requests")) {
+      if (!parse_int(v, 1, 64, &x)) return bad("--requests", v);
+      o.requests = (int)x;
+    } else if (!strcmp(k, "--max-prompt")) {
+      if (!parse_int(v, 1, 8192, &x)) return bad("--max-prompt", v);
+      o.max_prompt = (int)x;
+    } else if (!strcmp(k, "--threads")) {
+      if (!parse_int(v, 0, 1024, &x)) return bad("--threads", v);
+      o.threads = (int)x;
+    } else if (!strcmp(k, "--seed")) {
+      if (!parse_int(v, 0, 2147483647L, &x)) return bad("--seed", v);
+      o.seed = (uint64_t)x;
+    } else {
+      return bad("option", k);
+    }
+    i++; /* every option takes a value */
+  }
+  int failed = demo_run(&o, stdout);
+  if (failed < 0) return 1;
+  return failed ? 1 : 0;
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    usage(stderr);
+    return 2;
+  }
+  const char *cmd = argv[1];
+  if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h") || !strcmp(cmd, "help")) {
+    usage(stdout);
+    return 0;
+  }
+  if (!strcmp(cmd, "--version")) {
+    printf("mla %s (libmla %s)\n", MLA_VERSION_NUMBER == mla_version() ? mla_version_string() : "?",
+           mla_version_string());
+    return 0;
+  }
+  if (!strcmp(cmd, "demo")) return cmd_demo(argc - 2, argv + 2);
+  fprintf(stderr, "mla: unknown command '%s'\n\n", cmd);
+  usage(stderr);
+  return 2;
+}
