@@ -242,10 +242,16 @@ typedef enum mla_mode {
                                  kv = seq_lens[i], causal; prefix_lens NULL = no prefix */
 } mla_mode;
 
+/* A batch row whose req_ids entry is MLA_REQ_PAD is padding (CUDA-graph
+ * batches padded to a captured size): its keys are all the reserved dummy
+ * slot 0 (page 0), it reads and writes nothing else, and its output rows are
+ * to be ignored. Give such rows seq_len 1. */
+#define MLA_REQ_PAD (-1)
+
 typedef struct mla_batch {
   mla_mode mode;
   int32_t batch_size;          /* >= 0 */
-  const int32_t *req_ids;      /* [bs] rows of req_to_token */
+  const int32_t *req_ids;      /* [bs] rows of req_to_token, or MLA_REQ_PAD */
   const int32_t *seq_lens;     /* [bs] see mla_mode */
   const int32_t *extend_lens;  /* [bs] DRAFT_EXTEND varlen; EXTEND: optional check */
   const int32_t *prefix_lens;  /* [bs] EXTEND only; NULL = all zero */

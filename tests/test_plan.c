@@ -577,9 +577,9 @@ static void test_bad_args(tu_rng *r, mla_ctx *ctx) {
     int32_t i2[5];
     memcpy(i2, ids, sizeof i2);
     b = good, b.req_ids = i2;
-    i2[2] = -1;
+    i2[2] = -2; /* -1 is MLA_REQ_PAD */
     expect_plan_fail(&E, E.w.rt, &b, &E.lim, 16, E.bytes, MLA_ERR_OUT_OF_RANGE, "req_ids[2]",
-                     "id -1");
+                     "id -2");
     i2[2] = E.w.max_reqs;
     expect_plan_fail(&E, E.w.rt, &b, &E.lim, 16, E.bytes, MLA_ERR_OUT_OF_RANGE, "req_ids[2]",
                      "id max_reqs");

@@ -417,8 +417,8 @@ static void test_draft_workspace_and_bad(tu_rng *r, mla_ctx *ctx) {
   }
   {
     int32_t i2[5] = {4, 2, 0, 1, 3}, s0[5] = {0, 0, 0, 0, 0};
-    i2[1] = -1;
-    DRAFT_FAIL(MLA_ERR_OUT_OF_RANGE, "id -1", w.rt, B, i2, s0, 1, ws, bytes);
+    i2[1] = -2; /* -1 is MLA_REQ_PAD */
+    DRAFT_FAIL(MLA_ERR_OUT_OF_RANGE, "id -2", w.rt, B, i2, s0, 1, ws, bytes);
     i2[1] = 5; /* the freed one */
     DRAFT_FAIL(MLA_ERR_BAD_STATE, "freed request", w.rt, B, i2, s0, 1, ws, bytes);
   }

@@ -71,9 +71,11 @@ mla_status mla_draft_plan_build(mla_ctx *ctx, const mla_req_table *rt, int batch
     MLA_REQUIRE(eb, seq_lens[i] >= 0, MLA_ERR_INVALID_ARGUMENT, "seq_lens[%d] = %d", i,
                 (int)seq_lens[i]);
     /* The last step reads positions up to seq_len + num_steps - 1. */
-    mla_status st =
-        mla_plan_check_req(eb, __func__, rt, "req_ids", i, req_ids[i], seq_lens[i] + ns);
-    if (st != MLA_OK) return st;
+    if (req_ids[i] != MLA_REQ_PAD) { /* padding rows read the dummy slot only */
+      mla_status st =
+          mla_plan_check_req(eb, __func__, rt, "req_ids", i, req_ids[i], seq_lens[i] + ns);
+      if (st != MLA_OK) return st;
+    }
     total += ns * seq_lens[i] + ns * (ns + 1) / 2;
   }
   MLA_REQUIRE(eb, total <= INT32_MAX, MLA_ERR_CAPACITY,
@@ -95,8 +97,12 @@ mla_status mla_draft_plan_build(mla_ctx *ctx, const mla_req_table *rt, int batch
     indptr[0] = 0;
     for (int i = 0; i < bs; i++) {
       int32_t kv = seq_lens[i] + (int32_t)s + 1;
-      const int32_t *row = rt->req_to_token + (size_t)req_ids[i] * rt->max_context;
-      memcpy(idx + indptr[i], row, (size_t)kv * sizeof(int32_t));
+      if (req_ids[i] == MLA_REQ_PAD) {
+        memset(idx + indptr[i], 0, (size_t)kv * sizeof(int32_t));
+      } else {
+        const int32_t *row = rt->req_to_token + (size_t)req_ids[i] * rt->max_context;
+        memcpy(idx + indptr[i], row, (size_t)kv * sizeof(int32_t));
+      }
       indptr[i + 1] = indptr[i] + kv;
     }
     a.step_offset[s + 1] = a.step_offset[s] + indptr[bs];

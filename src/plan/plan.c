@@ -166,6 +166,7 @@ static mla_status check_batch(mla_errbuf *eb, const mla_req_table *rt, const mla
                      lim->max_context);
     sum_q += q;
     sum_k += k;
+    if (b->req_ids[i] == MLA_REQ_PAD) continue; /* padding row: reads the dummy slot only */
     mla_status st = mla_plan_check_req(eb, fn, rt, "req_ids", i, b->req_ids[i], k);
     if (st != MLA_OK) return st;
   }
@@ -193,8 +194,18 @@ static void gather_range(void *arg, int64_t begin, int64_t end, int worker) {
   const plan_arrays *a = J->a;
   const int shift = J->shift;
   for (int64_t i = begin; i < end; i++) {
-    const int32_t *row = J->rt->req_to_token + (size_t)a->req_ids[i] * J->rt->max_context;
     int32_t k = a->kv_lens[i];
+    if (a->req_ids[i] == MLA_REQ_PAD) {
+      /* Padding row: every key is the reserved dummy slot 0 (page 0). */
+      int32_t np = (int32_t)(((int64_t)k + (1 << shift) - 1) >> shift);
+      int32_t *bt = a->block_table + (size_t)i * J->width;
+      memset(a->kv_indices + a->kv_indptr[i], 0, (size_t)k * sizeof(int32_t));
+      memset(a->page_indices + a->page_indptr[i], 0, (size_t)np * sizeof(int32_t));
+      memset(bt, 0, (size_t)np * sizeof(int32_t));
+      for (int32_t j = np; j < J->width; j++) bt[j] = MLA_BLOCK_TABLE_PAD;
+      continue;
+    }
+    const int32_t *row = J->rt->req_to_token + (size_t)a->req_ids[i] * J->rt->max_context;
     memcpy(a->kv_indices + a->kv_indptr[i], row, (size_t)k * sizeof(int32_t));
     /* Page j holds positions [j*P, (j+1)*P), i.e. slot(j*P) / P; the table
      * keeps that list contiguously per request (req_pages), which is far
