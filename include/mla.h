@@ -118,9 +118,10 @@ typedef struct mla_ctx_s mla_ctx;
 typedef enum mla_device { MLA_DEVICE_CPU = 0, MLA_DEVICE_CUDA = 1 } mla_device;
 
 typedef struct mla_ctx_desc {
-  mla_device device; /* MLA_DEVICE_CPU in this version; CUDA -> UNSUPPORTED
-                        when the library was built without CUDA */
+  mla_device device; /* CPU, or CUDA (UNSUPPORTED when built without CUDA,
+                        DEVICE when no GPU is present) */
   int num_threads;   /* CPU worker threads; 0 = number of online CPUs */
+  int device_id;     /* CUDA device ordinal (CUDA contexts) */
 } mla_ctx_desc;
 
 /* desc may be NULL (CPU, all cores). */
@@ -128,9 +129,24 @@ MLA_API mla_status mla_ctx_create(const mla_ctx_desc *desc, mla_ctx **out);
 MLA_API void mla_ctx_destroy(mla_ctx *ctx);
 MLA_API mla_status mla_ctx_set_threads(mla_ctx *ctx, int num_threads);
 MLA_API mla_status mla_ctx_get_threads(const mla_ctx *ctx, int *num_threads);
+/* Name of the CPU micro-kernel build this process uses for the CPU kernels
+ * ("scalar", "avx2" or "avx512"; chosen from the CPU's features on first use,
+ * or forced by MLA_CPU_ISA in the environment). *name is static. The choice
+ * is per process, not per context; ctx must be a CPU context (UNSUPPORTED
+ * otherwise). */
+MLA_API mla_status mla_ctx_cpu_isa(const mla_ctx *ctx, const char **name);
 /* Text of the last failure on this handle ("" if none); valid until the next
  * call on the handle. NULL handle gives a static message. */
 MLA_API const char *mla_ctx_last_error(const mla_ctx *ctx);
+MLA_API mla_status mla_ctx_get_device(const mla_ctx *ctx, mla_device *device);
+/* CUDA contexts: the cudaStream_t every launch goes to (NULL = the legacy
+ * default stream, the initial value). UNSUPPORTED on a CPU context. */
+MLA_API mla_status mla_ctx_set_stream(mla_ctx *ctx, void *cuda_stream);
+/* Wait for the context's work (CUDA: the stream). Device kernels cannot
+ * return a status for a bad value they read from device memory (a slot out of
+ * range): they skip it and count it; this call reports such skips since the
+ * last call as OUT_OF_RANGE, and CUDA errors as DEVICE. */
+MLA_API mla_status mla_ctx_synchronize(mla_ctx *ctx);
 
 /* ------------------------------------------------------------------------ */
 /* Paged latent KV cache                                                     */
@@ -156,7 +172,8 @@ MLA_API const char *mla_kv_cache_last_error(const mla_kv_cache *cache);
 MLA_API mla_status mla_kv_cache_get_desc(const mla_kv_cache *cache, mla_kv_cache_desc *desc);
 /* Bytes of one row: 1152 (bf16/f16), 576 (fp8 per-tensor), 656 (fp8 block). */
 MLA_API mla_status mla_kv_cache_row_bytes(const mla_kv_cache *cache, size_t *bytes);
-/* Raw storage of one layer: [num_pages * page_size, row_bytes]. */
+/* Raw storage of one layer: [num_pages * page_size, row_bytes]; device
+ * memory for a cache of a CUDA context. */
 MLA_API mla_status mla_kv_cache_layer_data(mla_kv_cache *cache, int layer, void **data);
 MLA_API mla_status mla_kv_cache_set_fp8_scale(mla_kv_cache *cache, int layer, float scale);
 
@@ -164,18 +181,24 @@ MLA_API mla_status mla_kv_cache_set_fp8_scale(mla_kv_cache *cache, int layer, fl
  * contiguous) goes to slot slots[t] of `layer`, converted/quantized to the
  * cache dtype (fp8: divide by the scale, saturate to +-448, round to nearest
  * even; NaN stays NaN). Duplicate slots: the last row wins. Every slot is
- * checked before anything is written. */
+ * checked before anything is written.
+ * CUDA caches: slots, c and r are device memory (host pointers are refused),
+ * the call is asynchronous on the context's stream, a slot out of range is
+ * skipped and reported by mla_ctx_synchronize, and with duplicate slots one
+ * of the rows wins (which one is unspecified). */
 MLA_API mla_status mla_kv_cache_write(mla_kv_cache *cache, int layer, int num_tokens,
                                       const int32_t *slots /* [T] */,
                                       const void *c /* [T, 512] */,
                                       const void *r /* [T, 64] */, mla_dtype src_dtype);
 /* Gather T rows back, dequantized to dst_dtype (F32/BF16/F16). c_out or r_out
- * may be NULL to skip that part. */
+ * may be NULL to skip that part. CUDA caches: device pointers, asynchronous,
+ * bad slots as for write. */
 MLA_API mla_status mla_kv_cache_read(const mla_kv_cache *cache, int layer, int num_tokens,
                                      const int32_t *slots /* [T] */,
                                      void *c_out /* [T, 512] */, void *r_out /* [T, 64] */,
                                      mla_dtype dst_dtype);
-/* Copy rows src_slots[i] -> dst_slots[i] in every layer (bytes as stored). */
+/* Copy rows src_slots[i] -> dst_slots[i] in every layer (bytes as stored).
+ * The slot arrays are host memory for every cache (this is allocator work). */
 MLA_API mla_status mla_kv_cache_copy_rows(mla_kv_cache *cache, int num_rows,
                                           const int32_t *src_slots, const int32_t *dst_slots);
 

@@ -34,7 +34,7 @@ static int all_bytes(const void *p, size_t n, unsigned char v) {
 int main(void) {
   tu_rng rng = {tu_seed("test_backend", 21)};
   mla_ctx *ctx;
-  mla_ctx_desc cd = {MLA_DEVICE_CPU, 2};
+  mla_ctx_desc cd = {MLA_DEVICE_CPU, 2, 0};
   TU_STATUS(mla_ctx_create(&cd, &ctx), MLA_OK);
 
   /* ---- creation: every field checked, nothing returned on failure ---- */

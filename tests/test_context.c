@@ -54,7 +54,7 @@ int main(void) {
 
   /* Bad arguments. */
   TU_STATUS(mla_ctx_create(NULL, NULL), MLA_ERR_INVALID_ARGUMENT);
-  mla_ctx_desc d = {MLA_DEVICE_CPU, -1};
+  mla_ctx_desc d = {MLA_DEVICE_CPU, -1, 0};
   mla_ctx *c2 = (mla_ctx *)&d;
   TU_STATUS(mla_ctx_create(&d, &c2), MLA_ERR_INVALID_ARGUMENT);
   TU_CHECK(c2 == NULL, "output cleared on failure");
@@ -62,8 +62,26 @@ int main(void) {
   d.device = (mla_device)7;
   TU_STATUS(mla_ctx_create(&d, &c2), MLA_ERR_INVALID_ARGUMENT);
   d.device = MLA_DEVICE_CUDA;
+  /* A CUDA context: UNSUPPORTED without CUDA in the build, DEVICE without a
+   * GPU, OK on a GPU machine. */
   mla_status cst = mla_ctx_create(&d, &c2);
-  TU_CHECK(cst == MLA_ERR_UNSUPPORTED || cst == MLA_ERR_DEVICE, "CUDA ctx: %s", mla_status_string(cst));
+  TU_CHECK(cst == MLA_ERR_UNSUPPORTED || cst == MLA_ERR_DEVICE || cst == MLA_OK, "CUDA ctx: %s",
+           mla_status_string(cst));
+  TU_CHECK((cst == MLA_OK) == (c2 != NULL), "handle only on success");
+  if (cst == MLA_OK) {
+    mla_device dev = MLA_DEVICE_CPU;
+    TU_STATUS(mla_ctx_get_device(c2, &dev), MLA_OK);
+    TU_CHECK(dev == MLA_DEVICE_CUDA, "device reported");
+    TU_STATUS(mla_ctx_set_stream(c2, NULL), MLA_OK);
+    TU_STATUS(mla_ctx_synchronize(c2), MLA_OK);
+    mla_ctx_destroy(c2);
+    c2 = NULL;
+    d.device_id = 999;
+    TU_STATUS(mla_ctx_create(&d, &c2), MLA_ERR_OUT_OF_RANGE);
+    d.device_id = 0;
+  }
+  TU_STATUS(mla_ctx_set_stream(ctx, NULL), MLA_ERR_UNSUPPORTED);
+  TU_STATUS(mla_ctx_synchronize(ctx), MLA_OK);
   TU_STATUS(mla_ctx_set_threads(ctx, -3), MLA_ERR_INVALID_ARGUMENT);
   TU_CHECK(strstr(mla_ctx_last_error(ctx), "num_threads") != NULL, "last error names the argument: '%s'",
            mla_ctx_last_error(ctx));

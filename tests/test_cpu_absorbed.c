@@ -799,7 +799,7 @@ static void convert_tests(void) {
 
 int main(void) {
   rng.s = tu_seed("test_cpu_absorbed", 7031);
-  mla_ctx_desc d2 = {MLA_DEVICE_CPU, 2}, d1 = {MLA_DEVICE_CPU, 1};
+  mla_ctx_desc d2 = {MLA_DEVICE_CPU, 2, 0}, d1 = {MLA_DEVICE_CPU, 1, 0};
   TU_STATUS(mla_ctx_create(&d2, &ctx2), MLA_OK);
   TU_STATUS(mla_ctx_create(&d1, &ctx1), MLA_OK);
   if (!ctx1 || !ctx2) return tu_finish("test_cpu_absorbed");

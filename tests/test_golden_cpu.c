@@ -272,7 +272,7 @@ static int cmp_str(const void *a, const void *b) {
 int main(void) {
   rng.s = tu_seed("test_golden_cpu", 20240607);
   mla_ctx *ctx = NULL;
-  mla_ctx_desc cdesc = {MLA_DEVICE_CPU, 2};
+  mla_ctx_desc cdesc = {MLA_DEVICE_CPU, 2, 0};
   TU_STATUS(mla_ctx_create(&cdesc, &ctx), MLA_OK);
   if (!ctx) return tu_finish("test_golden_cpu");
   /* every sub-folder holding a meta.txt, in name order */

@@ -673,7 +673,7 @@ static void test_bad_calls(void) {
 int main(void) {
   uint64_t seed = tu_seed("test_kv_cache", 20240611);
   g_rng.s = seed;
-  mla_ctx_desc cd = {MLA_DEVICE_CPU, 2}; /* two workers: exercises the parallel write */
+  mla_ctx_desc cd = {MLA_DEVICE_CPU, 2, 0}; /* two workers: exercises the parallel write */
   if (mla_ctx_create(&cd, &g_ctx) != MLA_OK) {
     fprintf(stderr, "cannot create a context\n");
     return 1;

@@ -12,7 +12,7 @@
 int main(void) {
   tu_rng rng = {tu_seed("test_padding", 5)};
   mla_ctx *ctx;
-  mla_ctx_desc cd = {MLA_DEVICE_CPU, 2};
+  mla_ctx_desc cd = {MLA_DEVICE_CPU, 2, 0};
   TU_STATUS(mla_ctx_create(&cd, &ctx), MLA_OK);
   int page_sizes[2] = {1, 16};
   for (int pi = 0; pi < 2; pi++) {

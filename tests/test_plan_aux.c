@@ -640,7 +640,7 @@ static void test_dcp_from_plan(tu_rng *r, mla_ctx *ctx) {
 int main(void) {
   tu_rng r = {tu_seed("test_plan_aux", 0x5eed7a1ull)};
   mla_ctx *ctx = NULL;
-  mla_ctx_desc cd = {MLA_DEVICE_CPU, 2};
+  mla_ctx_desc cd = {MLA_DEVICE_CPU, 2, 0};
   if (mla_ctx_create(&cd, &ctx) != MLA_OK) {
     fprintf(stderr, "cannot create a context\n");
     return 1;

@@ -786,7 +786,7 @@ static void test_bad_args(void) {
 int main(void) {
   uint64_t seed = tu_seed("test_req_table", 777);
   g_rng.s = seed;
-  mla_ctx_desc cd = {MLA_DEVICE_CPU, 1};
+  mla_ctx_desc cd = {MLA_DEVICE_CPU, 1, 0};
   if (mla_ctx_create(&cd, &g_ctx) != MLA_OK) {
     fprintf(stderr, "cannot create a context\n");
     return 1;

@@ -1,4 +1,5 @@
-/* `mla demo`: a small serving step sequence through one backend object.
+/* `mla demo`, part 1: the per-mode table, a short step sequence through one
+ * backend object (part 2, the serving simulation, is serve.c).
  *
  * Requests are prefilled (EXTEND without prefix: ragged MHA), one request is
  * forked from another's prefix, then the batch goes through EXTEND with a
@@ -11,33 +12,12 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
+#include "demo_util.h"
 #include "ref.h"
 
 #define L MLA_LATENT
 #define R MLA_ROPE
-
-typedef struct rng {
-  uint64_t s;
-} rng;
-static uint64_t rng_next(rng *g) {
-  uint64_t z = (g->s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-static int rng_int(rng *g, int lo, int hi) { return lo + (int)(rng_next(g) % (uint64_t)(hi - lo + 1)); }
-static double rng_normal(rng *g) {
-  double u1 = ((rng_next(g) >> 11) + 1.0) * 0x1.0p-53, u2 = (rng_next(g) >> 11) * 0x1.0p-53;
-  return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
-}
-
-static double now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
-}
 
 /* An activation tensor: random N(0, sigma) values held in the act dtype,
  * plus the same values as double (what the oracle sees). */
@@ -47,12 +27,12 @@ typedef struct act {
   int64_t n;
 } act;
 
-static int act_random(act *a, int64_t n, mla_dtype t, rng *g, double sigma) {
+static int act_random(act *a, int64_t n, mla_dtype t, demo_rng *g, double sigma) {
   a->n = n;
   a->data = malloc((size_t)(n ? n : 1) * mla_dtype_size(t));
   a->ref = malloc((size_t)(n ? n : 1) * sizeof(double));
   if (!a->data || !a->ref) return -1;
-  for (int64_t i = 0; i < n; i++) a->ref[i] = rng_normal(g) * sigma;
+  for (int64_t i = 0; i < n; i++) a->ref[i] = demo_rng_normal(g) * sigma;
   mla_convert(a->ref, MLA_DTYPE_F64, a->data, t, n);
   mla_convert(a->data, t, a->ref, MLA_DTYPE_F64, n); /* what the library sees */
   return 0;
@@ -66,7 +46,7 @@ static void act_free(act *a) {
 typedef struct demo {
   const demo_opts *o;
   FILE *out;
-  rng g;
+  demo_rng g;
   mla_ctx *ctx;
   int failures;
 } demo;
@@ -81,61 +61,24 @@ static int check_status(demo *d, mla_status st, const char *what, const char *de
     if (check_status((d), (call), #call, (detail)) != 0) return -1;           \
   } while (0)
 
-/* Round doubles in place to what dtype t holds. */
-static void round_to(mla_dtype t, double *x, int64_t n) {
-  void *tmp = malloc((size_t)(n ? n : 1) * mla_dtype_size(t));
-  mla_convert(x, MLA_DTYPE_F64, tmp, t, n);
-  mla_convert(tmp, t, x, MLA_DTYPE_F64, n);
-  free(tmp);
-}
-
 /* Compare an output with the oracle and print one table row. */
 static void report(demo *d, const char *mode, const char *shape, const void *out, mla_dtype t,
                    const double *ref_o, int64_t n_o, const float *lse, const double *ref_lse, int64_t n_lse,
-                   double ms) {
+                   double lse_atol, double ms) {
   double *got = malloc((size_t)(n_o ? n_o : 1) * sizeof(double));
-  double *ref_r = malloc((size_t)(n_o ? n_o : 1) * sizeof(double));
-  mla_convert(out, t, got, MLA_DTYPE_F64, n_o);
-  /* Round the oracle to the output dtype before comparing (STYLE 11). */
-  memcpy(ref_r, ref_o, (size_t)n_o * sizeof(double));
-  round_to(t, ref_r, n_o);
-  double atol = t == MLA_DTYPE_F32 ? 1e-5 : 8e-4, rtol = t == MLA_DTYPE_F32 ? 1e-4 : 2.0 / 128;
-  ref_cmp c = ref_compare(got, ref_r, n_o, atol, rtol);
-  int ok = ref_cmp_ok(&c, 5e-6);
-  double lse_err = 0;
-  if (lse && n_lse) {
-    double *gl = malloc((size_t)n_lse * sizeof(double));
+  double *gl = malloc((size_t)(n_lse ? n_lse : 1) * sizeof(double));
+  demo_cmp c;
+  memset(&c, 0, sizeof c); /* ok = 0 when the buffers could not be had */
+  if (got && gl) {
+    mla_convert(out, t, got, MLA_DTYPE_F64, n_o);
     for (int64_t i = 0; i < n_lse; i++) gl[i] = lse[i];
-    ref_cmp cl = ref_compare(gl, ref_lse, n_lse, 1e-5, 1e-5);
-    ok = ok && cl.bad == 0 && cl.nonfinite_mismatch == 0;
-    lse_err = cl.max_abs_err;
-    free(gl);
+    c = demo_compare(got, ref_o, n_o, t, lse ? gl : NULL, ref_lse, n_lse, lse_atol);
   }
-  if (!ok) d->failures++;
+  if (!c.ok) d->failures++;
   fprintf(d->out, "%-26s %-28s %10.2e %10.2e %10.2e %9.3f  %s\n", mode, shape, c.max_abs_err, c.cos_dist,
-          lse_err, ms, ok ? "ok" : "FAIL");
+          c.lse_err, ms, c.ok ? "ok" : "FAIL");
   free(got);
-  free(ref_r);
-}
-
-/* The keys a request sees, read back from the cache (dequantized) as double. */
-static int gather_request(mla_backend *be, int32_t req, int len, double *c, double *r) {
-  mla_kv_cache *cache;
-  mla_req_table *rt;
-  const int32_t *r2t;
-  mla_req_table_desc rd;
-  mla_backend_cache(be, &cache);
-  mla_backend_req_table(be, &rt);
-  mla_req_table_data(rt, &r2t);
-  mla_req_table_get_desc(rt, &rd);
-  float *cf = malloc((size_t)(len ? len : 1) * L * sizeof(float));
-  float *rf = malloc((size_t)(len ? len : 1) * R * sizeof(float));
-  mla_status st = mla_kv_cache_read(cache, 0, len, r2t + (size_t)req * rd.max_context, cf, rf, MLA_DTYPE_F32);
-  for (int64_t i = 0; i < (int64_t)len * L; i++) c[i] = cf[i];
-  for (int64_t i = 0; i < (int64_t)len * R; i++) r[i] = rf[i];
-  free(cf);
-  free(rf);
-  return st == MLA_OK ? 0 : -1;
+  free(gl);
 }
 
 /* Absorbed reference for a planned batch: per request, keys 0..kv_len-1. */
@@ -145,7 +88,7 @@ static void ref_absorbed_batch(mla_backend *be, const mla_plan *p, int H, double
     int q0 = p->qo_indptr[i], nq = p->qo_indptr[i + 1] - q0, kv = p->kv_lens[i];
     double *c = malloc((size_t)(kv ? kv : 1) * L * sizeof(double));
     double *r = malloc((size_t)(kv ? kv : 1) * R * sizeof(double));
-    gather_request(be, p->req_ids[i], kv, c, r);
+    demo_read_request(be, 0, p->req_ids[i], kv, c, r);
     ref_absorbed(1, &nq, &kv, H, scale, p->causal, qn->ref + (size_t)q0 * H * L, qr->ref + (size_t)q0 * H * R,
                  c, r, o + (size_t)q0 * H * L, lse + (size_t)q0 * H);
     free(c);
@@ -189,16 +132,16 @@ static int run_absorbed_step(demo *d, mla_backend *be, const char *name, const m
   a.q_rope = qr.data;
   a.out = out;
   a.lse = lse;
-  double t0 = now_ms();
+  double t0 = demo_now_ms();
   mla_status st = mla_backend_forward(be, &a);
-  double ms = now_ms() - t0;
+  double ms = demo_now_ms() - t0;
   if (st == MLA_OK) {
     double *ro = malloc((size_t)(T ? T : 1) * H * L * sizeof(double));
     double *rl = malloc((size_t)(T ? T : 1) * H * sizeof(double));
     ref_absorbed_batch(be, p, H, 1.0 / sqrt(192.0), &qn, &qr, ro, rl);
     char shape[64];
     snprintf(shape, sizeof shape, "bs=%d q=%d kv=%d H=%d", p->batch_size, T, p->num_kv_tokens, H);
-    report(d, name, shape, out, o->act_dtype, ro, (int64_t)T * H * L, lse, rl, (int64_t)T * H, ms);
+    report(d, name, shape, out, o->act_dtype, ro, (int64_t)T * H * L, lse, rl, (int64_t)T * H, DEMO_LSE_ATOL, ms);
     free(ro);
     free(rl);
   } else {
@@ -289,16 +232,16 @@ static int prefill(demo *d, mla_backend *be, int n, const int32_t *ids, const in
   a.v = v.data;
   a.out = out;
   a.lse = lse;
-  double t0 = now_ms();
+  double t0 = demo_now_ms();
   mla_status st = mla_backend_forward(be, &a);
-  double ms = now_ms() - t0;
+  double ms = demo_now_ms() - t0;
   if (st == MLA_OK) {
     double *ro = malloc((size_t)T * H * dv * sizeof(double)), *rl = malloc((size_t)T * H * sizeof(double));
     ref_mha(n, prompt, prompt, H, H, dqk, dv, 1.0 / sqrt(192.0), 0.0, 1, q.ref, k.ref, v.ref, ro, rl);
     char shape[64];
     snprintf(shape, sizeof shape, "bs=%d q=%d 192/128 H=%d", n, T, H);
     report(d, "EXTEND no prefix (MHA)", shape, out, o->act_dtype, ro, (int64_t)T * H * dv, lse, rl,
-           (int64_t)T * H, ms);
+           (int64_t)T * H, DEMO_LSE_ATOL, ms);
     free(ro);
     free(rl);
   } else {
@@ -330,7 +273,7 @@ static int absorbed_backend_steps(demo *d) {
   int ns = 0;
   for (int i = 0; i < n; i++) {
     if (mla_req_add(rt, &ids[i]) != MLA_OK) goto done;
-    prompt[i] = rng_int(&d->g, 1, o->max_prompt);
+    prompt[i] = demo_rng_int(&d->g, 1, o->max_prompt);
   }
   if (prefill(d, be, n, ids, prompt)) goto done;
 
@@ -341,7 +284,7 @@ static int absorbed_backend_steps(demo *d) {
     goto done;
   int32_t prefix[65];
   lengths(rt, bs, ids, prefix);
-  for (int i = 0; i < bs; i++) ext[i] = rng_int(&d->g, 1, 40);
+  for (int i = 0; i < bs; i++) ext[i] = demo_rng_int(&d->g, 1, 40);
   if (extend_all(d, rt, bs, ids, ext, slots, &ns)) goto done;
   lengths(rt, bs, ids, seq);
   {
@@ -368,7 +311,7 @@ static int absorbed_backend_steps(demo *d) {
   }
   int accept[65];
   for (int i = 0; i < bs; i++) {
-    accept[i] = rng_int(&d->g, 1, ndt); /* tokens kept, incl. the bonus token */
+    accept[i] = demo_rng_int(&d->g, 1, ndt); /* tokens kept, incl. the bonus token */
     if (check_status(d, mla_req_truncate(rt, ids[i], seq[i] + accept[i]), "mla_req_truncate",
                      mla_req_table_last_error(rt)))
       goto done;
@@ -394,14 +337,14 @@ static int absorbed_backend_steps(demo *d) {
   }
   {
     mla_batch idle = {MLA_MODE_IDLE, 0, NULL, NULL, NULL, NULL, 0};
-    double t0 = now_ms();
+    double t0 = demo_now_ms();
     mla_status st = mla_backend_plan(be, &idle);
     mla_forward_args a;
     memset(&a, 0, sizeof a);
     if (st == MLA_OK) st = mla_backend_forward(be, &a);
     int ok = st == MLA_OK;
     if (!ok) d->failures++;
-    fprintf(d->out, "%-26s %-28s %10s %10s %10s %9.3f  %s\n", "IDLE", "bs=0", "-", "-", "-", now_ms() - t0,
+    fprintf(d->out, "%-26s %-28s %10s %10s %10s %9.3f  %s\n", "IDLE", "bs=0", "-", "-", "-", demo_now_ms() - t0,
             ok ? "ok" : "FAIL");
   }
   rc = 0;
@@ -429,12 +372,12 @@ static int chunked_backend_steps(demo *d) {
   float *lse = NULL;
   for (int i = 0; i < n; i++) {
     if (mla_req_add(rt, &ids[i]) != MLA_OK) goto done;
-    prompt[i] = rng_int(&d->g, 1, o->max_prompt);
+    prompt[i] = demo_rng_int(&d->g, 1, o->max_prompt);
   }
   if (prefill(d, be, n, ids, prompt)) goto done;
   lengths(rt, n, ids, prefix);
   int T = 0, ns;
-  for (int i = 0; i < n; i++) T += ext[i] = rng_int(&d->g, 1, 40);
+  for (int i = 0; i < n; i++) T += ext[i] = demo_rng_int(&d->g, 1, 40);
   if (extend_all(d, rt, n, ids, ext, slots, &ns)) goto done;
   lengths(rt, n, ids, seq);
   mla_batch b = {MLA_MODE_EXTEND, n, ids, seq, NULL, prefix, 0};
@@ -461,9 +404,9 @@ static int chunked_backend_steps(demo *d) {
   a.kv_b_proj = w.data;
   a.out = out;
   a.lse = lse;
-  double t0 = now_ms();
+  double t0 = demo_now_ms();
   mla_status st = mla_backend_forward(be, &a);
-  double ms = now_ms() - t0;
+  double ms = demo_now_ms() - t0;
   if (check_status(d, st, "chunked extend", mla_backend_last_error(be))) goto done;
   /* Oracle: keys = expanded prefix rows (in double) then the extend rows. */
   double *ro = malloc((size_t)T * H * dv * sizeof(double)), *rl = malloc((size_t)T * H * sizeof(double));
@@ -472,21 +415,8 @@ static int chunked_backend_steps(demo *d) {
     int P = prefix[i], E = ext[i], K = P + E;
     double *c = malloc((size_t)(P ? P : 1) * L * sizeof(double)), *r = malloc((size_t)(P ? P : 1) * R * sizeof(double));
     double *kk = malloc((size_t)K * H * dqk * sizeof(double)), *vv = malloc((size_t)K * H * dv * sizeof(double));
-    gather_request(be, ids[i], P, c, r);
-    for (int t = 0; t < P; t++)
-      for (int h = 0; h < H; h++) {
-        const double *wh = w.ref + (size_t)h * (nope + dv) * L;
-        for (int j = 0; j < nope + dv; j++) {
-          double s = 0;
-          for (int x = 0; x < L; x++) s += c[(size_t)t * L + x] * wh[(size_t)j * L + x];
-          if (j < nope) kk[((size_t)t * H + h) * dqk + j] = s;
-          else vv[((size_t)t * H + h) * dv + j - nope] = s;
-        }
-        for (int j = 0; j < R; j++) kk[((size_t)t * H + h) * dqk + nope + j] = r[(size_t)t * R + j];
-      }
-    /* The library expands into the activation dtype: round like it does. */
-    round_to(o->act_dtype, kk, (int64_t)P * H * dqk);
-    round_to(o->act_dtype, vv, (int64_t)P * H * dv);
+    demo_read_request(be, 0, ids[i], P, c, r);
+    demo_ref_expand(P, H, nope, dv, o->act_dtype, c, r, w.ref, kk, vv);
     memcpy(kk + (size_t)P * H * dqk, k.ref + (size_t)q0 * H * dqk, (size_t)E * H * dqk * sizeof(double));
     memcpy(vv + (size_t)P * H * dv, v.ref + (size_t)q0 * H * dv, (size_t)E * H * dv * sizeof(double));
     ref_mha(1, &E, &K, H, H, dqk, dv, 1.0 / sqrt(192.0), 0.0, 1, q.ref + (size_t)q0 * H * dqk, kk, vv,
@@ -500,7 +430,7 @@ static int chunked_backend_steps(demo *d) {
   char shape[64];
   snprintf(shape, sizeof shape, "bs=%d q=%d prefix~%d H=%d", n, T, prefix[0], H);
   report(d, "EXTEND+prefix (chunked)", shape, out, o->act_dtype, ro, (int64_t)T * H * dv, lse, rl, (int64_t)T * H,
-         ms);
+         demo_lse_atol_expanded(o->act_dtype), ms);
   free(ro);
   free(rl);
   rc = 0;
@@ -523,20 +453,34 @@ void demo_default_opts(demo_opts *o) {
   o->cache_dtype = MLA_DTYPE_BF16;
   o->act_dtype = MLA_DTYPE_BF16;
   o->page_size = 64;
-  o->heads = 16;
-  o->requests = 4;
-  o->max_prompt = 300;
   o->threads = 0;
   o->seed = 1;
+  /* heads, requests, max_prompt: 0 = each part's own default. */
+  o->sim = 1;
+  o->layers = 3;
+  o->steps = 32;
+  o->hidden = 512;
+  o->max_batch = 8;
+  o->draft_tokens = 4;
+  o->check_every = 4;
+  o->prefix_impl = MLA_EXTEND_ABSORBED;
 }
 
-int demo_run(const demo_opts *o, FILE *out) {
+int demo_run(const demo_opts *opts, FILE *out) {
+  /* The table is one batch per mode, checked against the full float64
+   * oracle: it keeps its small defaults, and at most 64 requests. */
+  demo_opts t = *opts;
+  if (!t.heads) t.heads = 16;
+  if (!t.requests) t.requests = 4;
+  if (t.requests > 64) t.requests = 64;
+  if (!t.max_prompt) t.max_prompt = 300;
+  const demo_opts *o = &t;
   demo d;
   memset(&d, 0, sizeof d);
   d.o = o;
   d.out = out;
   d.g.s = o->seed;
-  mla_ctx_desc cd = {MLA_DEVICE_CPU, o->threads};
+  mla_ctx_desc cd = {MLA_DEVICE_CPU, o->threads, 0};
   mla_status st = mla_ctx_create(&cd, &d.ctx);
   if (st != MLA_OK) {
     fprintf(out, "error: mla_ctx_create: %s\n", mla_status_string(st));

@@ -4,8 +4,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench.h"
 #include "demo.h"
 #include "mla.h"
+#include "serve.h"
 
 static void usage(FILE *f) {
   fprintf(f,
@@ -13,7 +15,12 @@ static void usage(FILE *f) {
           "\n"
           "commands:\n"
           "  demo        run one batch of every forward mode through the backend on the CPU,\n"
-          "              check each against the float64 oracle and print a table\n"
+          "              check each against the float64 oracle and print a table; then\n"
+          "              simulate serving a small DeepSeek-shaped model (requests arriving,\n"
+          "              prefix sharing, continuous batching, speculative verify), checking\n"
+          "              a sampled layer against the oracle every few steps\n"
+          "  bench       time the CPU kernels against the measured peak\n"
+          "              (mla bench --help for its options)\n"
           "  --help, -h  this text\n"
           "  --version   library version\n"
           "\n"
@@ -21,10 +28,19 @@ static void usage(FILE *f) {
           "  --dtype D        cache dtype: bf16 (default), f16, fp8, fp8-block\n"
           "  --act D          activation dtype: bf16 (default), f16, f32\n"
           "  --page-size P    page size, power of two 1..256 (default 64)\n"
-          "  --heads H        query heads 1..1024 (default 16)\n"
-          "  --requests N     requests per batch 1..64 (default 4)\n"
-          "  --max-prompt N   longest prompt 1..8192 (default 300)\n"
+          "  --heads H        query heads 1..1024 (default: table 16, simulation 128)\n"
+          "  --requests N     1..1024: table, requests per batch (default 4, at most 64 used);\n"
+          "                   simulation, requests arriving over time (default 16)\n"
+          "  --max-prompt N   longest prompt 1..8192 (default: table 300, simulation 160)\n"
           "  --threads N      CPU threads, 0 = all (default 0)\n"
+          "  --no-sim         the table only\n"
+          "  --layers N       simulation: layers 1..64 (default 3)\n"
+          "  --steps N        simulation: decode steps 1..100000 (default 32)\n"
+          "  --hidden N       simulation: model width 64..16384 (default 512)\n"
+          "  --max-batch N    simulation: requests running at once 1..256 (default 8)\n"
+          "  --draft-tokens N simulation: verify tokens per round 1..16, 1 = no verify (default 4)\n"
+          "  --check-every N  simulation: oracle check every N steps (default 4)\n"
+          "  --prefix-impl I  simulation: EXTEND with a shared prefix: absorbed (default) or chunked\n"
           "  --seed S         RNG seed (default 1)\n");
 }
 
@@ -62,6 +78,10 @@ static int cmd_demo(int argc, char **argv) {
   for (int i = 0; i < argc; i++) {
     const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     long x;
+    if (!strcmp(k, "--no-sim")) { /* the one flag without a value */
+      o.sim = 0;
+      continue;
+    }
     if (!strcmp(k, "--dtype")) {
       if (!parse_dtype(v, &o.cache_dtype, 1)) return bad("--dtype", v);
     } else if (!strcmp(k, "--act")) {
@@ -73,7 +93,7 @@ static int cmd_demo(int argc, char **argv) {
       if (!parse_int(v, 1, 1024, &x)) return bad("--heads", v);
       o.heads = (int)x;
     } else if (!strcmp(k, "--requests")) {
-      if (!parse_int(v, 1, 64, &x)) return bad("--requests", v);
+      if (!parse_int(v, 1, 1024, &x)) return bad("--requests", v);
       o.requests = (int)x;
     } else if (!strcmp(k, "--max-prompt")) {
       if (!parse_int(v, 1, 8192, &x)) return bad("--max-prompt", v);
@@ -84,12 +104,39 @@ static int cmd_demo(int argc, char **argv) {
     } else if (!strcmp(k, "--seed")) {
       if (!parse_int(v, 0, 2147483647L, &x)) return bad("--seed", v);
       o.seed = (uint64_t)x;
+    } else if (!strcmp(k, "--layers")) {
+      if (!parse_int(v, 1, 64, &x)) return bad("--layers", v);
+      o.layers = (int)x;
+    } else if (!strcmp(k, "--steps")) {
+      if (!parse_int(v, 1, 100000, &x)) return bad("--steps", v);
+      o.steps = (int)x;
+    } else if (!strcmp(k, "--hidden")) {
+      if (!parse_int(v, 64, 16384, &x)) return bad("--hidden", v);
+      o.hidden = (int)x;
+    } else if (!strcmp(k, "--max-batch")) {
+      if (!parse_int(v, 1, 256, &x)) return bad("--max-batch", v);
+      o.max_batch = (int)x;
+    } else if (!strcmp(k, "--draft-tokens")) {
+      if (!parse_int(v, 1, 16, &x)) return bad("--draft-tokens", v);
+      o.draft_tokens = (int)x;
+    } else if (!strcmp(k, "--check-every")) {
+      if (!parse_int(v, 1, 100000, &x)) return bad("--check-every", v);
+      o.check_every = (int)x;
+    } else if (!strcmp(k, "--prefix-impl")) {
+      if (v && !strcmp(v, "absorbed")) o.prefix_impl = MLA_EXTEND_ABSORBED;
+      else if (v && !strcmp(v, "chunked")) o.prefix_impl = MLA_EXTEND_MHA_CHUNKED;
+      else return bad("--prefix-impl", v);
     } else {
       return bad("option", k);
     }
     i++; /* every option takes a value */
   }
   int failed = demo_run(&o, stdout);
+  if (failed >= 0 && o.sim) {
+    fflush(stdout);
+    int sim_failed = serve_run(&o, stdout);
+    failed = sim_failed < 0 ? -1 : failed + sim_failed;
+  }
   if (failed < 0) return 1;
   return failed ? 1 : 0;
 }
@@ -110,6 +157,7 @@ int main(int argc, char **argv) {
     return 0;
   }
   if (!strcmp(cmd, "demo")) return cmd_demo(argc - 2, argv + 2);
+  if (!strcmp(cmd, "bench")) return bench_main(argc - 2, argv + 2);
   fprintf(stderr, "mla: unknown command '%s'\n\n", cmd);
   usage(stderr);
   return 2;

@@ -92,6 +92,8 @@ mla_status mla_backend_create(mla_ctx *ctx, const mla_backend_desc *desc, mla_ba
   if (!ctx) return MLA_ERR_INVALID_ARGUMENT;
   mla_errbuf *eb = &ctx->err;
   MLA_REQUIRE_PTR(eb, desc);
+  MLA_REQUIRE(eb, ctx->device == MLA_DEVICE_CPU, MLA_ERR_UNSUPPORTED,
+              "the backend has no CUDA attention yet: use a CPU context");
   mla_backend_desc d = *desc;
   if (d.qk_nope_dim == 0) d.qk_nope_dim = 128;
   if (d.v_dim == 0) d.v_dim = 128;

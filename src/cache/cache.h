@@ -16,7 +16,8 @@ struct mla_kv_cache_s {
   int64_t num_slots; /* num_pages * page_size */
   mla_dtype dtype;
   size_t row_bytes;
-  unsigned char **layers; /* [num_layers] -> [num_slots, row_bytes] */
+  unsigned char **layers; /* [num_layers] -> [num_slots, row_bytes]; device memory when on_device */
+  int on_device;          /* the context is CUDA: storage lives on the GPU */
   float *fp8_scales;      /* [num_layers] */
   mla_errbuf err;
 };
@@ -30,6 +31,9 @@ void mla_cache_row_to_f32(const mla_kv_cache *cache, int layer, int64_t slot, fl
 /* Quantize/convert one row c [512], r [64] into the stored format. */
 void mla_cache_row_from_f32(mla_kv_cache *cache, int layer, int64_t slot, const float *c,
                             const float *r);
+/* Copy n consecutive slots src_slot.. to dst_slot.. in every layer (host or
+ * device storage); the request table's copy-on-write. Slots unchecked. */
+mla_status mla_cache_copy_slot_range(mla_kv_cache *cache, int64_t dst_slot, int64_t src_slot, int64_t n);
 static inline const unsigned char *mla_cache_row_ptr(const mla_kv_cache *cache, int layer,
                                                      int64_t slot) {
   return cache->layers[layer] + (size_t)slot * cache->row_bytes;

@@ -8,6 +8,9 @@
 #include <stdlib.h>
 
 #include "cache.h"
+#ifdef MLA_WITH_CUDA
+#include "../cuda/runtime.h"
+#endif
 
 /* Byte offsets inside one row of each format. */
 #define ROW16_R_OFF (MLA_LATENT * 2)               /* bf16/f16: r after 512 x 2 B */
@@ -32,62 +35,6 @@ size_t mla_cache_row_bytes_for(mla_dtype t) {
 
 /* ---- scalar formats --------------------------------------------------------- */
 
-/* e4m3fn -> f32 by bit assembly (same values as mla_e4m3_to_f32, without
- * ldexpf: this sits in the attention kernels' row loop). */
-static inline float e4m3_decode(uint8_t b) {
-  uint32_t sign = (uint32_t)(b & 0x80u) << 24;
-  uint32_t exp = (b >> 3) & 0xfu, man = b & 7u;
-  float v;
-  if (exp == 0xf && man == 7) return NAN;
-  if (exp == 0) {
-    v = (float)man * (1.0f / 512.0f); /* subnormal: man * 2^-9, exact */
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    u |= sign;
-    memcpy(&v, &u, 4);
-    return v;
-  }
-  uint32_t u = sign | ((exp + 120u) << 23) | (man << 20); /* bias 7 -> 127 */
-  memcpy(&v, &u, 4);
-  return v;
-}
-
-/* Quantize v / scale to e4m3 with a single rounding (nearest even) of the
- * exact quotient. The quotient is formed in double and narrowed to float with
- * round-to-odd, which keeps the later rounding to e4m3's 4 significant bits
- * exact (24 >= 4 + 2), so the result equals rounding the real quotient. */
-static inline uint8_t e4m3_quantize(float v, float scale) {
-  double q = (double)v / (double)scale;
-  float f = (float)q;
-  if ((double)f != q && !isnan(q)) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if (!(u & 1u)) f = nextafterf(f, (double)f < q ? INFINITY : -INFINITY);
-  }
-  return mla_f32_to_e4m3(f);
-}
-
-/* Scale of one 128-value block: amax / 448 over the finite values (1.0 when
- * that is 0), NaN when any value is NaN so that the whole block decodes as
- * NaN. Infinities saturate to +-448 * scale like the per-tensor format. */
-static float block_scale(const float *x /* [128] */) {
-  float amax = 0.0f;
-  int has_nan = 0;
-  for (int i = 0; i < MLA_FP8_BLOCK; i++) {
-    float a = fabsf(x[i]);
-    if (isnan(a))
-      has_nan = 1;
-    else if (isfinite(a) && a > amax)
-      amax = a;
-  }
-  if (has_nan) return NAN;
-  if (amax == 0.0f) return 1.0f;
-  float s = amax / 448.0f;
-  /* amax below 448 * FLT_TRUE_MIN underflows; any positive scale of that
-   * size keeps every quotient below 448. */
-  return s > 0.0f ? s : FLT_TRUE_MIN;
-}
-
 /* ---- one row ------------------------------------------------------------------ */
 
 void mla_cache_row_from_f32(mla_kv_cache *cache, int layer, int64_t slot,
@@ -107,17 +54,17 @@ void mla_cache_row_from_f32(mla_kv_cache *cache, int layer, int64_t slot,
     }
     case MLA_DTYPE_FP8_E4M3: {
       float s = cache->fp8_scales[layer];
-      for (int i = 0; i < MLA_LATENT; i++) row[i] = e4m3_quantize(c[i], s);
-      for (int i = 0; i < MLA_ROPE; i++) row[ROW8_R_OFF + i] = e4m3_quantize(r[i], s);
+      for (int i = 0; i < MLA_LATENT; i++) row[i] = mla_e4m3_quantize(c[i], s);
+      for (int i = 0; i < MLA_ROPE; i++) row[ROW8_R_OFF + i] = mla_e4m3_quantize(r[i], s);
       break;
     }
     case MLA_DTYPE_FP8_E4M3_BLOCK: {
       float scales[BLOCK_NUM_SCALES];
       for (int b = 0; b < BLOCK_NUM_SCALES; b++) {
         const float *x = c + b * MLA_FP8_BLOCK;
-        float s = block_scale(x);
+        float s = mla_fp8_block_scale(x);
         scales[b] = s;
-        for (int i = 0; i < MLA_FP8_BLOCK; i++) row[b * MLA_FP8_BLOCK + i] = e4m3_quantize(x[i], s);
+        for (int i = 0; i < MLA_FP8_BLOCK; i++) row[b * MLA_FP8_BLOCK + i] = mla_e4m3_quantize(x[i], s);
       }
       memcpy(row + BLOCK_SCALE_OFF, scales, sizeof scales);
       uint16_t h[MLA_ROPE];
@@ -149,16 +96,16 @@ void mla_cache_row_to_f32(const mla_kv_cache *cache, int layer, int64_t slot,
     case MLA_DTYPE_FP8_E4M3: {
       float s = cache->fp8_scales[layer];
       if (c)
-        for (int i = 0; i < MLA_LATENT; i++) c[i] = e4m3_decode(row[i]) * s;
+        for (int i = 0; i < MLA_LATENT; i++) c[i] = mla_e4m3_to_f32(row[i]) * s;
       if (r)
-        for (int i = 0; i < MLA_ROPE; i++) r[i] = e4m3_decode(row[ROW8_R_OFF + i]) * s;
+        for (int i = 0; i < MLA_ROPE; i++) r[i] = mla_e4m3_to_f32(row[ROW8_R_OFF + i]) * s;
       break;
     }
     case MLA_DTYPE_FP8_E4M3_BLOCK: {
       if (c) {
         float scales[BLOCK_NUM_SCALES];
         memcpy(scales, row + BLOCK_SCALE_OFF, sizeof scales);
-        for (int i = 0; i < MLA_LATENT; i++) c[i] = e4m3_decode(row[i]) * scales[i / MLA_FP8_BLOCK];
+        for (int i = 0; i < MLA_LATENT; i++) c[i] = mla_e4m3_to_f32(row[i]) * scales[i / MLA_FP8_BLOCK];
       }
       if (r) {
         uint16_t h[MLA_ROPE];
@@ -235,7 +182,22 @@ mla_status mla_kv_cache_create(mla_ctx *ctx, const mla_kv_cache_desc *desc, mla_
     int use = desc->dtype == MLA_DTYPE_FP8_E4M3 && desc->fp8_scales;
     cache->fp8_scales[l] = use ? desc->fp8_scales[l] : 1.0f;
   }
+  cache->on_device = ctx->device == MLA_DEVICE_CUDA;
   for (int l = 0; l < desc->num_layers; l++) {
+#ifdef MLA_WITH_CUDA
+    if (cache->on_device) {
+      /* Zeroed like the host storage, so an unwritten row reads as 0. */
+      int e = mla_cuda_malloc((void **)&cache->layers[l], layer_bytes);
+      if (!e) e = mla_cuda_memset_async(cache->layers[l], 0, layer_bytes, ctx->stream);
+      if (!e && l == desc->num_layers - 1) e = mla_cuda_stream_sync(ctx->stream);
+      if (e) {
+        mla_status st = mla_cuda_fail(eb, __func__, "layer storage", e);
+        mla_kv_cache_destroy(cache);
+        return st;
+      }
+      continue;
+    }
+#endif
     cache->layers[l] = calloc(1, layer_bytes);
     if (!cache->layers[l]) {
       mla_kv_cache_destroy(cache);
@@ -247,10 +209,20 @@ mla_status mla_kv_cache_create(mla_ctx *ctx, const mla_kv_cache_desc *desc, mla_
   return MLA_OK;
 }
 
+static void free_layer(mla_kv_cache *cache, void *p) {
+#ifdef MLA_WITH_CUDA
+  if (cache->on_device) {
+    if (p) mla_cuda_free(p);
+    return;
+  }
+#endif
+  free(p);
+}
+
 void mla_kv_cache_destroy(mla_kv_cache *cache) {
   if (!cache) return;
   if (cache->layers)
-    for (int l = 0; l < cache->num_layers; l++) free(cache->layers[l]);
+    for (int l = 0; l < cache->num_layers; l++) free_layer(cache, cache->layers[l]);
   free(cache->layers);
   free(cache->fp8_scales);
   free(cache);
@@ -330,6 +302,75 @@ static mla_status check_act_dtype(mla_errbuf *eb, const char *fn, const char *na
   return MLA_OK;
 }
 
+/* ---- device storage (CUDA contexts) ----------------------------------------------- */
+
+#ifdef MLA_WITH_CUDA
+/* Device kernels read device arrays: a host pointer here would crash the
+ * kernel, so it is refused up front. */
+static mla_status require_device(mla_errbuf *eb, const char *fn, const char *name, const void *p) {
+  if (p && !mla_cuda_is_device_ptr(p))
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "%s is host memory; a CUDA cache takes device pointers",
+                    name);
+  return MLA_OK;
+}
+#endif
+
+static mla_status device_write(mla_kv_cache *cache, int layer, int n, const int32_t *slots, const void *c,
+                               const void *r, mla_dtype src) {
+  mla_errbuf *eb = &cache->err;
+#ifdef MLA_WITH_CUDA
+  const char *fn = "mla_kv_cache_write";
+  mla_status st = require_device(eb, fn, "slots", slots);
+  if (st == MLA_OK) st = require_device(eb, fn, "c", c);
+  if (st == MLA_OK) st = require_device(eb, fn, "r", r);
+  if (st != MLA_OK) return st;
+  mla_ctx *ctx = cache->ctx;
+  int e = mla_cuda_kv_write(cache->layers[layer], cache->num_slots, (int)cache->dtype, cache->row_bytes,
+                            cache->fp8_scales[layer], n, slots, c, r, (int)src, ctx->d_bad, ctx->stream);
+  return e ? mla_cuda_fail(eb, fn, "kv write launch", e) : MLA_OK;
+#else
+  (void)layer, (void)n, (void)slots, (void)c, (void)r, (void)src;
+  return mla_fail(eb, MLA_ERR_INTERNAL, "mla_kv_cache_write", "device cache without CUDA");
+#endif
+}
+
+static mla_status device_read(const mla_kv_cache *cache, int layer, int n, const int32_t *slots, void *c,
+                              void *r, mla_dtype dst) {
+  mla_errbuf *eb = (mla_errbuf *)&cache->err; /* last-error text is not logical state */
+#ifdef MLA_WITH_CUDA
+  const char *fn = "mla_kv_cache_read";
+  mla_status st = require_device(eb, fn, "slots", slots);
+  if (st == MLA_OK) st = require_device(eb, fn, "c_out", c);
+  if (st == MLA_OK) st = require_device(eb, fn, "r_out", r);
+  if (st != MLA_OK) return st;
+  mla_ctx *ctx = cache->ctx;
+  int e = mla_cuda_kv_read(cache->layers[layer], cache->num_slots, (int)cache->dtype, cache->row_bytes,
+                           cache->fp8_scales[layer], n, slots, c, r, (int)dst, ctx->d_bad, ctx->stream);
+  return e ? mla_cuda_fail(eb, fn, "kv read launch", e) : MLA_OK;
+#else
+  (void)layer, (void)n, (void)slots, (void)c, (void)r, (void)dst;
+  return mla_fail(eb, MLA_ERR_INTERNAL, "mla_kv_cache_read", "device cache without CUDA");
+#endif
+}
+
+mla_status mla_cache_copy_slot_range(mla_kv_cache *cache, int64_t dst_slot, int64_t src_slot, int64_t n) {
+  size_t rb = cache->row_bytes, bytes = (size_t)n * rb;
+  if (n <= 0 || dst_slot == src_slot) return MLA_OK;
+  for (int l = 0; l < cache->num_layers; l++) {
+    unsigned char *base = cache->layers[l];
+#ifdef MLA_WITH_CUDA
+    if (cache->on_device) {
+      int e = mla_cuda_memcpy_async(base + (size_t)dst_slot * rb, base + (size_t)src_slot * rb, bytes,
+                                    cache->ctx->stream);
+      if (e) return mla_cuda_fail(&cache->err, "mla_kv_cache_copy_rows", "row copy", e);
+      continue;
+    }
+#endif
+    memmove(base + (size_t)dst_slot * rb, base + (size_t)src_slot * rb, bytes);
+  }
+  return MLA_OK;
+}
+
 /* ---- write ---------------------------------------------------------------------- */
 
 typedef struct write_job {
@@ -387,6 +428,7 @@ mla_status mla_kv_cache_write(mla_kv_cache *cache, int layer, int num_tokens,
   MLA_REQUIRE_PTR(eb, slots);
   MLA_REQUIRE_PTR(eb, c);
   MLA_REQUIRE_PTR(eb, r);
+  if (cache->on_device) return device_write(cache, layer, num_tokens, slots, c, r, src_dtype);
   st = check_slots(eb, __func__, "slots", cache, num_tokens, slots);
   if (st != MLA_OK) return st;
 
@@ -446,6 +488,7 @@ mla_status mla_kv_cache_read(const mla_kv_cache *cache, int layer, int num_token
   MLA_REQUIRE_PTR(eb, slots);
   MLA_REQUIRE(eb, c_out || r_out, MLA_ERR_INVALID_ARGUMENT,
               "c_out and r_out are both NULL (nothing to read)");
+  if (cache->on_device) return device_read(cache, layer, num_tokens, slots, c_out, r_out, dst_dtype);
   st = check_slots(eb, __func__, "slots", cache, num_tokens, slots);
   if (st != MLA_OK) return st;
   read_job j = {cache, layer, slots, c_out, r_out, dst_dtype};
@@ -489,6 +532,14 @@ mla_status mla_kv_cache_copy_rows(mla_kv_cache *cache, int num_rows,
   if (st != MLA_OK) return st;
   st = check_slots(eb, __func__, "dst_slots", cache, num_rows, dst_slots);
   if (st != MLA_OK) return st;
+  if (cache->on_device) {
+    /* In index order on the stream, so chained targets behave as a loop. */
+    for (int i = 0; i < num_rows; i++) {
+      st = mla_cache_copy_slot_range(cache, dst_slots[i], src_slots[i], 1);
+      if (st != MLA_OK) return st;
+    }
+    return MLA_OK;
+  }
   copy_job j = {cache, num_rows, src_slots, dst_slots};
   /* Small copies are not worth waking the pool. */
   int64_t grain = (int64_t)num_rows >= 256 ? 1 : cache->num_layers;

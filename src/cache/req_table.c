@@ -253,10 +253,10 @@ mla_status mla_req_extend(mla_req_table *rt, int32_t req_id, int n,
     int32_t old = pages[have - 1], fresh = page_pop(rt);
     int page_start = (have - 1) * P, used = len - page_start; /* rows [0, used) in use */
     if (rt->cache) {
-      size_t rb = rt->cache->row_bytes;
-      for (int l = 0; l < rt->cache->num_layers; l++) {
-        unsigned char *base = rt->cache->layers[l];
-        memcpy(base + (size_t)fresh * P * rb, base + (size_t)old * P * rb, (size_t)used * rb);
+      mla_status st = mla_cache_copy_slot_range(rt->cache, (int64_t)fresh * P, (int64_t)old * P, used);
+      if (st != MLA_OK) { /* a device copy failed: hand the page back, change nothing */
+        page_release(rt, fresh);
+        return mla_fail(eb, st, __func__, "copy-on-write of page %d: %s", (int)old, rt->cache->err.msg);
       }
     }
     page_release(rt, old); /* stays > 0: it was shared */

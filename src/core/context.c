@@ -12,7 +12,7 @@
 #include "internal.h"
 
 #ifdef MLA_WITH_CUDA
-int mla_cuda_device_count(void); /* src/cuda/device.cu */
+#include "../cuda/runtime.h"
 #endif
 
 struct mla_threadpool {
@@ -157,27 +157,52 @@ static mla_status apply_threads(mla_ctx *ctx, int num_threads) {
   return MLA_OK;
 }
 
+#ifdef MLA_WITH_CUDA
+/* Bind the device and take the small buffers every CUDA context needs. */
+static mla_status cuda_ctx_init(mla_ctx *ctx) {
+  int n = mla_cuda_device_count();
+  if (n <= 0) return mla_fail(&ctx->err, MLA_ERR_DEVICE, "mla_ctx_create", "no CUDA device found");
+  if (ctx->device_id < 0 || ctx->device_id >= n)
+    return mla_fail(&ctx->err, MLA_ERR_OUT_OF_RANGE, "mla_ctx_create",
+                    "desc->device_id = %d, %d CUDA device(s) present", ctx->device_id, n);
+  int e = mla_cuda_set_device(ctx->device_id);
+  if (!e) e = mla_cuda_sm_count(ctx->device_id, &ctx->sm_count);
+  if (!e) e = mla_cuda_malloc((void **)&ctx->d_bad, sizeof(int));
+  if (!e) e = mla_cuda_memset_async(ctx->d_bad, 0, sizeof(int), NULL);
+  if (!e) e = mla_cuda_stream_sync(NULL);
+  return e ? mla_cuda_fail(&ctx->err, "mla_ctx_create", "device setup", e) : MLA_OK;
+}
+#endif
+
+mla_status mla_cuda_fail(mla_errbuf *eb, const char *fn, const char *what, int err) {
+#ifdef MLA_WITH_CUDA
+  return mla_fail(eb, MLA_ERR_DEVICE, fn, "%s: CUDA error %d (%s)", what, err, mla_cuda_error_string(err));
+#else
+  return mla_fail(eb, MLA_ERR_DEVICE, fn, "%s: CUDA error %d", what, err);
+#endif
+}
+
 mla_status mla_ctx_create(const mla_ctx_desc *desc, mla_ctx **out) {
   if (!out) return MLA_ERR_INVALID_ARGUMENT;
   *out = NULL;
-  mla_ctx_desc d = {MLA_DEVICE_CPU, 0};
+  mla_ctx_desc d = {MLA_DEVICE_CPU, 0, 0};
   if (desc) d = *desc;
   if (d.num_threads < 0 || d.num_threads > 1024) return MLA_ERR_INVALID_ARGUMENT;
   if (d.device != MLA_DEVICE_CPU && d.device != MLA_DEVICE_CUDA) return MLA_ERR_INVALID_ARGUMENT;
-  if (d.device == MLA_DEVICE_CUDA) {
-#ifdef MLA_WITH_CUDA
-    if (mla_cuda_device_count() <= 0) return MLA_ERR_DEVICE; /* no usable GPU */
+#ifndef MLA_WITH_CUDA
+  if (d.device == MLA_DEVICE_CUDA) return MLA_ERR_UNSUPPORTED; /* built without CUDA */
 #endif
-    /* The CUDA kernels land with the CUDA issues; until then a CUDA context
-     * is refused rather than silently running on the CPU. */
-    return MLA_ERR_UNSUPPORTED;
-  }
   mla_ctx *ctx = calloc(1, sizeof *ctx);
   if (!ctx) return MLA_ERR_OUT_OF_MEMORY;
   ctx->device = d.device;
+  ctx->device_id = d.device_id;
+  /* CPU worker threads serve CPU contexts and host-side work of CUDA ones. */
   mla_status st = apply_threads(ctx, d.num_threads);
+#ifdef MLA_WITH_CUDA
+  if (st == MLA_OK && d.device == MLA_DEVICE_CUDA) st = cuda_ctx_init(ctx);
+#endif
   if (st != MLA_OK) {
-    free(ctx);
+    mla_ctx_destroy(ctx);
     return st;
   }
   *out = ctx;
@@ -187,7 +212,44 @@ mla_status mla_ctx_create(const mla_ctx_desc *desc, mla_ctx **out) {
 void mla_ctx_destroy(mla_ctx *ctx) {
   if (!ctx) return;
   pool_destroy(ctx->pool);
+#ifdef MLA_WITH_CUDA
+  if (ctx->d_bad) mla_cuda_free(ctx->d_bad);
+#endif
   free(ctx);
+}
+
+/* Const queries still record a failure: the handle was allocated non-const
+ * by mla_ctx_create, so casting the const away is defined. */
+static mla_errbuf *ctx_errbuf(const mla_ctx *ctx) { return &((mla_ctx *)ctx)->err; }
+
+mla_status mla_ctx_get_device(const mla_ctx *ctx, mla_device *device) {
+  if (!ctx) return MLA_ERR_INVALID_ARGUMENT;
+  MLA_REQUIRE_PTR(ctx_errbuf(ctx), device);
+  *device = ctx->device;
+  return MLA_OK;
+}
+
+mla_status mla_ctx_set_stream(mla_ctx *ctx, void *cuda_stream) {
+  if (!ctx) return MLA_ERR_INVALID_ARGUMENT;
+  MLA_REQUIRE(&ctx->err, ctx->device == MLA_DEVICE_CUDA, MLA_ERR_UNSUPPORTED,
+              "a CPU context has no stream");
+  ctx->stream = cuda_stream;
+  return MLA_OK;
+}
+
+mla_status mla_ctx_synchronize(mla_ctx *ctx) {
+  if (!ctx) return MLA_ERR_INVALID_ARGUMENT;
+  if (ctx->device != MLA_DEVICE_CUDA) return MLA_OK; /* CPU calls return when done */
+#ifdef MLA_WITH_CUDA
+  int bad = 0;
+  int e = mla_cuda_memcpy_async(&bad, ctx->d_bad, sizeof bad, ctx->stream);
+  if (!e) e = mla_cuda_stream_sync(ctx->stream);
+  if (!e && bad) e = mla_cuda_memset_async(ctx->d_bad, 0, sizeof(int), ctx->stream);
+  if (e) return mla_cuda_fail(&ctx->err, __func__, "stream", e);
+  MLA_REQUIRE(&ctx->err, bad == 0, MLA_ERR_OUT_OF_RANGE,
+              "%d row(s) skipped by device kernels: slot out of range", bad);
+#endif
+  return MLA_OK;
 }
 
 mla_status mla_ctx_set_threads(mla_ctx *ctx, int num_threads) {
@@ -199,7 +261,8 @@ mla_status mla_ctx_set_threads(mla_ctx *ctx, int num_threads) {
 }
 
 mla_status mla_ctx_get_threads(const mla_ctx *ctx, int *num_threads) {
-  if (!ctx || !num_threads) return MLA_ERR_INVALID_ARGUMENT;
+  if (!ctx) return MLA_ERR_INVALID_ARGUMENT;
+  MLA_REQUIRE_PTR(ctx_errbuf(ctx), num_threads);
   *num_threads = ctx->num_threads;
   return MLA_OK;
 }

@@ -43,8 +43,16 @@ struct mla_ctx_s {
   mla_device device;
   int num_threads;
   struct mla_threadpool *pool; /* NULL when num_threads == 1 */
+  /* CUDA contexts */
+  int device_id;
+  int sm_count;
+  void *stream;  /* cudaStream_t */
+  int *d_bad;    /* device counter of values kernels skipped as out of range */
   mla_errbuf err;
 };
+
+/* Record a CUDA error (code err from src/cuda/runtime.h) as MLA_ERR_DEVICE. */
+mla_status mla_cuda_fail(mla_errbuf *eb, const char *fn, const char *what, int err);
 
 /* Run fn over [0, n) split into contiguous chunks of at least `grain` items,
  * on the context's workers (the caller participates). Blocks until done.
@@ -76,26 +84,8 @@ void *mla_ws_take(mla_ws *w, size_t bytes);
 /* Size to request so that carving works from any (unaligned) base. */
 static inline size_t mla_ws_total(const mla_ws *w) { return w->used + MLA_WS_ALIGN; }
 
-/* ---- dtype conversion ---------------------------------------------------- */
-static inline float mla_bf16_to_f32(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-static inline uint16_t mla_f32_to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-  u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-  return (uint16_t)(u >> 16);
-}
-float mla_f16_to_f32(uint16_t h);
-uint16_t mla_f32_to_f16(float f);
-/* e4m3fn: bias 7, no inf, 0x7f/0xff NaN, max finite 448. */
-float mla_e4m3_to_f32(uint8_t b);
-/* Saturating (|x| > 448 -> +-448), round to nearest even, NaN -> 0x7f. */
-uint8_t mla_f32_to_e4m3(float f);
+/* ---- dtype conversion (scalar formats in convert.h, shared with CUDA) ---- */
+#include "convert.h"
 
 /* Activation tensors (F32/BF16/F16): load n values starting at element
  * `offset` into dst; store n floats. */

@@ -2,16 +2,31 @@
  * target verify, draft extend, extend over a prefix).
  *
  * Work item = (request, block of query tokens, block of heads), at most
- * MLA_CPU_ROWS (token, head) rows. An item walks its request's visible keys
- * in tiles of MLA_CPU_KEYS rows: each tile is dequantized once into the
- * worker's scratch ([c | r] rows, 576 floats; c doubles as V) and used by
- * every row of the item, with an online softmax in fp32.
+ * MLA_CPU_ROWS (token, head) rows: the query heads (x query tokens) of a
+ * request form one small matrix, so a cache row is read once for all of
+ * them. An item walks its request's visible keys in tiles of MLA_CPU_KEYS
+ * rows with an online softmax in fp32.
+ *
+ * A tile is never converted to fp32 as a whole (576 x 64 floats = 144 KiB
+ * would live in L2, and stores that miss L1 are slow). It is used as 17
+ * blocks of COLS columns, each converted into one of two 16 KiB L1 buffers:
+ * the 9 blocks of the scores (accumulated block by block into S), then,
+ * after the softmax, the 8 value blocks (c, the first 512 columns) of
+ * P x V. Block i + 1 is converted while block i is computed: the kernels
+ * advance a pending conversion (mla_cpu_conv) a row at a time between their
+ * FMAs, so its loads and stores overlap the arithmetic, and they prefetch
+ * the next tile's rows into L2 a cache line at a time (mla_cpu_pf). bf16
+ * rows are converted in pair-split order (cpu.h): the query block and the
+ * accumulator use that column order and the output restores the natural
+ * one. 16-row items (decode with 16 heads) use the pair-layout scores
+ * kernel (qk16p) where the build has it.
  *
  * Split-KV: when a batch has fewer than SPLIT_MIN_ITEMS items (small-batch
  * decode), each item's keys are cut into pieces (at most SPLIT_MAX_PIECES in
  * all, each >= SPLIT_MIN_KEYS keys) that run in parallel and write partial
- * (o, lse) states into the workspace, merged afterwards. The decision depends
- * only on the plan and the head count, never on the thread count, so results
+ * (o, lse) states into the workspace, merged afterwards; the items' query
+ * blocks are built once, before the pieces run. The decision depends only
+ * on the plan and the head count, never on the thread count, so results
  * are bit-identical for any number of threads.
  *
  * Keys past a request's kv length, and keys no row of an item may see under
@@ -23,7 +38,10 @@
 
 #define SPLIT_MIN_ITEMS 16
 #define SPLIT_MAX_PIECES 32
-#define SPLIT_MIN_KEYS 128
+/* A piece pays for building its transposed query block and for its first,
+ * not prefetched, tile: 512 keys keep that below a few percent. */
+#define SPLIT_MIN_KEYS 512
+#define COLS 64 /* columns of a tile converted at a time (divides 512 and 576) */
 
 /* Item geometry: heads per item, query tokens per item, padded rows. */
 typedef struct geom {
@@ -42,7 +60,7 @@ static geom geom_for(int num_heads, int max_q_len) {
 
 /* Per-worker scratch layout (offsets in floats, each 64-byte aligned). */
 typedef struct scratch_layout {
-  size_t kt, qt, s, acc, m, l, alpha, lim, total;
+  size_t kt, qt, stage, s, s2, acc, m, l, alpha, lim, total;
 } scratch_layout;
 
 static size_t al16(size_t n) { return (n + 15) & ~(size_t)15; }
@@ -50,9 +68,11 @@ static size_t al16(size_t n) { return (n + 15) & ~(size_t)15; }
 static scratch_layout layout_for(int rb) {
   scratch_layout L;
   size_t o = 0;
-  L.kt = o, o += al16((size_t)MLA_CPU_KEYS * MLA_ROW);   /* key tile [KEYS, 576] */
+  L.kt = o, o += al16((size_t)2 * MLA_CPU_KEYS * COLS);  /* 2 tile blocks [KEYS, COLS] */
   L.qt = o, o += al16((size_t)MLA_ROW * rb);             /* QT [576, rb] */
+  L.stage = o, o += al16((size_t)16 * MLA_ROW);          /* 16 query rows [16, 576] */
   L.s = o, o += al16((size_t)MLA_CPU_KEYS * rb);         /* S / P [KEYS, rb] */
+  L.s2 = o, o += al16((size_t)MLA_CPU_KEYS * 32);        /* 16-row partials [KEYS, 32] */
   L.acc = o, o += al16((size_t)rb * MLA_LATENT);         /* acc [rb, 512] */
   L.m = o, o += al16((size_t)rb);
   L.l = o, o += al16((size_t)rb);
@@ -62,14 +82,18 @@ static scratch_layout layout_for(int rb) {
   return L;
 }
 
-/* Workspace: [workers x scratch][split partials: SPLIT_MAX_PIECES x rb x (512 + 1)]. */
-static size_t carve(mla_ws *w, int workers, geom g, float **scratch, float **partial) {
+/* Workspace: [workers x scratch][split partials: SPLIT_MAX_PIECES x rb x
+ * (512 + 1)][split items' query blocks: SPLIT_MIN_ITEMS x 576 x rb]. */
+static size_t carve(mla_ws *w, int workers, geom g, float **scratch, float **partial,
+                    float **item_qt) {
   scratch_layout L = layout_for(g.rb);
   size_t pw = L.total * sizeof(float);
   float *a = mla_ws_take(w, pw * (size_t)workers);
   float *b = mla_ws_take(w, (size_t)SPLIT_MAX_PIECES * g.rb * (MLA_LATENT + 1) * sizeof(float));
+  float *c = mla_ws_take(w, (size_t)SPLIT_MIN_ITEMS * MLA_ROW * g.rb * sizeof(float));
   if (scratch) *scratch = a;
   if (partial) *partial = b;
+  if (item_qt) *item_qt = c;
   return L.total;
 }
 
@@ -78,6 +102,7 @@ static size_t carve(mla_ws *w, int workers, geom g, float **scratch, float **par
  * of the split area; part < 0: write the final outputs. */
 typedef struct piece {
   int32_t req, q0, nq, h0, nh, k0, k1, part;
+  int32_t item; /* split path: index of the item the piece was cut from */
 } piece;
 
 typedef struct ab_job {
@@ -85,6 +110,7 @@ typedef struct ab_job {
   const mla_absorbed_args *args;
   const mla_cpu_kernels *k;
   mla_cpu_rows rows;
+  int split; /* bf16 cache: tiles in pair-split column order */
   geom g;
   int H;
   float qscale; /* scale * log2(e): logits are kept in base 2 */
@@ -92,6 +118,7 @@ typedef struct ab_job {
   float *scratch;
   size_t scratch_floats;
   float *partial;
+  float *item_qt; /* split path: each item's query block, built once */
   int num_heads_blocks;
   /* split path: the pieces, and for the merge the items before cutting */
   const piece *pieces;
@@ -109,13 +136,70 @@ static void write_row(const ab_job *J, int64_t t, int h, const float *o /* [512]
   }
 }
 
+/* Prefetch rows slots [n] into L2 (the first tile of a piece; later tiles
+ * are prefetched a line at a time by the kernels, mla_cpu_pf). */
+static void prefetch_rows(const mla_cpu_rows *R, const int32_t *slots, int n) {
+  for (int i = 0; i < n; i++) {
+    const unsigned char *p = R->base + (size_t)slots[i] * R->row_bytes;
+    for (size_t off = 0; off < R->row_bytes; off += 64) MLA_CPU_PREFETCH_L2(p + off);
+  }
+}
+
+/* Columns [c0, c0 + COLS) of n rows -> blk [n, COLS]. For a bf16 cache the
+ * conversion is only set up in cv: the micro-kernels advance it while they
+ * compute the previous block, mla_cpu_conv_finish completes it. */
+static void start_block(const ab_job *J, const int32_t *slots, int n, int c0, float *blk,
+                        mla_cpu_conv *cv, mla_cpu_pf *pf) {
+  cv->pf = pf;
+  cv->base = J->rows.base;
+  cv->row_bytes = J->rows.row_bytes;
+  cv->slots = slots;
+  cv->c0 = c0;
+  cv->dst = blk;
+  cv->next = 0;
+  cv->count = n;
+  if (!J->split) { /* other dtypes: converted here, nothing left to pipeline */
+    mla_cpu_load_cols(&J->rows, slots, n, c0, COLS, blk, COLS);
+    cv->next = n;
+  }
+}
+
+/* The query block of a piece's rows, transposed into the layout the scores
+ * kernel reads (in the tile's column order) and pre-scaled; padded rows are
+ * zero. stage: [16, 576] scratch. */
+static void build_qt(const ab_job *J, const piece *pc, float *stage, float *QT /* [576, rb] */) {
+  const mla_absorbed_args *a = J->args;
+  const int rows = pc->nq * pc->nh, rb = mla_cpu_round_up(rows, MLA_CPU_ROW_ALIGN);
+  const int64_t tq0 = J->plan->qo_indptr[pc->req];
+  for (int r0 = 0; r0 < rb; r0 += 16) {
+    for (int i = 0; i < 16; i++) {
+      float *qrow = stage + (size_t)i * MLA_ROW;
+      const int r = r0 + i;
+      if (r >= rows) {
+        memset(qrow, 0, MLA_ROW * sizeof(float));
+        continue;
+      }
+      const int64_t t = tq0 + pc->q0 + r / pc->nh;
+      const int h = pc->h0 + r % pc->nh;
+      mla_cpu_load_act(J->k, a->act_dtype, a->q_nope, t * J->nope_st + h * J->nope_sh,
+                       MLA_LATENT, qrow);
+      mla_cpu_load_act(J->k, a->act_dtype, a->q_rope, t * J->rope_st + h * J->rope_sh, MLA_ROPE,
+                       qrow + MLA_LATENT);
+    }
+    if (rb == 16 && J->k->qt16p) /* the 16-row scores kernel's layout */
+      J->k->qt16p(stage, MLA_ROW, MLA_ROW, J->qscale, J->split, QT);
+    else
+      J->k->qt16(stage, MLA_ROW, MLA_ROW, J->qscale, J->split, QT + r0, rb);
+  }
+}
+
 static void run_piece(const ab_job *J, const piece *pc, int worker) {
   const mla_plan *P = J->plan;
-  const mla_absorbed_args *a = J->args;
   const mla_cpu_kernels *k = J->k;
   scratch_layout L = layout_for(J->g.rb);
   float *base = J->scratch + (size_t)worker * J->scratch_floats;
-  float *Kt = base + L.kt, *QT = base + L.qt, *S = base + L.s, *acc = base + L.acc;
+  float *Kt = base + L.kt, *QTs = base + L.qt, *S = base + L.s, *acc = base + L.acc;
+  float *S2 = base + L.s2;
   float *m = base + L.m, *l = base + L.l, *alpha = base + L.alpha;
   int32_t *lim = (int32_t *)(base + L.lim);
 
@@ -125,64 +209,113 @@ static void run_piece(const ab_job *J, const piece *pc, int worker) {
   const int K = P->kv_lens[req];
   const int rows = pc->nq * pc->nh;
   const int rb = mla_cpu_round_up(rows, MLA_CPU_ROW_ALIGN);
+  const int32_t *slots = P->kv_indices + P->kv_indptr[req];
+  const int pair = rb == 16 && k->qk16p; /* 16 rows: the pair-layout scores (build_qt) */
 
-  /* Query block, transposed and pre-scaled; padded rows are zero. */
-  float qrow[MLA_ROW];
+  /* Causal limits first: they bound the keys, whose first tile is
+   * prefetched while the query block is built. */
   int minlim = INT_MAX, maxlim = -1;
   for (int r = 0; r < rb; r++) {
     if (r < rows) {
-      const int qa = pc->q0 + r / pc->nh, h = pc->h0 + r % pc->nh;
-      const int64_t t = tq0 + qa;
-      mla_cpu_load_act(k, a->act_dtype, a->q_nope, t * J->nope_st + h * J->nope_sh, MLA_LATENT,
-                       qrow);
-      mla_cpu_load_act(k, a->act_dtype, a->q_rope, t * J->rope_st + h * J->rope_sh, MLA_ROPE,
-                       qrow + MLA_LATENT);
-      for (int d = 0; d < MLA_ROW; d++) QT[(size_t)d * rb + r] = qrow[d] * J->qscale;
+      const int qa = pc->q0 + r / pc->nh;
       /* last visible key (bottom-right causal); may be negative: no key */
       lim[r] = P->causal ? K - Q + qa : K - 1;
       if (lim[r] < minlim) minlim = lim[r];
       if (lim[r] > maxlim) maxlim = lim[r];
     } else {
-      for (int d = 0; d < MLA_ROW; d++) QT[(size_t)d * rb + r] = 0.0f;
       lim[r] = -1;
     }
+  }
+  const int kend = pc->k1 < maxlim + 1 ? pc->k1 : maxlim + 1;
+  if (pc->k0 < kend)
+    prefetch_rows(&J->rows, slots + pc->k0,
+                  kend - pc->k0 < MLA_CPU_KEYS ? kend - pc->k0 : MLA_CPU_KEYS);
+  const float *QT = QTs;
+  if (pc->item >= 0) {
+    QT = J->item_qt + (size_t)pc->item * MLA_ROW * J->g.rb;
+  } else {
+    build_qt(J, pc, base + L.stage, QTs);
+  }
+  for (int r = 0; r < rb; r++) {
     m[r] = -INFINITY;
     l[r] = 0.0f;
   }
   memset(acc, 0, (size_t)rows * MLA_LATENT * sizeof(float));
 
-  const int32_t *slots = P->kv_indices + P->kv_indptr[req];
-  const int kend = pc->k1 < maxlim + 1 ? pc->k1 : maxlim + 1;
+  /* Blocks of a tile in the order they are used: the 9 column blocks of the
+   * scores, then the 8 value blocks of P x V. Block i + 1 (the first block
+   * of the next tile after the last one) is converted while block i is
+   * computed, into the other of the two buffers. */
+  float *buf[2] = {Kt, Kt + (size_t)MLA_CPU_KEYS * COLS};
+  int cb = 0;
+  mla_cpu_conv cv;
+  if (pc->k0 < kend) {
+    start_block(J, slots + pc->k0, kend - pc->k0 < MLA_CPU_KEYS ? kend - pc->k0 : MLA_CPU_KEYS, 0,
+                buf[0], &cv, NULL);
+    mla_cpu_conv_finish(k, &cv);
+  }
   for (int kt = pc->k0; kt < kend; kt += MLA_CPU_KEYS) {
     const int n = kend - kt < MLA_CPU_KEYS ? kend - kt : MLA_CPU_KEYS;
-    mla_cpu_load_rows(&J->rows, slots + kt, n, Kt, MLA_ROW, NULL, 0);
-    k->qk(n, MLA_ROW, Kt, MLA_ROW, QT, rb, S);
+    const int knext = kt + n, nn = kend - knext < MLA_CPU_KEYS ? kend - knext : MLA_CPU_KEYS;
+    /* the next tile's rows, a line per conversion step of this one */
+    mla_cpu_pf pf = {J->rows.base, J->rows.row_bytes, slots + knext, nn, 0, 0};
+    for (int c0 = 0; c0 < MLA_ROW; c0 += COLS) {
+      /* next: the following scores block, or the first value block */
+      start_block(J, slots + kt, n, c0 + COLS < MLA_ROW ? c0 + COLS : 0, buf[cb ^ 1], &cv, &pf);
+      if (pair)
+        k->qk16p(n, COLS, buf[cb], QT + (size_t)c0 * 16, S2, c0 > 0, &cv);
+      else
+        k->qk(n, COLS, buf[cb], COLS, QT + (size_t)c0 * rb, rb, S, c0 > 0, &cv);
+      mla_cpu_conv_finish(k, &cv);
+      cb ^= 1;
+    }
+    if (pair) k->red16p(n, S2, S);
     if (kt + n - 1 > minlim)
       for (int j = 0; j < n; j++)
         for (int r = 0; r < rows; r++)
           if (kt + j > lim[r]) S[(size_t)j * rb + r] = -INFINITY;
     k->softmax(n, rb, S, m, l, alpha);
-    k->pv(n, rows, S, rb, Kt, MLA_ROW, MLA_LATENT, alpha, acc, MLA_LATENT);
+    for (int c0 = 0; c0 < MLA_LATENT; c0 += COLS) {
+      /* next: the following value block, or the next tile's first block */
+      mla_cpu_conv *next = &cv;
+      if (c0 + COLS < MLA_LATENT)
+        start_block(J, slots + kt, n, c0 + COLS, buf[cb ^ 1], &cv, &pf);
+      else if (nn > 0)
+        start_block(J, slots + knext, nn, 0, buf[cb ^ 1], &cv, &pf);
+      else
+        next = NULL;
+      k->pv(n, rows, S, rb, buf[cb], COLS, COLS, alpha, acc + c0, MLA_LATENT, next);
+      if (next) mla_cpu_conv_finish(k, next);
+      cb ^= 1;
+    }
   }
 
   for (int r = 0; r < rows; r++) {
-    float *o = acc + (size_t)r * MLA_LATENT;
+    const float *ar = acc + (size_t)r * MLA_LATENT;
+    float obuf[MLA_LATENT];
+    float *o = pc->part >= 0
+                   ? J->partial + ((size_t)pc->part * J->g.rb + r) * (MLA_LATENT + 1)
+                   : obuf;
     double lse2;
     if (m[r] == -INFINITY) { /* no visible key in this range */
       memset(o, 0, MLA_LATENT * sizeof(float));
       lse2 = -INFINITY;
     } else {
       const float inv = 1.0f / l[r];
-      for (int e = 0; e < MLA_LATENT; e++) o[e] *= inv;
+      if (J->split) /* back to the natural column order */
+        for (int g = 0; g < MLA_LATENT; g += 32)
+          for (int i = 0; i < 16; i++) {
+            o[g + 2 * i] = ar[g + i] * inv;
+            o[g + 2 * i + 1] = ar[g + 16 + i] * inv;
+          }
+      else
+        for (int e = 0; e < MLA_LATENT; e++) o[e] = ar[e] * inv;
       lse2 = (double)m[r] + log2((double)l[r]);
     }
-    if (pc->part >= 0) {
-      float *dst = J->partial + ((size_t)pc->part * J->g.rb + r) * (MLA_LATENT + 1);
-      memcpy(dst, o, MLA_LATENT * sizeof(float));
-      dst[MLA_LATENT] = (float)lse2;
-    } else {
+    if (pc->part >= 0)
+      o[MLA_LATENT] = (float)lse2;
+    else
       write_row(J, tq0 + pc->q0 + r / pc->nh, pc->h0 + r % pc->nh, o, lse2);
-    }
   }
 }
 
@@ -204,6 +337,7 @@ static piece piece_of(const ab_job *J, int req, int64_t local) {
   pc.k0 = 0;
   pc.k1 = J->plan->kv_lens[req];
   pc.part = -1;
+  pc.item = -1;
   return pc;
 }
 
@@ -219,6 +353,13 @@ static void items_range(void *arg, int64_t b, int64_t e, int worker) {
     piece pc = piece_of(J, i, it - first);
     run_piece(J, &pc, worker);
   }
+}
+
+static void qt_range(void *arg, int64_t b, int64_t e, int worker) {
+  const ab_job *J = arg;
+  float *stage = J->scratch + (size_t)worker * J->scratch_floats + layout_for(J->g.rb).stage;
+  for (int64_t it = b; it < e; it++)
+    build_qt(J, &J->items[it], stage, J->item_qt + (size_t)it * MLA_ROW * J->g.rb);
 }
 
 static void pieces_range(void *arg, int64_t b, int64_t e, int worker) {
@@ -245,15 +386,21 @@ static void merge_range(void *arg, int64_t b, int64_t e, int worker) {
     if (mx == -INFINITY) {
       memset(o, 0, sizeof o);
     } else {
-      double accd[MLA_LATENT] = {0}, wsum = 0.0;
+      /* o = sum_p w_p o_p / sum_p w_p as one P x V product of the kernels
+       * (a row of weights against the pieces' rows); an empty piece has
+       * weight 0 and o_p = 0, so it adds nothing. */
+      float w[SPLIT_MAX_PIECES];
+      double wsum = 0.0;
       for (int p = 0; p < np; p++) {
-        const float *src = J->partial + ((size_t)(p0 + p) * J->g.rb + r) * (MLA_LATENT + 1);
-        if (src[MLA_LATENT] == -INFINITY) continue; /* empty piece: no weight, no NaN */
-        const double w = exp2((double)src[MLA_LATENT] - mx);
-        wsum += w;
-        for (int c = 0; c < MLA_LATENT; c++) accd[c] += w * src[c];
+        const float l2 = J->partial[((size_t)(p0 + p) * J->g.rb + r) * (MLA_LATENT + 1) + MLA_LATENT];
+        w[p] = l2 == -INFINITY ? 0.0f : (float)exp2((double)l2 - mx);
+        wsum += w[p];
       }
-      for (int c = 0; c < MLA_LATENT; c++) o[c] = (float)(accd[c] / wsum);
+      memset(o, 0, sizeof o);
+      J->k->pv(np, 1, w, 1, J->partial + ((size_t)p0 * J->g.rb + r) * (MLA_LATENT + 1),
+               J->g.rb * (MLA_LATENT + 1), MLA_LATENT, NULL, o, MLA_LATENT, NULL);
+      const float inv = (float)(1.0 / wsum);
+      for (int c = 0; c < MLA_LATENT; c++) o[c] *= inv;
       lse2 = mx + log2(wsum);
     }
     write_row(J, J->plan->qo_indptr[pc->req] + pc->q0 + r / pc->nh, pc->h0 + r % pc->nh, o,
@@ -275,7 +422,7 @@ mla_status mla_attention_absorbed_workspace_size(mla_ctx *ctx, const mla_plan *p
   MLA_REQUIRE(&ctx->err, plan->max_q_len >= 0, MLA_ERR_INVALID_ARGUMENT,
               "plan->max_q_len = %d is negative", (int)plan->max_q_len);
   mla_ws w = mla_ws_counter();
-  carve(&w, mla_ctx_workers(ctx), geom_for(num_heads, plan->max_q_len), NULL, NULL);
+  carve(&w, mla_ctx_workers(ctx), geom_for(num_heads, plan->max_q_len), NULL, NULL, NULL);
   *bytes = mla_ws_total(&w);
   return MLA_OK;
 }
@@ -333,6 +480,7 @@ mla_status mla_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, int l
                                   void *workspace, size_t workspace_bytes) {
   if (!ctx) return MLA_ERR_INVALID_ARGUMENT;
   mla_errbuf *eb = &ctx->err;
+  MLA_CPU_REQUIRE_CPU_CTX(eb, ctx);
   mla_clear_error(eb);
   MLA_REQUIRE_PTR(eb, cache);
   MLA_REQUIRE_PTR(eb, plan);
@@ -368,7 +516,7 @@ mla_status mla_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, int l
   size_t need;
   {
     mla_ws w = mla_ws_counter();
-    carve(&w, workers, g, NULL, NULL);
+    carve(&w, workers, g, NULL, NULL, NULL);
     need = mla_ws_total(&w);
   }
   MLA_REQUIRE(eb, workspace_bytes >= need, MLA_ERR_WORKSPACE_TOO_SMALL,
@@ -382,6 +530,7 @@ mla_status mla_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, int l
   J.args = args;
   J.k = mla_cpu_kernels_get();
   mla_cpu_rows_init(&J.rows, cache, layer, J.k);
+  J.split = cache->dtype == MLA_DTYPE_BF16;
   J.g = g;
   J.H = H;
   J.qscale = (float)(args->scale * MLA_CPU_LOG2E);
@@ -390,7 +539,7 @@ mla_status mla_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, int l
   J.rope_st = args->q_stride_token ? args->q_stride_token : (int64_t)H * MLA_ROPE;
   J.rope_sh = args->q_stride_head ? args->q_stride_head : MLA_ROPE;
   mla_ws w = mla_ws_over(workspace, workspace_bytes);
-  J.scratch_floats = carve(&w, workers, g, &J.scratch, &J.partial);
+  J.scratch_floats = carve(&w, workers, g, &J.scratch, &J.partial, &J.item_qt);
   if (w.overflow) return mla_fail(eb, MLA_ERR_INTERNAL, __func__, "workspace carve overflow");
   J.num_heads_blocks = (int)mla_cdiv(H, g.hb);
 
@@ -417,6 +566,7 @@ mla_status mla_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, int l
       if (kend < 0) kend = 0;
       if (kend > pc.k1) kend = pc.k1;
       pc.k1 = kend;
+      pc.item = ni;
       items[ni++] = pc;
       total_keys += kend;
     }
@@ -446,6 +596,8 @@ mla_status mla_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, int l
   J.items = items;
   J.item_first_part = first_part;
   J.item_num_parts = num_parts;
+  /* each item's query block once, shared by its pieces */
+  mla_parallel_for(ctx, ni, 1, qt_range, &J);
   mla_parallel_for(ctx, np, 1, pieces_range, &J);
   mla_parallel_for(ctx, (int64_t)ni * g.rb, 8, merge_range, &J);
   return MLA_OK;

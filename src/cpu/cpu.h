@@ -12,11 +12,25 @@
  * (the query block is pre-multiplied by scale * log2(e)) so the exponential
  * is an exp2; the LSE is converted to the caller's base at the end.
  *
+ * All arithmetic is fp32 FMA on fp32 operands: cache rows and activations are
+ * converted (exactly) to fp32 in small blocks right before use. On the
+ * development machine (AVX512-BF16 present) vdpbf16ps measured at half the
+ * fp32 FMA flop rate (one per two cycles), so a bf16 dot product path would
+ * be slower than converting and would also round q to bf16; it is not used.
+ * What makes the kernels fast instead (see absorbed.c): the scores are
+ * accumulated over 64-column blocks that stay in L1, the conversion of the
+ * next block is software-pipelined into the FMA loops (mla_cpu_conv), the
+ * next tile is prefetched a line at a time (mla_cpu_pf), key row strides are
+ * compile-time constants in the hot kernels, and 16-row items use a
+ * pair-layout scores kernel (qk16p) that halves the broadcast loads.
+ *
  * The micro-kernels come in three builds (scalar C, AVX2+FMA+F16C, AVX-512F)
  * chosen once at run time from the CPU's features; MLA_CPU_ISA=scalar|avx2|
  * avx512 in the environment (or mla_cpu_set_isa() from a white-box test)
- * forces one. The schedule never depends on the ISA or on the thread count,
- * so one ISA gives bit-identical results for any number of threads.
+ * forces one; mla_ctx_cpu_isa() reports the choice. Optional entries of the
+ * table are NULL in builds that lack them. The schedule never depends on
+ * the ISA or on the thread count, so one ISA gives bit-identical results
+ * for any number of threads (different ISAs differ in rounding only).
  */
 #ifndef MLA_CPU_CPU_H
 #define MLA_CPU_CPU_H
@@ -37,22 +51,52 @@ typedef enum mla_cpu_isa {
   MLA_CPU_ISA_AVX512 = 2
 } mla_cpu_isa;
 
+/* A conversion of bf16 cache rows that the AVX-512 micro-kernels advance
+ * between their FMAs (software pipelining: the next block of a tile is
+ * converted while the current one is computed, so the conversion's stores
+ * overlap the arithmetic). Rows [next, count) of slots: columns [c0, c0 +
+ * 64) -> dst [count, 64] in pair-split order. Kernels without the feature
+ * leave it alone; mla_cpu_conv_finish converts what is left. */
+typedef struct mla_cpu_conv {
+  const unsigned char *base;
+  size_t row_bytes;
+  const int32_t *slots;
+  int c0;
+  float *dst;
+  int next, count;
+  struct mla_cpu_pf *pf; /* NULL, or rows to prefetch a line per step */
+} mla_cpu_conv;
+
+/* Rows to bring into L2 a cache line at a time, spread over a tile's
+ * computation (a burst of prefetches would stall on the fill buffers):
+ * the next tile's rows while the current one is computed. */
+typedef struct mla_cpu_pf {
+  const unsigned char *base;
+  size_t row_bytes;
+  const int32_t *slots;
+  int rows, row;  /* rows in all, the current one */
+  size_t off;     /* byte offset of the next line in the current row */
+} mla_cpu_pf;
+
 typedef struct mla_cpu_kernels {
   mla_cpu_isa isa;
   const char *name;
-  /* S [n, rb] = K [n, D] (row stride ldk) x QT [D, rb].
-   * n <= MLA_CPU_KEYS, rb a multiple of MLA_CPU_ROW_ALIGN <= MLA_CPU_ROWS. */
-  void (*qk)(int n, int D, const float *K, int ldk, const float *QT, int rb, float *S);
+  /* S [n, rb] = K [n, D] (row stride ldk) x QT [D, rb], or S += ... when
+   * accumulate is non-zero. n <= MLA_CPU_KEYS, rb a multiple of
+   * MLA_CPU_ROW_ALIGN <= MLA_CPU_ROWS. */
+  void (*qk)(int n, int D, const float *K, int ldk, const float *QT, int rb, float *S,
+             int accumulate, mla_cpu_conv *cv);
   /* Online-softmax step over one tile for rb rows: S [n, rb] holds base-2
    * logits (-inf = masked); on return S holds P = exp2(S - m_new), m [rb] the
    * running max, l [rb] the running sum (rescaled) and alpha [rb] the factor
    * by which the old accumulator must be scaled. A row that has seen no key
    * keeps m = -inf, l = 0, alpha = 1 and P = 0. */
   void (*softmax)(int n, int rb, float *S, float *m, float *l, float *alpha);
-  /* acc [rows, lda] = alpha [rows] * acc + P^T x V for P [n, rb], V [n, ldv];
-   * only the first dvp columns (a multiple of MLA_CPU_DV_ALIGN) are touched. */
+  /* acc [rows, lda] = alpha [rows] * acc + P^T x V for P [n, rb], V [n, ldv]
+   * (alpha NULL: no rescaling, acc += P^T x V); only the first dvp columns
+   * (a multiple of MLA_CPU_DV_ALIGN) are touched. */
   void (*pv)(int n, int rows, const float *P, int rb, const float *V, int ldv, int dvp,
-             const float *alpha, float *acc, int lda);
+             const float *alpha, float *acc, int lda, mla_cpu_conv *cv);
   /* dst [n] = f16 / bf16 src [n] as float (exact). */
   void (*f16_to_f32)(const uint16_t *src, float *dst, int n);
   void (*bf16_to_f32)(const uint16_t *src, float *dst, int n);
@@ -61,7 +105,51 @@ typedef struct mla_cpu_kernels {
   /* Logit soft cap on base-2 logits: x [n] = cap2 * tanh(x) (cap2 = cap *
    * log2(e); the scores were computed with scale / cap folded in). */
   void (*softcap)(float *x, int n, float cap2);
+  /* Columns [c0, c0 + w) of n bf16 rows (row i at base + slots[i] *
+   * row_bytes) -> fp32 in pair-split order (MLA_CPU_SPLIT32), in blocks of
+   * 64 columns: dst [w / 64][n, ldd], block b at dst + b * bstride. c0 and
+   * w are multiples of 64. */
+  void (*bf16_rows)(const unsigned char *base, size_t row_bytes, const int32_t *slots, int n,
+                    int c0, int w, float *dst, int ldd, size_t bstride);
+  /* Columns [0, 16) of QT [D, rb] = scale * Q [16, ldq] transposed: the
+   * query block of 16 rows in the layout the scores kernel reads. QT's rows
+   * follow the pair-split order (MLA_CPU_SPLIT32; D a multiple of 32) when
+   * split is non-zero, the natural order otherwise (any D). */
+  void (*qt16)(const float *Q, int ldq, int D, float scale, int split, float *QT, int rb);
+  /* Optional (NULL when a build lacks them): the scores of exactly 16 rows
+   * with the query block in "pair" layout, QTp [D / 2][2][16]: vector v of
+   * pair p holds rows 8v .. 8v + 7, lane 2i + e = row 8v + i at column
+   * 2p + e. One 64-bit broadcast of two key values then feeds two FMAs (the
+   * plain 16-row layout needs a broadcast load per FMA and is load-bound).
+   * qt16p builds QTp like qt16 with rb = 16 (D even, a multiple of 32 when
+   * split). qk16p: S2 [n, 32] (+)= the unreduced products of K [n, D] (row
+   * stride 64, D even) with QTp, two partial sums per row; red16p:
+   * S [n, 16] = their sums. */
+  void (*qt16p)(const float *Q, int ldq, int D, float scale, int split, float *QTp);
+  void (*qk16p)(int n, int D, const float *K, const float *QTp, float *S2, int accumulate,
+                mla_cpu_conv *cv);
+  void (*red16p)(int n, const float *S2, float *S);
 } mla_cpu_kernels;
+
+/* Pair-split order of bf16 columns: within each aligned group of 32
+ * columns, position p < 16 holds column 2p and position 16 + p column
+ * 2p + 1. A 32-bit word of a bf16 row holds an even column in its low half
+ * and the next odd column in its high half, so a shift and a mask convert
+ * a vector of words to fp32 with no shuffle; the kernels lay out the query
+ * (QT rows) and the accumulator columns in the same order and restore the
+ * natural order only when the output is written. */
+#define MLA_CPU_SPLIT32(p) ((((p) & ~31) | (((p) & 15) << 1)) + (((p) >> 4) & 1))
+
+/* Convert the rows of cv the kernels did not get to. */
+static inline void mla_cpu_conv_finish(const struct mla_cpu_kernels *k, mla_cpu_conv *cv) {
+  if (cv->next < cv->count)
+    k->bf16_rows(cv->base, cv->row_bytes, cv->slots + cv->next, cv->count - cv->next, cv->c0, 64,
+                 cv->dst + (size_t)cv->next * 64, 64, 0);
+  cv->next = cv->count;
+}
+
+/* The portable qt16 (the scalar and AVX2 tables use it). */
+void mla_cpu_qt16_c(const float *Q, int ldq, int D, float scale, int split, float *QT, int rb);
 
 /* Activations (F32 / BF16 / F16) -> float: dst [n] = src[offset .. offset+n)
  * through the kernels' converters (mla_load_f32 semantics, vectorised). */
@@ -101,11 +189,31 @@ void mla_cpu_rows_init(mla_cpu_rows *rows, const mla_kv_cache *cache, int layer,
 void mla_cpu_load_rows(const mla_cpu_rows *rows, const int32_t *slots, int n, float *c,
                        int ldc, float *r, int ldr);
 
+/* Columns [c0, c0 + w) of n rows (any cache dtype, natural order) ->
+ * dst [n, ldd]: the rows of a tile, one block of columns at a time. c0 and
+ * w are multiples of 64 within [0, 576); a block never straddles the latent
+ * / rope boundary nor an fp8 scale block. Slots unchecked. */
+void mla_cpu_load_cols(const mla_cpu_rows *rows, const int32_t *slots, int n, int c0, int w,
+                       float *dst, int ldd);
+
+/* Prefetch one cache line into L2 (a hint; nothing where unsupported). */
+#if defined(__GNUC__) || defined(__clang__)
+#define MLA_CPU_PREFETCH_L2(p) __builtin_prefetch((p), 0, 2)
+#else
+#define MLA_CPU_PREFETCH_L2(p) ((void)(p))
+#endif
+
 /* exp2 of a float for the scalar paths (-inf -> 0). */
 static inline float mla_cpu_exp2(float x) { return exp2f(x); }
 
 #define MLA_CPU_LOG2E 1.44269504088896340736
 #define MLA_CPU_LN2 0.69314718055994530942
+
+/* The CPU kernels run on host memory: a CUDA context's tensors are device
+ * pointers they must not touch. The CUDA kernels land with the CUDA issues. */
+#define MLA_CPU_REQUIRE_CPU_CTX(EB, CTX)                                                    \
+  MLA_REQUIRE(EB, (CTX)->device == MLA_DEVICE_CPU, MLA_ERR_UNSUPPORTED,                    \
+              "no CUDA implementation of this call yet: use a CPU context")
 
 /* Activation dtype check with the library's convention: a value outside the
  * enum is malformed (INVALID_ARGUMENT), a known dtype that cannot be an

@@ -42,6 +42,10 @@ mla_status mla_gather_latent(mla_ctx *ctx, const mla_kv_cache *cache, int layer,
     if (st_ != MLA_OK) return st_;
   }
   if (num_tokens == 0) return MLA_OK;
+  if (cache->on_device) { /* device slots in, device rows out: the cache's kernel */
+    mla_status st = mla_kv_cache_read(cache, layer, num_tokens, slots, c_out, r_out, dst_dtype);
+    return st == MLA_OK ? st : mla_fail(eb, st, __func__, "%s", mla_kv_cache_last_error(cache));
+  }
   MLA_REQUIRE_PTR(eb, slots);
   MLA_REQUIRE(eb, c_out || r_out, MLA_ERR_INVALID_ARGUMENT, "c_out and r_out are both NULL");
   for (int t = 0; t < num_tokens; t++)
@@ -105,7 +109,7 @@ static void expand_range(void *arg, int64_t b, int64_t e, int worker) {
       const int n = wrows - j0 < EX_WROWS ? wrows - j0 : EX_WROWS;
       mla_cpu_load_act(J->k, J->act, J->w, ((int64_t)h * wrows + j0) * MLA_LATENT, n * MLA_LATENT,
                        W);
-      J->k->qk(n, MLA_LATENT, W, MLA_LATENT, CT, rb, S);
+      J->k->qk(n, MLA_LATENT, W, MLA_LATENT, CT, rb, S, 0, NULL);
       for (int j = 0; j < n; j++)
         for (int t = 0; t < nt; t++) OUT[(size_t)t * wrows + j0 + j] = S[(size_t)j * rb + t];
     }
@@ -129,6 +133,7 @@ mla_status mla_expand_kv(mla_ctx *ctx, int num_tokens, int num_heads, int nope_d
                          void *k_out /* [T, H, nope+64] */, void *v_out /* [T, H, v_dim] */) {
   if (!ctx) return MLA_ERR_INVALID_ARGUMENT;
   mla_errbuf *eb = &ctx->err;
+  MLA_CPU_REQUIRE_CPU_CTX(eb, ctx);
   mla_clear_error(eb);
   MLA_REQUIRE(eb, num_tokens >= 0, MLA_ERR_INVALID_ARGUMENT, "num_tokens = %d is negative",
               num_tokens);

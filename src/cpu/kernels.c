@@ -11,11 +11,14 @@
 /* ---- scalar kernels ----------------------------------------------------- */
 
 static void qk_scalar(int n, int D, const float *K /* [n, ldk] */, int ldk,
-                      const float *QT /* [D, rb] */, int rb, float *S /* [n, rb] */) {
+                      const float *QT /* [D, rb] */, int rb, float *S /* [n, rb] */,
+                      int accumulate, mla_cpu_conv *cv) {
+  (void)cv; /* no pipelined conversion: mla_cpu_conv_finish does it */
   for (int j = 0; j < n; j++) {
     const float *kj = K + (size_t)j * ldk;
     float *s = S + (size_t)j * rb;
-    for (int r = 0; r < rb; r++) s[r] = 0.0f;
+    if (!accumulate)
+      for (int r = 0; r < rb; r++) s[r] = 0.0f;
     for (int d = 0; d < D; d++) {
       const float kd = kj[d];
       const float *q = QT + (size_t)d * rb;
@@ -53,11 +56,13 @@ static void softmax_scalar(int n, int rb, float *S /* [n, rb] */, float *m /* [r
 
 static void pv_scalar(int n, int rows, const float *P /* [n, rb] */, int rb,
                       const float *V /* [n, ldv] */, int ldv, int dvp,
-                      const float *alpha /* [rows] */, float *acc /* [rows, lda] */, int lda) {
+                      const float *alpha /* [rows] */, float *acc /* [rows, lda] */, int lda,
+                      mla_cpu_conv *cv) {
+  (void)cv;
   for (int r = 0; r < rows; r++) {
     float *a = acc + (size_t)r * lda;
-    const float al = alpha[r];
-    for (int e = 0; e < dvp; e++) a[e] *= al;
+    if (alpha)
+      for (int e = 0; e < dvp; e++) a[e] *= alpha[r];
     for (int j = 0; j < n; j++) {
       const float p = P[(size_t)j * rb + r];
       const float *v = V + (size_t)j * ldv;
@@ -82,9 +87,31 @@ static void softcap_scalar(float *x, int n, float cap2) {
   for (int i = 0; i < n; i++) x[i] = cap2 * tanhf(x[i]);
 }
 
-static const mla_cpu_kernels k_scalar = {MLA_CPU_ISA_SCALAR, "scalar", qk_scalar,
-                                         softmax_scalar, pv_scalar, f16_scalar, bf16_scalar,
-                                         e4m3_scalar, softcap_scalar};
+static void bf16_rows_scalar(const unsigned char *base, size_t row_bytes,
+                             const int32_t *slots /* [n] */, int n, int c0, int w,
+                             float *dst /* [w / 64][n, ldd] */, int ldd, size_t bstride) {
+  for (int i = 0; i < n; i++) {
+    const uint16_t *src = (const uint16_t *)(base + (size_t)slots[i] * row_bytes) + c0;
+    for (int p = 0; p < w; p++)
+      dst[(size_t)(p / 64) * bstride + (size_t)i * ldd + p % 64] =
+          mla_bf16_to_f32(src[MLA_CPU_SPLIT32(p)]);
+  }
+}
+
+void mla_cpu_qt16_c(const float *Q /* [16, ldq] */, int ldq, int D, float scale, int split,
+                        float *QT /* [D, rb] */, int rb) {
+  for (int d = 0; d < D; d++) {
+    const int c = split ? MLA_CPU_SPLIT32(d) : d;
+    for (int r = 0; r < 16; r++) QT[(size_t)d * rb + r] = Q[(size_t)r * ldq + c] * scale;
+  }
+}
+
+static const mla_cpu_kernels k_scalar = {MLA_CPU_ISA_SCALAR, "scalar",    qk_scalar,
+                                         softmax_scalar,     pv_scalar,   f16_scalar,
+                                         bf16_scalar,        e4m3_scalar, softcap_scalar,
+                                         bf16_rows_scalar,   mla_cpu_qt16_c,
+                                         NULL,               NULL,
+                                         NULL};
 
 void mla_cpu_load_act(const mla_cpu_kernels *k, mla_dtype t, const void *src, int64_t offset,
                       int n, float *dst) {
@@ -177,6 +204,17 @@ int mla_cpu_set_isa(mla_cpu_isa isa) {
   return 0;
 }
 
+mla_status mla_ctx_cpu_isa(const mla_ctx *ctx, const char **name) {
+  if (!ctx) return MLA_ERR_INVALID_ARGUMENT;
+  /* A const query still records its failure (the handle was created non-const). */
+  mla_errbuf *eb = &((mla_ctx *)ctx)->err;
+  MLA_REQUIRE_PTR(eb, name);
+  MLA_REQUIRE(eb, ctx->device == MLA_DEVICE_CPU, MLA_ERR_UNSUPPORTED,
+              "ctx is not a CPU context");
+  *name = mla_cpu_kernels_get()->name;
+  return MLA_OK;
+}
+
 /* ---- cache rows --------------------------------------------------------- */
 
 void mla_cpu_rows_init(mla_cpu_rows *rows, const mla_kv_cache *cache, int layer,
@@ -222,6 +260,34 @@ void mla_cpu_load_rows(const mla_cpu_rows *rows, const int32_t *slots /* [n] */,
       default: /* unreachable: caches only hold the dtypes above */
         for (int e = 0; e < MLA_LATENT; e++) ci[e] = NAN;
         for (int e = 0; e < MLA_ROPE; e++) ri[e] = NAN;
+    }
+  }
+}
+
+void mla_cpu_load_cols(const mla_cpu_rows *rows, const int32_t *slots /* [n] */, int n, int c0,
+                       int w, float *dst /* [n, ldd] */, int ldd) {
+  const mla_cpu_kernels *k = rows->k;
+  const int rope = c0 >= MLA_LATENT;
+  for (int i = 0; i < n; i++) {
+    const unsigned char *p = rows->base + (size_t)slots[i] * rows->row_bytes;
+    float *d = dst + (size_t)i * ldd;
+    switch (rows->dtype) {
+      case MLA_DTYPE_BF16: k->bf16_to_f32((const uint16_t *)p + c0, d, w); break;
+      case MLA_DTYPE_F16: k->f16_to_f32((const uint16_t *)p + c0, d, w); break;
+      case MLA_DTYPE_FP8_E4M3: k->e4m3_to_f32(p + c0, rows->lut, rows->fp8_scale, d, w); break;
+      case MLA_DTYPE_FP8_E4M3_BLOCK: {
+        const size_t scales = (MLA_LATENT / MLA_FP8_BLOCK) * sizeof(float);
+        if (rope) {
+          k->bf16_to_f32((const uint16_t *)(p + MLA_LATENT + scales) + (c0 - MLA_LATENT), d, w);
+        } else {
+          float sc;
+          memcpy(&sc, p + MLA_LATENT + (size_t)(c0 / MLA_FP8_BLOCK) * sizeof(float), sizeof sc);
+          k->e4m3_to_f32(p + c0, rows->lut, sc, d, w);
+        }
+        break;
+      }
+      default: /* unreachable: caches only hold the dtypes above */
+        for (int e = 0; e < w; e++) d[e] = NAN;
     }
   }
 }

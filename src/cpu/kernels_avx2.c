@@ -11,10 +11,11 @@
 #define INL static inline __attribute__((always_inline)) TGT
 
 INL void qk_block(const int NK, const int NV, int D, const float *K, int ldk, const float *QT,
-                  int rb, float *S) {
+                  int rb, float *S, int accumulate) {
   __m256 acc[4][2];
   for (int k = 0; k < NK; k++)
-    for (int v = 0; v < NV; v++) acc[k][v] = _mm256_setzero_ps();
+    for (int v = 0; v < NV; v++)
+      acc[k][v] = accumulate ? _mm256_loadu_ps(S + (size_t)k * rb + 8 * v) : _mm256_setzero_ps();
   for (int d = 0; d < D; d++) {
     __m256 q[2];
     for (int v = 0; v < NV; v++) q[v] = _mm256_loadu_ps(QT + (size_t)d * rb + 8 * v);
@@ -29,20 +30,31 @@ INL void qk_block(const int NK, const int NV, int D, const float *K, int ldk, co
 
 #define QK_FN(NK)                                                                        \
   static TGT void qk_##NK(int D, const float *K, int ldk, const float *QT, int rb,       \
-                          float *S) {                                                    \
-    qk_block(NK, 2, D, K, ldk, QT, rb, S);                                               \
+                          float *S, int accumulate) {                                    \
+    qk_block(NK, 2, D, K, ldk, QT, rb, S, accumulate);                                   \
   }
 QK_FN(1) QK_FN(2) QK_FN(3) QK_FN(4)
-typedef void (*qk_fn)(int, const float *, int, const float *, int, float *);
+typedef void (*qk_fn)(int, const float *, int, const float *, int, float *, int);
 static const qk_fn qk_tab[4] = {qk_1, qk_2, qk_3, qk_4};
 
+/* Reduction blocks of QK_DB keep the QT block and the keys' slices in L1
+ * (as in the AVX-512 build). */
+#define QK_DB 64
+
 static TGT void qk_avx2(int n, int D, const float *K /* [n, ldk] */, int ldk,
-                        const float *QT /* [D, rb] */, int rb, float *S /* [n, rb] */) {
+                        const float *QT /* [D, rb] */, int rb, float *S /* [n, rb] */,
+                        int accumulate, mla_cpu_conv *cv) {
+  (void)cv; /* no pipelined conversion: mla_cpu_conv_finish does it */
   /* rb is a multiple of 16, so vectors always come in pairs. */
-  for (int j = 0; j < n; j += 4) {
-    const int nk = n - j < 4 ? n - j : 4;
+  for (int d0 = 0; d0 < D; d0 += QK_DB) {
+    const int db = D - d0 < QK_DB ? D - d0 : QK_DB;
+    const int acc = accumulate || d0 > 0;
     for (int v0 = 0; v0 < rb; v0 += 16)
-      qk_tab[nk - 1](D, K + (size_t)j * ldk, ldk, QT + v0, rb, S + (size_t)j * rb + v0);
+      for (int j = 0; j < n; j += 4) {
+        const int nk = n - j < 4 ? n - j : 4;
+        qk_tab[nk - 1](db, K + (size_t)j * ldk + d0, ldk, QT + (size_t)d0 * rb + v0, rb,
+                       S + (size_t)j * rb + v0, acc);
+      }
   }
 }
 
@@ -99,9 +111,11 @@ INL void pv_block(const int NR, int n, const float *P, int rb, const float *V, i
                   const float *alpha, float *acc, int lda) {
   __m256 a[2][4];
   for (int i = 0; i < NR; i++) {
-    __m256 al = _mm256_set1_ps(alpha[i]);
-    for (int c = 0; c < 4; c++)
-      a[i][c] = _mm256_mul_ps(al, _mm256_loadu_ps(acc + (size_t)i * lda + 8 * c));
+    __m256 al = _mm256_set1_ps(alpha ? alpha[i] : 1.0f);
+    for (int c = 0; c < 4; c++) {
+      a[i][c] = _mm256_loadu_ps(acc + (size_t)i * lda + 8 * c);
+      if (alpha) a[i][c] = _mm256_mul_ps(al, a[i][c]);
+    }
   }
   for (int j = 0; j < n; j++) {
     __m256 v[4];
@@ -126,10 +140,12 @@ static TGT void pv_2(int n, const float *P, int rb, const float *V, int ldv,
 
 static TGT void pv_avx2(int n, int rows, const float *P /* [n, rb] */, int rb,
                         const float *V /* [n, ldv] */, int ldv, int dvp,
-                        const float *alpha /* [rows] */, float *acc /* [rows, lda] */, int lda) {
+                        const float *alpha /* [rows] */, float *acc /* [rows, lda] */, int lda,
+                        mla_cpu_conv *cv) {
+  (void)cv;
   for (int e0 = 0; e0 < dvp; e0 += 32)
     for (int r0 = 0; r0 < rows; r0 += 2) {
-      const float *p = P + r0, *al = alpha + r0;
+      const float *p = P + r0, *al = alpha ? alpha + r0 : NULL;
       float *a = acc + (size_t)r0 * lda + e0;
       if (rows - r0 >= 2)
         pv_2(n, p, rb, V + e0, ldv, al, a, lda);
@@ -152,6 +168,27 @@ static TGT void bf16_avx2(const uint16_t *src, float *dst, int n) {
     _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
   }
   for (; i < n; i++) dst[i] = mla_bf16_to_f32(src[i]);
+}
+
+/* bf16 rows in pair-split order (cpu.h): shift / mask of 32-bit words. */
+static TGT void bf16_rows_avx2(const unsigned char *base, size_t row_bytes,
+                               const int32_t *slots /* [n] */, int n, int c0, int w,
+                               float *dst /* [w / 64][n, ldd] */, int ldd, size_t bstride) {
+  const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+  for (int i = 0; i < n; i++) {
+    const uint16_t *src = (const uint16_t *)(base + (size_t)slots[i] * row_bytes) + c0;
+    float *d0 = dst + (size_t)i * ldd;
+    for (int c = 0; c < w; c += 64, d0 += bstride)
+      for (int g = 0; g < 64; g += 32) { /* the block's two groups of 32 */
+        float *d = d0 + g;
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(src + c + g));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(src + c + g + 16));
+        _mm256_storeu_ps(d, _mm256_castsi256_ps(_mm256_slli_epi32(x0, 16)));
+        _mm256_storeu_ps(d + 8, _mm256_castsi256_ps(_mm256_slli_epi32(x1, 16)));
+        _mm256_storeu_ps(d + 16, _mm256_castsi256_ps(_mm256_and_si256(x0, hi)));
+        _mm256_storeu_ps(d + 24, _mm256_castsi256_ps(_mm256_and_si256(x1, hi)));
+      }
+  }
 }
 
 /* e4m3 by bit surgery, as in the AVX-512 build. */
@@ -191,8 +228,10 @@ static TGT void softcap_avx2(float *x, int n, float cap2) {
   for (; i < n; i++) x[i] = cap2 * tanhf(x[i]);
 }
 
-static const mla_cpu_kernels k_avx2 = {MLA_CPU_ISA_AVX2, "avx2", qk_avx2, softmax_avx2,
-                                       pv_avx2, f16_avx2, bf16_avx2, e4m3_avx2, softcap_avx2};
+static const mla_cpu_kernels k_avx2 = {MLA_CPU_ISA_AVX2, "avx2",  qk_avx2,      softmax_avx2,
+                                       pv_avx2,          f16_avx2, bf16_avx2,    e4m3_avx2,
+                                       softcap_avx2,     bf16_rows_avx2, mla_cpu_qt16_c,
+                                       NULL,             NULL,           NULL};
 
 const mla_cpu_kernels *mla_cpu_kernels_avx2(void) { return &k_avx2; }
 

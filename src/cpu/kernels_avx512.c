@@ -1,9 +1,18 @@
 /* AVX-512F micro-kernels (see cpu.h for what each computes).
  *
- * Register blocking: scores use up to 8 keys x 1..4 vectors of 16 query rows
- * (8 to 16 accumulators, e.g. 4 loads + 4 broadcasts per 16 FMAs); P x V uses 4 rows x 64
- * value columns (16 accumulators). Block sizes are compile-time constants of
- * small always-inline functions so the accumulators live in registers. */
+ * Register blocking: scores use up to 16 keys x 1..4 vectors of 16 query
+ * rows (16 to 24 accumulators, e.g. 4 loads + 6 broadcasts per 24 FMAs for
+ * 64 rows), 16-row blocks the pair layout (8 keys x 2 vectors, qk16p);
+ * P x V uses 6 rows x 64 value columns (24 accumulators). Block sizes are
+ * compile-time constants of small always-inline functions so the
+ * accumulators live in registers. The absorbed kernel's variants also
+ * advance a pending bf16 conversion and a prefetch stream between FMAs
+ * (conv_step; cpu.h: mla_cpu_conv / mla_cpu_pf).
+ *
+ * Measured on the development machine (a 2-core AVX-512 Xeon VM): in L1
+ * these kernels run at ~70-78% of the FMA-only peak; an idealised loop with
+ * the same 1:2 load:FMA mix reaches ~85%. vdpbf16ps runs at one per two
+ * cycles there (half the fp32 FMA flop rate), see cpu.h. */
 #include "cpu.h"
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
@@ -12,12 +21,41 @@
 #define TGT __attribute__((target("avx512f")))
 #define INL static inline __attribute__((always_inline)) TGT
 
-INL void qk_block(const int NK, const int NV, int D, const float *K, int ldk, const float *QT,
-                  int rb, float *S) {
-  __m512 acc[8][4];
+/* One step of a pipelined conversion (cpu.h): a line of the rows to
+ * prefetch, and the next row's 64 columns. */
+INL void conv_step(mla_cpu_conv *cv) {
+  mla_cpu_pf *pf = cv->pf;
+  if (pf && pf->row < pf->rows) {
+    _mm_prefetch((const char *)pf->base + (size_t)pf->slots[pf->row] * pf->row_bytes + pf->off,
+                 _MM_HINT_T1);
+    pf->off += 64;
+    if (pf->off >= pf->row_bytes) pf->off = 0, pf->row++;
+  }
+  if (cv->next < cv->count) {
+    const int i = cv->next++;
+    const uint16_t *src =
+        (const uint16_t *)(cv->base + (size_t)cv->slots[i] * cv->row_bytes) + cv->c0;
+    float *d = cv->dst + (size_t)i * 64;
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512i x0 = _mm512_loadu_si512((const void *)src);
+    const __m512i x1 = _mm512_loadu_si512((const void *)(src + 32));
+    _mm512_storeu_ps(d, _mm512_castsi512_ps(_mm512_slli_epi32(x0, 16)));
+    _mm512_storeu_ps(d + 16, _mm512_castsi512_ps(_mm512_and_si512(x0, hi)));
+    _mm512_storeu_ps(d + 32, _mm512_castsi512_ps(_mm512_slli_epi32(x1, 16)));
+    _mm512_storeu_ps(d + 48, _mm512_castsi512_ps(_mm512_and_si512(x1, hi)));
+  }
+}
+
+/* S [NK, 16 NV] (+)= K [NK, D] x QT [D, 16 NV]: NK x NV accumulators. With
+ * CV, one row of the pending conversion every 4 steps of the reduction. */
+INL void qk_block(const int NK, const int NV, const int CV, int D, const float *K, int ldk,
+                  const float *QT, int rb, float *S, int accumulate, mla_cpu_conv *cv) {
+  __m512 acc[16][4];
   for (int k = 0; k < NK; k++)
-    for (int v = 0; v < NV; v++) acc[k][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; v++)
+      acc[k][v] = accumulate ? _mm512_loadu_ps(S + (size_t)k * rb + 16 * v) : _mm512_setzero_ps();
   for (int d = 0; d < D; d++) {
+    if (CV && (d & 3) == 0) conv_step(cv);
     __m512 q[4];
     for (int v = 0; v < NV; v++) q[v] = _mm512_loadu_ps(QT + (size_t)d * rb + 16 * v);
     for (int k = 0; k < NK; k++) {
@@ -29,33 +67,158 @@ INL void qk_block(const int NK, const int NV, int D, const float *K, int ldk, co
     for (int v = 0; v < NV; v++) _mm512_storeu_ps(S + (size_t)k * rb + 16 * v, acc[k][v]);
 }
 
-#define QK_FN(NK, NV)                                                                     \
-  static TGT void qk_##NK##_##NV(int D, const float *K, int ldk, const float *QT, int rb, \
-                                 float *S) {                                              \
-    qk_block(NK, NV, D, K, ldk, QT, rb, S);                                               \
+/* One function per block shape and key row stride. With the stride a
+ * compile-time constant (64: the absorbed kernel's converted blocks, 256:
+ * the ragged kernel's padded tiles) every key's broadcast is a displacement
+ * from one base register; with a run-time stride each key needs an index
+ * register of its own, and 16 keys would run out of them, so that variant
+ * stops at 8 keys and ignores a pipelined conversion (cv). */
+#define QK_FN(NK, NV, LD)                                                                  \
+  static TGT void qk##LD##_##NK##_##NV(int D, const float *K, int ldk, const float *QT,    \
+                                       int rb, float *S, int accumulate, mla_cpu_conv *cv) { \
+    if (LD != 0 && cv)                                                                     \
+      qk_block(NK, NV, 1, D, K, LD, QT, rb, S, accumulate, cv);                            \
+    else                                                                                   \
+      qk_block(NK, NV, 0, D, K, LD ? LD : ldk, QT, rb, S, accumulate, cv);                 \
   }
-#define QK_ROW(NK) QK_FN(NK, 1) QK_FN(NK, 2) QK_FN(NK, 3) QK_FN(NK, 4)
-QK_ROW(1) QK_ROW(2) QK_ROW(3) QK_ROW(4) QK_ROW(5) QK_ROW(6) QK_ROW(7) QK_ROW(8)
+/* Key counts per block for 1..4 row vectors: the largest count leaves
+ * enough independent accumulators (16..24 of the 32 registers) to hide the
+ * FMA latency on two ports. Smaller counts finish a tile's tail (greedy,
+ * largest first). */
+#define QK_FNS(LD, NK1)                                                                    \
+  QK_FN(NK1, 1, LD) QK_FN(8, 1, LD) QK_FN(4, 1, LD) QK_FN(2, 1, LD) QK_FN(1, 1, LD)        \
+  QK_FN(8, 2, LD) QK_FN(4, 2, LD) QK_FN(2, 2, LD) QK_FN(1, 2, LD)                          \
+  QK_FN(6, 3, LD) QK_FN(4, 3, LD) QK_FN(2, 3, LD) QK_FN(1, 3, LD)                          \
+  QK_FN(6, 4, LD) QK_FN(4, 4, LD) QK_FN(2, 4, LD) QK_FN(1, 4, LD)
+QK_FNS(64, 16)
+QK_FNS(256, 16)
+QK_FN(8, 1, 0) QK_FN(4, 1, 0) QK_FN(2, 1, 0) QK_FN(1, 1, 0)
+QK_FN(8, 2, 0) QK_FN(4, 2, 0) QK_FN(2, 2, 0) QK_FN(1, 2, 0)
+QK_FN(6, 3, 0) QK_FN(4, 3, 0) QK_FN(2, 3, 0) QK_FN(1, 3, 0)
+QK_FN(6, 4, 0) QK_FN(4, 4, 0) QK_FN(2, 4, 0) QK_FN(1, 4, 0)
 
-typedef void (*qk_fn)(int, const float *, int, const float *, int, float *);
-#define QK_TAB_ROW(NK) {qk_##NK##_1, qk_##NK##_2, qk_##NK##_3, qk_##NK##_4}
-static const qk_fn qk_tab[8][4] = {QK_TAB_ROW(1), QK_TAB_ROW(2), QK_TAB_ROW(3), QK_TAB_ROW(4),
-                                   QK_TAB_ROW(5), QK_TAB_ROW(6), QK_TAB_ROW(7), QK_TAB_ROW(8)};
-/* Keys per block for 1..4 row vectors: enough independent accumulators
- * (>= 8) to cover the FMA latency on two ports, at most 16 of them. */
-static const int qk_keys[4] = {8, 6, 5, 4};
+typedef void (*qk_fn)(int, const float *, int, const float *, int, float *, int, mla_cpu_conv *);
+typedef struct qk_step {
+  int nk;
+  qk_fn fn;
+} qk_step;
+#define QK_TAB(LD, NK1)                                                                    \
+  {{{NK1, qk##LD##_##NK1##_1}, {8, qk##LD##_8_1}, {4, qk##LD##_4_1}, {2, qk##LD##_2_1},     \
+    {1, qk##LD##_1_1}},                                                                     \
+   {{8, qk##LD##_8_2}, {4, qk##LD##_4_2}, {2, qk##LD##_2_2}, {1, qk##LD##_1_2}, {0, NULL}}, \
+   {{6, qk##LD##_6_3}, {4, qk##LD##_4_3}, {2, qk##LD##_2_3}, {1, qk##LD##_1_3}, {0, NULL}}, \
+   {{6, qk##LD##_6_4}, {4, qk##LD##_4_4}, {2, qk##LD##_2_4}, {1, qk##LD##_1_4}, {0, NULL}}}
+static const qk_step qk_steps64[4][5] = QK_TAB(64, 16);
+static const qk_step qk_steps256[4][5] = QK_TAB(256, 16);
+static const qk_step qk_steps0[4][5] = QK_TAB(0, 8);
+
+/* The reduction is cut into blocks of QK_DB so the block of QT (at most
+ * 16 KiB for 64 rows) and the keys' slices stay in L1 while every key of
+ * the tile streams past them; S carries the partial sums between blocks. */
+#define QK_DB 64
 
 static TGT void qk_avx512(int n, int D, const float *K /* [n, ldk] */, int ldk,
-                          const float *QT /* [D, rb] */, int rb, float *S /* [n, rb] */) {
+                          const float *QT /* [D, rb] */, int rb, float *S /* [n, rb] */,
+                          int accumulate, mla_cpu_conv *cv) {
   const int nv = rb / 16;
-  for (int v0 = 0; v0 < nv; v0 += 4) {
-    const int cv = nv - v0 < 4 ? nv - v0 : 4;
-    const int bk = qk_keys[cv - 1];
-    for (int j = 0; j < n; j += bk) {
-      const int nk = n - j < bk ? n - j : bk;
-      qk_tab[nk - 1][cv - 1](D, K + (size_t)j * ldk, ldk, QT + 16 * v0, rb,
-                             S + (size_t)j * rb + 16 * v0);
+  const qk_step(*steps)[5] = ldk == 64 ? qk_steps64 : ldk == 256 ? qk_steps256 : qk_steps0;
+  for (int d0 = 0; d0 < D; d0 += QK_DB) {
+    const int db = D - d0 < QK_DB ? D - d0 : QK_DB;
+    const int acc = accumulate || d0 > 0;
+    for (int v0 = 0; v0 < nv; v0 += 4) {
+      const int nvb = nv - v0 < 4 ? nv - v0 : 4;
+      const qk_step *st = steps[nvb - 1];
+      int j = 0;
+      for (int s = 0; j < n; s++) {
+        while (n - j >= st[s].nk) {
+          st[s].fn(db, K + (size_t)j * ldk + d0, ldk, QT + (size_t)d0 * rb + 16 * v0, rb,
+                   S + (size_t)j * rb + 16 * v0, acc, cv);
+          j += st[s].nk;
+        }
+      }
     }
+  }
+}
+
+/* ---- 16-row scores in pair layout (cpu.h: qt16p / qk16p / red16p) -------- */
+/* Vector v of pair p (columns 2p, 2p + 1) holds rows 8v .. 8v + 7, lane
+ * 2i + e = row 8v + i at column 2p + e. A 64-bit broadcast of two key
+ * values (a pure load) feeds two FMAs, so 8 keys x 2 vectors take 2 vector
+ * and 8 broadcast loads per 16 FMAs instead of a broadcast per FMA. Each
+ * accumulator keeps two partial sums per row, reduced once per tile. (A
+ * 4-wide variant with 128-bit broadcasts measured slower: that broadcast
+ * costs a shuffle on an FMA port.) */
+
+INL void qkp_block(const int NK, const int CV, int D, const float *K, const float *QTp,
+                   float *S2, int accumulate, mla_cpu_conv *cv) {
+  __m512 acc[8][2];
+  for (int k = 0; k < NK; k++)
+    for (int v = 0; v < 2; v++)
+      acc[k][v] = accumulate ? _mm512_loadu_ps(S2 + (size_t)k * 32 + 16 * v) : _mm512_setzero_ps();
+#pragma GCC unroll 2
+  for (int p = 0; p < D / 2; p++) {
+    if (CV && (p & 1) == 0) conv_step(cv);
+    const __m512 q0 = _mm512_loadu_ps(QTp + (size_t)p * 32);
+    const __m512 q1 = _mm512_loadu_ps(QTp + (size_t)p * 32 + 16);
+    for (int k = 0; k < NK; k++) {
+      double pair; /* two adjacent key values as one 64-bit lane */
+      memcpy(&pair, K + (size_t)k * 64 + 2 * p, sizeof pair);
+      const __m512 b = _mm512_castpd_ps(_mm512_set1_pd(pair));
+      acc[k][0] = _mm512_fmadd_ps(b, q0, acc[k][0]);
+      acc[k][1] = _mm512_fmadd_ps(b, q1, acc[k][1]);
+    }
+  }
+  for (int k = 0; k < NK; k++)
+    for (int v = 0; v < 2; v++) _mm512_storeu_ps(S2 + (size_t)k * 32 + 16 * v, acc[k][v]);
+}
+
+#define QKP_FN(NK)                                                                         \
+  static TGT void qkp_##NK(int D, const float *K, const float *QTp, float *S2,             \
+                           int accumulate, mla_cpu_conv *cv) {                             \
+    if (cv)                                                                                \
+      qkp_block(NK, 1, D, K, QTp, S2, accumulate, cv);                                     \
+    else                                                                                   \
+      qkp_block(NK, 0, D, K, QTp, S2, accumulate, cv);                                     \
+  }
+QKP_FN(8) QKP_FN(4) QKP_FN(2) QKP_FN(1)
+
+static TGT void qk16p_avx512(int n, int D, const float *K /* [n, 64] */,
+                             const float *QTp /* [D / 2][2][16] */, float *S2 /* [n, 32] */,
+                             int accumulate, mla_cpu_conv *cv) {
+  int j = 0;
+  for (; j + 8 <= n; j += 8) qkp_8(D, K + (size_t)j * 64, QTp, S2 + (size_t)j * 32, accumulate, cv);
+  if (n - j >= 4) qkp_4(D, K + (size_t)j * 64, QTp, S2 + (size_t)j * 32, accumulate, cv), j += 4;
+  if (n - j >= 2) qkp_2(D, K + (size_t)j * 64, QTp, S2 + (size_t)j * 32, accumulate, cv), j += 2;
+  if (n - j >= 1) qkp_1(D, K + (size_t)j * 64, QTp, S2 + (size_t)j * 32, accumulate, cv);
+}
+
+/* S [n, 16] = the sums of S2's two partials per row. */
+static TGT void red16p_avx512(int n, const float *S2 /* [n, 32] */, float *S /* [n, 16] */) {
+  /* lanes 0..7 <- even (odd) lanes of a, lanes 8..15 <- even (odd) lanes of b */
+  const __m512i ev = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+  for (int j = 0; j < n; j++) {
+    const __m512 a = _mm512_loadu_ps(S2 + (size_t)j * 32), b = _mm512_loadu_ps(S2 + (size_t)j * 32 + 16);
+    _mm512_storeu_ps(S + (size_t)j * 16, _mm512_add_ps(_mm512_permutex2var_ps(a, ev, b),
+                                                       _mm512_permutex2var_ps(a, od, b)));
+  }
+}
+
+static TGT void qt16_avx512(const float *Q, int ldq, int D, float scale, int split, float *QT,
+                            int rb);
+
+static TGT void qt16p_avx512(const float *Q /* [16, ldq] */, int ldq, int D, float scale,
+                             int split, float *QTp /* [D / 2][2][16] */) {
+  /* the plain transposed block, then each pair of its rows interleaved in
+   * place (rows 2p and 2p + 1 occupy exactly pair p's 32 floats) */
+  qt16_avx512(Q, ldq, D, scale, split, QTp, 16);
+  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+  for (int p = 0; p < D / 2; p++) {
+    float *x = QTp + (size_t)p * 32;
+    const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    _mm512_storeu_ps(x, _mm512_permutex2var_ps(a, lo, b));
+    _mm512_storeu_ps(x + 16, _mm512_permutex2var_ps(a, hi, b));
   }
 }
 
@@ -106,15 +269,19 @@ static TGT void softmax_avx512(int n, int rb, float *S /* [n, rb] */, float *m, 
   }
 }
 
-INL void pv_block(const int NR, int n, const float *P, int rb, const float *V, int ldv,
-                  const float *alpha, float *acc, int lda) {
-  __m512 a[4][4];
+INL void pv_block(const int NR, const int CV, int n, const float *P, int rb, const float *V,
+                  int ldv, const float *alpha, float *acc, int lda, mla_cpu_conv *cv) {
+  __m512 a[6][4];
   for (int i = 0; i < NR; i++) {
-    __m512 al = _mm512_set1_ps(alpha[i]);
-    for (int c = 0; c < 4; c++)
-      a[i][c] = _mm512_mul_ps(al, _mm512_loadu_ps(acc + (size_t)i * lda + 16 * c));
+    __m512 al = _mm512_set1_ps(alpha ? alpha[i] : 1.0f);
+    for (int c = 0; c < 4; c++) {
+      a[i][c] = _mm512_loadu_ps(acc + (size_t)i * lda + 16 * c);
+      if (alpha) a[i][c] = _mm512_mul_ps(al, a[i][c]);
+    }
   }
+#pragma GCC unroll 2
   for (int j = 0; j < n; j++) {
+    if (CV && (j & 1) == 0) conv_step(cv);
     __m512 v[4];
     for (int c = 0; c < 4; c++) v[c] = _mm512_loadu_ps(V + (size_t)j * ldv + 16 * c);
     for (int i = 0; i < NR; i++) {
@@ -126,25 +293,31 @@ INL void pv_block(const int NR, int n, const float *P, int rb, const float *V, i
     for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + (size_t)i * lda + 16 * c, a[i][c]);
 }
 
+#define PV_ROWS 6 /* rows per P x V block (24 accumulators) */
 #define PV_FN(NR)                                                                         \
   static TGT void pv_##NR(int n, const float *P, int rb, const float *V, int ldv,         \
-                          const float *alpha, float *acc, int lda) {                      \
-    pv_block(NR, n, P, rb, V, ldv, alpha, acc, lda);                                      \
+                          const float *alpha, float *acc, int lda, mla_cpu_conv *cv) {    \
+    if (cv)                                                                               \
+      pv_block(NR, 1, n, P, rb, V, ldv, alpha, acc, lda, cv);                             \
+    else                                                                                  \
+      pv_block(NR, 0, n, P, rb, V, ldv, alpha, acc, lda, cv);                             \
   }
-PV_FN(1) PV_FN(2) PV_FN(3) PV_FN(4)
-typedef void (*pv_fn)(int, const float *, int, const float *, int, const float *, float *, int);
-static const pv_fn pv_tab[4] = {pv_1, pv_2, pv_3, pv_4};
+PV_FN(1) PV_FN(2) PV_FN(3) PV_FN(4) PV_FN(5) PV_FN(6)
+typedef void (*pv_fn)(int, const float *, int, const float *, int, const float *, float *, int,
+                      mla_cpu_conv *);
+static const pv_fn pv_tab[6] = {pv_1, pv_2, pv_3, pv_4, pv_5, pv_6};
 
 static TGT void pv_avx512(int n, int rows, const float *P /* [n, rb] */, int rb,
                           const float *V /* [n, ldv] */, int ldv, int dvp,
                           const float *alpha /* [rows] */, float *acc /* [rows, lda] */,
-                          int lda) {
+                          int lda, mla_cpu_conv *cv) {
   /* Column chunks outermost: one 64-wide slice of the V tile stays in L1
    * while every row group streams over it. */
   for (int e0 = 0; e0 < dvp; e0 += 64)
-    for (int r0 = 0; r0 < rows; r0 += 4) {
-      const int nr = rows - r0 < 4 ? rows - r0 : 4;
-      pv_tab[nr - 1](n, P + r0, rb, V + e0, ldv, alpha + r0, acc + (size_t)r0 * lda + e0, lda);
+    for (int r0 = 0; r0 < rows; r0 += PV_ROWS) {
+      const int nr = rows - r0 < PV_ROWS ? rows - r0 : PV_ROWS;
+      pv_tab[nr - 1](n, P + r0, rb, V + e0, ldv, alpha ? alpha + r0 : NULL,
+                     acc + (size_t)r0 * lda + e0, lda, cv);
     }
 }
 
@@ -162,6 +335,88 @@ static TGT void bf16_avx512(const uint16_t *src, float *dst, int n) {
     _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
   }
   for (; i < n; i++) dst[i] = mla_bf16_to_f32(src[i]);
+}
+
+/* bf16 cache rows in the "pair-split" order (see cpu.h): a 32-bit word holds
+ * elements 2i (low half) and 2i+1 (high half), so a shift and a mask turn 16
+ * words into the 16 even and the 16 odd elements as fp32, without a shuffle. */
+static TGT void bf16_rows_avx512(const unsigned char *base, size_t row_bytes,
+                                 const int32_t *slots /* [n] */, int n, int c0, int w,
+                                 float *dst /* [w / 64][n, ldd] */, int ldd, size_t bstride) {
+  const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+  for (int i = 0; i < n; i++) {
+    const uint16_t *src = (const uint16_t *)(base + (size_t)slots[i] * row_bytes) + c0;
+    float *d = dst + (size_t)i * ldd;
+    for (int c = 0; c < w; c += 64, d += bstride) { /* one 64-column block */
+      const __m512i x0 = _mm512_loadu_si512((const void *)(src + c));
+      const __m512i x1 = _mm512_loadu_si512((const void *)(src + c + 32));
+      _mm512_storeu_ps(d, _mm512_castsi512_ps(_mm512_slli_epi32(x0, 16)));
+      _mm512_storeu_ps(d + 16, _mm512_castsi512_ps(_mm512_and_si512(x0, hi)));
+      _mm512_storeu_ps(d + 32, _mm512_castsi512_ps(_mm512_slli_epi32(x1, 16)));
+      _mm512_storeu_ps(d + 48, _mm512_castsi512_ps(_mm512_and_si512(x1, hi)));
+    }
+  }
+}
+
+/* 16 x 16 transpose in registers (4 rounds of 16 shuffles). */
+INL void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4)
+    for (int j = 0; j < 2; j++) {
+      r[i + j] = _mm512_castpd_ps(
+          _mm512_unpacklo_pd(_mm512_castps_pd(t[i + j]), _mm512_castps_pd(t[i + j + 2])));
+      r[i + j + 2] = _mm512_castpd_ps(
+          _mm512_unpackhi_pd(_mm512_castps_pd(t[i + j]), _mm512_castps_pd(t[i + j + 2])));
+    }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; j++) {
+      t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; j++) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+/* After transpose16 the output order of rows is a fixed permutation of
+ * the input columns: row k of the result holds column tr_col[k]. */
+static const int tr_col[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
+
+static TGT void qt16_avx512(const float *Q /* [16, ldq] */, int ldq, int D, float scale,
+                            int split, float *QT /* [D, rb] */, int rb) {
+  const __m512 vs = _mm512_set1_ps(scale);
+  const __m512i ev = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+  __m512 r[16];
+  int d = 0;
+  if (split) {
+    for (; d + 32 <= D; d += 32)
+      for (int half = 0; half < 2; half++) { /* evens, then odds of the group */
+        for (int i = 0; i < 16; i++) {
+          const __m512 a = _mm512_loadu_ps(Q + (size_t)i * ldq + d);
+          const __m512 b = _mm512_loadu_ps(Q + (size_t)i * ldq + d + 16);
+          r[i] = _mm512_mul_ps(vs, _mm512_permutex2var_ps(a, half ? od : ev, b));
+        }
+        transpose16(r);
+        for (int k = 0; k < 16; k++)
+          _mm512_storeu_ps(QT + (size_t)(d + 16 * half + tr_col[k]) * rb, r[k]);
+      }
+  } else {
+    for (; d + 16 <= D; d += 16) {
+      for (int i = 0; i < 16; i++) r[i] = _mm512_mul_ps(vs, _mm512_loadu_ps(Q + (size_t)i * ldq + d));
+      transpose16(r);
+      for (int k = 0; k < 16; k++) _mm512_storeu_ps(QT + (size_t)(d + tr_col[k]) * rb, r[k]);
+    }
+  }
+  for (; d < D; d++) {
+    const int c = split ? MLA_CPU_SPLIT32(d) : d;
+    for (int i = 0; i < 16; i++) QT[(size_t)d * rb + i] = Q[(size_t)i * ldq + c] * scale;
+  }
 }
 
 /* e4m3 by bit surgery instead of a table gather: a normal byte's exponent
@@ -206,9 +461,12 @@ static TGT void softcap_avx512(float *x, int n, float cap2) {
   for (; i < n; i++) x[i] = cap2 * tanhf(x[i]);
 }
 
-static const mla_cpu_kernels k_avx512 = {MLA_CPU_ISA_AVX512, "avx512", qk_avx512,
-                                         softmax_avx512, pv_avx512, f16_avx512, bf16_avx512,
-                                         e4m3_avx512, softcap_avx512};
+static const mla_cpu_kernels k_avx512 = {MLA_CPU_ISA_AVX512, "avx512",  qk_avx512,
+                                         softmax_avx512,     pv_avx512, f16_avx512,
+                                         bf16_avx512,        e4m3_avx512, softcap_avx512,
+                                         bf16_rows_avx512,   qt16_avx512,
+                                         qt16p_avx512,       qk16p_avx512,
+                                         red16p_avx512};
 
 const mla_cpu_kernels *mla_cpu_kernels_avx512(void) { return &k_avx512; }
 

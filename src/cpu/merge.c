@@ -78,6 +78,7 @@ mla_status mla_merge_states(mla_ctx *ctx, int num_states, int num_tokens, int nu
                             void *out /* [T, H, dim] */, float *lse_out /* [T, H] or NULL */) {
   if (!ctx) return MLA_ERR_INVALID_ARGUMENT;
   mla_errbuf *eb = &ctx->err;
+  MLA_CPU_REQUIRE_CPU_CTX(eb, ctx);
   mla_clear_error(eb);
   MLA_REQUIRE(eb, num_states >= 1, MLA_ERR_INVALID_ARGUMENT, "num_states = %d, expected >= 1",
               num_states);

@@ -3,10 +3,15 @@
  *
  * Work item = (request, kv head, block of the query heads sharing it, block
  * of query tokens), at most RAG_ROWS (token, head) rows, so a key/value tile
- * converted to fp32 once serves every query head of its group. There is no
- * workspace argument: the tiles live on the stack, sized for the call's head
- * dims (about 130 KiB for 192/128, at most about 200 KiB at the 256/256
- * limit), once per chunk of work a thread takes.
+ * converted to fp32 once serves every query head of its group. Items are
+ * numbered kv head first, query block last, so the items a worker takes in
+ * a chunk walk the same head's keys while they are in its L2; the next
+ * tile's k / v rows are prefetched a line at a time by the kernels
+ * (mla_cpu_pf). Key rows of a tile are MLA_MAX_HEAD_DIM floats apart (a
+ * compile-time stride for the scores kernel). There is no workspace
+ * argument: the tiles live on the stack, sized for the call's head dims
+ * (about 150 KiB for 192/128, at most about 220 KiB at the 256/256 limit),
+ * once per chunk of work a thread takes.
  *
  * Tensor sizes cannot be checked: q has qo_indptr[bs] rows and k / v have
  * kv_indptr[bs] rows, each of the documented width; the caller guarantees
@@ -40,24 +45,33 @@ typedef struct rg_tiles {
   float *Vt;  /* [RAG_KEYS, dvp] */
   float *S;   /* [RAG_KEYS, RAG_ROWS] */
   float *acc; /* [RAG_ROWS, dvp] */
+  float *stage; /* [16, dqk]: query rows before the transpose */
+  int32_t *idx; /* [RAG_KEYS]: the next tile's row indices (prefetch) */
 } rg_tiles;
 
 static size_t al16(size_t n) { return (n + 15) & ~(size_t)15; }
 
+/* Key rows of the tile are MLA_MAX_HEAD_DIM floats apart whatever qk_dim
+ * is: a compile-time stride lets the scores kernel address every key of a
+ * block from one register (kernels_avx512.c). */
+#define KT_LD MLA_MAX_HEAD_DIM
+
 static size_t tiles_floats(int dqk, int dvp) {
-  return al16((size_t)dqk * RAG_ROWS) + al16((size_t)RAG_KEYS * dqk) +
+  return al16((size_t)dqk * RAG_ROWS) + al16((size_t)RAG_KEYS * KT_LD) +
          al16((size_t)RAG_KEYS * dvp) + al16((size_t)RAG_KEYS * RAG_ROWS) +
-         al16((size_t)RAG_ROWS * dvp);
+         al16((size_t)RAG_ROWS * dvp) + al16((size_t)16 * dqk) + al16(RAG_KEYS);
 }
 
 static rg_tiles tiles_carve(float *buf, int dqk, int dvp) {
   rg_tiles t;
   float *p = (float *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
   t.QT = p, p += al16((size_t)dqk * RAG_ROWS);
-  t.Kt = p, p += al16((size_t)RAG_KEYS * dqk);
+  t.Kt = p, p += al16((size_t)RAG_KEYS * KT_LD);
   t.Vt = p, p += al16((size_t)RAG_KEYS * dvp);
   t.S = p, p += al16((size_t)RAG_KEYS * RAG_ROWS);
-  t.acc = p;
+  t.acc = p, p += al16((size_t)RAG_ROWS * dvp);
+  t.stage = p, p += al16((size_t)16 * dqk);
+  t.idx = (int32_t *)p;
   return t;
 }
 
@@ -70,46 +84,70 @@ static void run_item(const rg_job *J, const rg_tiles *T, int req, int64_t local)
   const int Q = a->qo_indptr[req + 1] - a->qo_indptr[req];
   const int K = a->kv_indptr[req + 1] - a->kv_indptr[req];
 
-  const int per_q = Hkv * J->nhb;
-  const int qblk = (int)(local / per_q), rest = (int)(local % per_q);
-  const int g = rest / J->nhb, hblk = rest % J->nhb;
+  /* kv head outermost, query blocks innermost: consecutive items (which a
+   * worker takes in chunks) read the same head's keys, still in its L2 */
+  const int nqb = (int)mla_cdiv(Q, J->qb);
+  const int g = (int)(local / ((int64_t)J->nhb * nqb));
+  const int rest = (int)(local % ((int64_t)J->nhb * nqb));
+  const int hblk = rest / nqb, qblk = rest % nqb;
   const int qa0 = qblk * J->qb, nq = Q - qa0 < J->qb ? Q - qa0 : J->qb;
   const int h0 = g * J->G + hblk * J->hb;
   const int nh = g * J->G + J->G - h0 < J->hb ? g * J->G + J->G - h0 : J->hb;
   const int rows = nq * nh, rb = mla_cpu_round_up(rows, MLA_CPU_ROW_ALIGN);
 
   float *QT = T->QT, *Kt = T->Kt, *Vt = T->Vt, *S = T->S, *acc = T->acc;
-  float m[RAG_ROWS], l[RAG_ROWS], alpha[RAG_ROWS], tmp[MLA_MAX_HEAD_DIM];
+  float m[RAG_ROWS], l[RAG_ROWS], alpha[RAG_ROWS];
   int lim[RAG_ROWS];
 
+  /* Query block, transposed and pre-scaled, 16 rows at a time; padded rows
+   * are zero. */
   int minlim = INT_MAX, maxlim = -1;
-  for (int r = 0; r < rb; r++) {
-    if (r < rows) {
-      const int qa = qa0 + r / nh, h = h0 + r % nh;
-      mla_cpu_load_act(k, a->act_dtype, a->q, ((q0g + qa) * H + h) * (int64_t)dqk, dqk, tmp);
-      for (int d = 0; d < dqk; d++) QT[(size_t)d * rb + r] = tmp[d] * J->qscale;
-      lim[r] = a->causal ? K - Q + qa : K - 1;
-      if (lim[r] < minlim) minlim = lim[r];
-      if (lim[r] > maxlim) maxlim = lim[r];
-    } else {
-      for (int d = 0; d < dqk; d++) QT[(size_t)d * rb + r] = 0.0f;
+  for (int r0 = 0; r0 < rb; r0 += 16) {
+    for (int i = 0; i < 16; i++) {
+      const int r = r0 + i;
+      float *qrow = T->stage + (size_t)i * dqk;
+      if (r < rows) {
+        const int qa = qa0 + r / nh, h = h0 + r % nh;
+        mla_cpu_load_act(k, a->act_dtype, a->q, ((q0g + qa) * H + h) * (int64_t)dqk, dqk, qrow);
+        lim[r] = a->causal ? K - Q + qa : K - 1;
+        if (lim[r] < minlim) minlim = lim[r];
+        if (lim[r] > maxlim) maxlim = lim[r];
+      } else {
+        memset(qrow, 0, (size_t)dqk * sizeof(float));
+      }
+      m[r] = -INFINITY;
+      l[r] = 0.0f;
     }
-    m[r] = -INFINITY;
-    l[r] = 0.0f;
+    k->qt16(T->stage, dqk, dqk, J->qscale, 0, QT + r0, rb);
   }
   memset(acc, 0, (size_t)rows * dvp * sizeof(float));
   /* value columns [dv, dvp) stay zero: the kernels compute on them */
   for (int j = 0; j < RAG_KEYS; j++) memset(Vt + (size_t)j * dvp + dv, 0, (size_t)(dvp - dv) * 4);
 
   const int kend = K < maxlim + 1 ? K : maxlim + 1;
+  const size_t es = mla_dtype_size(a->act_dtype);
   for (int kt = 0; kt < kend; kt += RAG_KEYS) {
     const int n = kend - kt < RAG_KEYS ? kend - kt : RAG_KEYS;
     for (int j = 0; j < n; j++) {
       const int64_t row = (k0g + kt + j) * Hkv + g;
-      mla_cpu_load_act(k, a->act_dtype, a->k, row * dqk, dqk, Kt + (size_t)j * dqk);
+      mla_cpu_load_act(k, a->act_dtype, a->k, row * dqk, dqk, Kt + (size_t)j * KT_LD);
       mla_cpu_load_act(k, a->act_dtype, a->v, row * dv, dv, Vt + (size_t)j * dvp);
     }
-    k->qk(n, dqk, Kt, dqk, QT, rb, S);
+    /* The next tile's k and v rows into L2, a line at a time between the
+     * kernels' FMAs (mla_cpu_pf; a head's rows are H * dim apart, too far
+     * apart for the hardware prefetcher). */
+    const int nn = kend - (kt + n) < RAG_KEYS ? kend - (kt + n) : RAG_KEYS;
+    for (int j = 0; j < nn; j++) T->idx[j] = (int32_t)(k0g + kt + n + j);
+    mla_cpu_pf pfk = {(const unsigned char *)a->k + (size_t)g * dqk * es, (size_t)Hkv * dqk * es,
+                      T->idx, nn, 0, 0};
+    mla_cpu_pf pfv = {(const unsigned char *)a->v + (size_t)g * dv * es, (size_t)Hkv * dv * es,
+                      T->idx, nn, 0, 0};
+    mla_cpu_conv cvk, cvv; /* prefetch only: nothing to convert */
+    memset(&cvk, 0, sizeof cvk);
+    memset(&cvv, 0, sizeof cvv);
+    cvk.pf = &pfk;
+    cvv.pf = &pfv;
+    k->qk(n, dqk, Kt, KT_LD, QT, rb, S, 0, &cvk);
     if (J->cap2 > 0.0f) /* s2 = cap log2(e) tanh(scale q.k / cap): QT holds scale / cap */
       for (int j = 0; j < n; j++) k->softcap(S + (size_t)j * rb, rows, J->cap2);
     if (kt + n - 1 > minlim)
@@ -117,7 +155,7 @@ static void run_item(const rg_job *J, const rg_tiles *T, int req, int64_t local)
         for (int r = 0; r < rows; r++)
           if (kt + j > lim[r]) S[j * rb + r] = -INFINITY;
     k->softmax(n, rb, S, m, l, alpha);
-    k->pv(n, rows, S, rb, Vt, dvp, dvp, alpha, acc, dvp);
+    k->pv(n, rows, S, rb, Vt, dvp, dvp, alpha, acc, dvp, &cvv);
   }
 
   for (int r = 0; r < rows; r++) {
@@ -158,6 +196,7 @@ static void items_range(void *arg, int64_t b, int64_t e, int worker) {
 mla_status mla_attention_ragged(mla_ctx *ctx, const mla_ragged_args *args) {
   if (!ctx) return MLA_ERR_INVALID_ARGUMENT;
   mla_errbuf *eb = &ctx->err;
+  MLA_CPU_REQUIRE_CPU_CTX(eb, ctx);
   mla_clear_error(eb);
   MLA_REQUIRE_PTR(eb, args);
   const mla_ragged_args *a = args;

@@ -40,10 +40,14 @@ mla_status mla_draft_plan_workspace_size(mla_ctx *ctx, int max_bs, int num_steps
    * max_context - (ns - 1 - s); summed: ns * mc - ns (ns - 1) / 2. With
    * ns > mc no request fits at all. */
   int64_t ns = num_steps, mc = max_context;
-  int64_t per_req = ns <= mc ? ns * mc - ns * (ns - 1) / 2 : 0;
+  int64_t per_req = ns <= mc ? ns * mc - ns * (ns - 1) / 2 : 0; /* < 2^62 */
+  /* per_req * max_bs can pass 2^63: compare before multiplying. */
+  MLA_REQUIRE(eb,
+              per_req <= DRAFT_MAX_ENTRIES / max_bs &&
+                  ns * ((int64_t)max_bs + 1) <= DRAFT_MAX_ENTRIES,
+              MLA_ERR_CAPACITY, "limits ask for %lld key indices x %d requests, too large",
+              (long long)per_req, max_bs);
   int64_t total = per_req * max_bs;
-  MLA_REQUIRE(eb, total <= DRAFT_MAX_ENTRIES && ns * ((int64_t)max_bs + 1) <= DRAFT_MAX_ENTRIES,
-              MLA_ERR_CAPACITY, "limits ask for %lld key indices, too large", (long long)total);
   *bytes = mla_draft_plan_bytes(max_bs, ns, total);
   return MLA_OK;
 }
@@ -76,7 +80,9 @@ mla_status mla_draft_plan_build(mla_ctx *ctx, const mla_req_table *rt, int batch
           mla_plan_check_req(eb, __func__, rt, "req_ids", i, req_ids[i], seq_lens[i] + ns);
       if (st != MLA_OK) return st;
     }
+    /* One row adds < 2^63; saturating keeps the sum of many from overflowing. */
     total += ns * seq_lens[i] + ns * (ns + 1) / 2;
+    if (total > INT32_MAX) total = (int64_t)INT32_MAX + 1;
   }
   MLA_REQUIRE(eb, total <= INT32_MAX, MLA_ERR_CAPACITY,
               "%lld key indices over all steps, more than int32 offsets hold", (long long)total);

@@ -1,0 +1,234 @@
+#!/usr/bin/env bash
+# GPU check for libmla's CUDA decode path: one call on the device machine.
+#
+#   scripts/gpu-check.sh [stage]
+#
+# stages: all (default: env build unit check sanitize bench torch), or a comma-separated list of
+#   env       nvidia-smi, nvcc, SM clock
+#   build     dev/cuda harness (nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -lineinfo -Xptxas -v),
+#             ptxas report and HGMMA/HMMA counts from cuobjdump --dump-sass
+#   unit      descriptor / TMA unit tests (dev/cuda/desc_test.cu)
+#   check     correctness grid for every version (H 1,3,16,64,128 x s_q 1,2,4 x pages 1,4,16,64,128, varlen, zero lengths)
+#   sanitize  compute-sanitizer memcheck (every version) and racecheck (wgmma versions) on a tiny grid
+#   bench     b=128, s_k 4096/8192/16384, H 16/128, s_q 1/2, page 64; b=64 s_k=4096 H=16 s_q=1;
+#             device copy bandwidth; clocks
+#   noload    DECODE_NOLOAD=1 timing diagnostic (no K refills: the compute pipeline alone; wrong results), s_q=1, s_k 8192
+#   torch     bench/baseline_torch_decode.py (same shapes), torch bf16 matmul rate, torch copy rate
+#   lib       the library's CUDA build (cmake -DMLA_CUDA=ON) and its ctest suite
+#   ncu       (not in all) Nsight Compute sections for one launch per version (NCU_VERSIONS, NCU_HS="128 16")
+#   full      all + lib
+# Environment: VERSIONS (default 1,...,7), OUT (log folder; the device tool sets it), QUICK=1 (bench s_k 8192 only),
+#   SKIP_BUILD=1 (use a dev/cuda/build carried from a machine with nvcc 13: no make; its ptxas reports are still listed),
+#   CHECK_VERSIONS, SANITIZE_VERSIONS (default VERSIONS: the versions the check / sanitize stages run),
+#   SANITIZE_TOOLS (default "memcheck racecheck").
+# Logs land in $OUT (env.txt build.txt check.txt (unit + check) sanitize.txt bench.txt noload.txt torch.txt lib.txt summary.txt);
+# a short table is printed last.
+set -u -o pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-/tmp/gpu-check-out}
+mkdir -p "$OUT"
+STAGE=${1:-all}
+VERSIONS=${VERSIONS:-1,2,3,4,5,6,7}
+SKIP_BUILD=${SKIP_BUILD:-0}
+CHECK_VERSIONS=${CHECK_VERSIONS:-$VERSIONS}
+SANITIZE_VERSIONS=${SANITIZE_VERSIONS:-$VERSIONS}
+SANITIZE_TOOLS=${SANITIZE_TOOLS:-memcheck racecheck}
+QUICK=${QUICK:-0}
+H=$ROOT/dev/cuda/build/decode_harness
+JOBS=$(nproc 2>/dev/null || echo 4)
+export PATH=$PATH:/usr/local/cuda/bin
+status=0
+
+want() {  # want STAGE: is this stage selected?
+  case "$STAGE" in
+    all) [ "$1" != lib ] && [ "$1" != ncu ] ;;
+    full) [ "$1" != ncu ] ;;
+    *) [[ ",$STAGE," == *",$1,"* ]] ;;
+  esac
+}
+
+if want env; then
+  {
+    date -u
+    nvidia-smi
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu --format=csv
+    nvcc --version
+    git -C "$ROOT" rev-parse --short HEAD 2>/dev/null
+  } > "$OUT/env.txt" 2>&1
+fi
+
+if want build; then
+  {
+    if [ "$SKIP_BUILD" = 1 ] && [ -x "$H" ]; then
+      echo "== make skipped (SKIP_BUILD=1: carried build)"
+    else
+      echo "== make (dev/cuda)"
+      make -C "$ROOT/dev/cuda" -j"$JOBS" 2>&1 || { echo "BUILD FAILED"; exit 1; }
+    fi
+    echo "== ptxas"
+    cat "$ROOT"/dev/cuda/build/*.ptxas.txt
+    for f in "$ROOT"/dev/cuda/build/decode_v*.ptxas.txt "$ROOT"/dev/cuda/build/combine.ptxas.txt; do
+      printf 'REGS %-10s %s, %s, serialisation warnings (C7520): %s\n' "$(basename "$f" .ptxas.txt)" \
+        "$(grep -o 'Used [0-9]* registers' "$f" | head -1)" "$(grep -o '[0-9]* bytes spill stores' "$f" | head -1)" \
+        "$(grep -c C7520 "$f")"
+    done
+    echo "== SASS counts"
+    for o in "$ROOT"/dev/cuda/build/decode_v*.o "$ROOT"/dev/cuda/build/desc_test.o; do
+      if command -v cuobjdump > /dev/null; then
+        sass=$(cuobjdump --dump-sass "$o" 2>/dev/null)
+        printf 'SASS %-14s HGMMA=%s HMMA=%s UTMALDG=%s LDGSTS=%s LDL=%s STL=%s WARPGROUP.ARRIVE=%s\n' "$(basename "$o")" \
+          "$(grep -c HGMMA <<< "$sass")" "$(grep -c 'HMMA' <<< "$sass")" "$(grep -c UTMALDG <<< "$sass")" \
+          "$(grep -c LDGSTS <<< "$sass")" "$(grep -c 'LDL' <<< "$sass")" "$(grep -c 'STL' <<< "$sass")" \
+          "$(grep -c 'WARPGROUP.ARRIVE' <<< "$sass")"
+      fi
+    done
+  } > "$OUT/build.txt" 2>&1 || status=1
+  [ -x "$H" ] || { echo "build failed; see $OUT/build.txt"; tail -30 "$OUT/build.txt"; exit 1; }
+fi
+
+if want unit; then
+  { echo "== unit"; timeout 120 "$H" unit; } > "$OUT/check.txt" 2>&1 || status=1
+fi
+
+if want check; then
+  want unit || : > "$OUT/check.txt"
+  # All versions in one run (one float64 reference per case); a crash or hang
+  # (exit > 1: the context is gone) is isolated by re-running one version at a time.
+  echo "== check v$CHECK_VERSIONS" >> "$OUT/check.txt"
+  timeout 240 "$H" check -v "$CHECK_VERSIONS" >> "$OUT/check.txt" 2>&1
+  rc=$?
+  crashed=""
+  if [ $rc -gt 1 ]; then
+    for v in ${CHECK_VERSIONS//,/ }; do
+      echo "== check v$v (isolated)" >> "$OUT/check.txt"
+      timeout 150 "$H" check -v "$v" >> "$OUT/check.txt" 2>&1
+      r=$?
+      [ $r -ne 0 ] && { echo "check v$v: exit $r" >> "$OUT/check.txt"; status=1; }
+      [ $r -gt 1 ] && crashed="$crashed,$v"
+    done
+  elif [ $rc -ne 0 ]; then
+    echo "check: exit $rc (tolerance failures)" >> "$OUT/check.txt"
+    status=1
+  fi
+  # A version that hung or crashed (not one with tolerance failures) is left out of the bench.
+  ok_versions=""
+  for v in ${VERSIONS//,/ }; do [[ ",$crashed," == *",$v,"* ]] || ok_versions="$ok_versions,$v"; done
+  ok_versions=${ok_versions#,}
+  [ -n "$ok_versions" ] && VERSIONS=$ok_versions
+fi
+
+if want sanitize; then
+  : > "$OUT/sanitize.txt"
+  if command -v compute-sanitizer > /dev/null; then
+    for v in ${SANITIZE_VERSIONS//,/ }; do
+      if [[ " $SANITIZE_TOOLS " == *" memcheck "* ]]; then
+        echo "== memcheck v$v" >> "$OUT/sanitize.txt"
+        timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 "$H" check -v "$v" --tiny >> "$OUT/sanitize.txt" 2>&1 \
+          || { echo "memcheck v$v: exit $?" >> "$OUT/sanitize.txt"; status=1; }
+      fi
+      if [ "$v" != 1 ] && [[ " $SANITIZE_TOOLS " == *" racecheck "* ]]; then
+        echo "== racecheck v$v" >> "$OUT/sanitize.txt"
+        # Reported, not fatal: racecheck flags the bar.arrive -> bar.sync handoffs of v3+
+        # (PTX ISA 8.9.4: bar.arrive synchronizes with bar.sync on the same barrier);
+        # read the hazard lines (docs/decode-kernel.md lists the known ones).
+        timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 "$H" check -v "$v" --tiny >> "$OUT/sanitize.txt" 2>&1 \
+          || echo "racecheck v$v: exit $? (hazards reported; not counted as failure)" >> "$OUT/sanitize.txt"
+      fi
+    done
+  else
+    echo "compute-sanitizer not found" >> "$OUT/sanitize.txt"
+  fi
+fi
+
+if want bench; then
+  {
+    echo "== clocks before"
+    nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv
+    nvidia-smi dmon -s pc -d 1 > "$OUT/dmon.tmp" 2>&1 &
+    dmon_pid=$!
+    timeout 120 "$H" copybw
+    q=""; [ "$QUICK" = 1 ] && q="--quick"
+    timeout 500 "$H" bench -v "$VERSIONS" $q || echo "bench: exit $?"
+    timeout 200 "$H" bench -v "$VERSIONS" --b 64 --sk 4096 --h 16 --sq 1 || echo "bench b=64: exit $?"
+    kill "$dmon_pid" 2> /dev/null
+    wait "$dmon_pid" 2> /dev/null
+    echo "== clocks after"
+    nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv
+    echo "== nvidia-smi dmon during the bench (pwr W, temp C, sm MHz, mem MHz)"
+    cat "$OUT/dmon.tmp"
+    rm -f "$OUT/dmon.tmp"
+  } > "$OUT/bench.txt" 2>&1 || status=1
+fi
+
+if want noload; then
+  # Timing diagnostic only: no K refills after the first tiles (wrong results; their consistency column is meaningless).
+  DECODE_NOLOAD=1 timeout 200 "$H" bench -v "$VERSIONS" --quick --sq 1 --runs 15 > "$OUT/noload.txt" 2>&1 || status=1
+fi
+
+if want ncu; then
+  # Hardware counters for one launch of each version at b=128 s_k=8192 (H=NCU_H, s_q=1).
+  {
+    for v in ${NCU_VERSIONS:-${VERSIONS//,/ }}; do
+      for nh in ${NCU_HS:-128 16}; do
+        echo "== ncu v$v H=$nh"
+        timeout 240 ncu --clock-control none -k "regex:decode_v${v}_kernel" -s 1 -c 1 \
+          --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+          --section WarpStateStats --section LaunchStats --section Occupancy \
+          "$H" bench -v "$v" --quick --runs 1 --h "$nh" --sq 1 2>&1 | grep -v "^==PROF==" | tail -150
+      done
+    done
+  } > "$OUT/ncu.txt" 2>&1 || status=1
+fi
+
+if want torch; then
+  q=""; [ "$QUICK" = 1 ] && q="--quick"
+  PYTHONUNBUFFERED=1 timeout 400 python3 "$ROOT/bench/baseline_torch_decode.py" $q > "$OUT/torch.txt" 2>&1 || status=1
+fi
+
+if want lib; then
+  {
+    cmake -S "$ROOT" -B "$ROOT/build-gpu" -DMLA_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
+      && cmake --build "$ROOT/build-gpu" -j"$JOBS" \
+      && ctest --test-dir "$ROOT/build-gpu" -j"$JOBS" --output-on-failure
+  } > "$OUT/lib.txt" 2>&1 || status=1
+fi
+
+# ---- short table, printed last -------------------------------------------
+{
+  echo "==== gpu-check summary ($(date -u +%F), $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null)+uncommitted dev/)"
+  [ -f "$OUT/env.txt" ] && grep -A1 "^name, clocks" "$OUT/env.txt" | tail -1 | sed 's/^/gpu: /'
+  [ -f "$OUT/build.txt" ] && grep -E "^SASS|BUILD FAILED" "$OUT/build.txt"
+  [ -f "$OUT/build.txt" ] && grep -E "^REGS" "$OUT/build.txt"
+  [ -f "$OUT/check.txt" ] && sed -n '/^== unit/,/^== check/p' "$OUT/check.txt" | grep "desc_test"
+  if [ -f "$OUT/check.txt" ]; then
+    for v in ${CHECK_VERSIONS//,/ }; do
+      p=$(grep -c "^CHECK v$v .*PASS$" "$OUT/check.txt"); f=$(grep -c "^CHECK v$v .*FAIL" "$OUT/check.txt")
+      echo "check v$v: $p pass, $f fail $(grep -m1 "check v$v: exit" "$OUT/check.txt")"
+    done
+    grep -m1 "own reference vs" "$OUT/check.txt"
+    grep "^CHECK .*FAIL" "$OUT/check.txt" | head -8
+  fi
+  if [ -f "$OUT/sanitize.txt" ]; then
+    grep -E "^== |ERROR SUMMARY|RACECHECK SUMMARY|exit [0-9]" "$OUT/sanitize.txt" | paste -sd' ' | sed 's/== /\n/g' | grep -v '^$' | sed 's/^/sanitize: /'
+  fi
+  [ -f "$OUT/bench.txt" ] && grep -E "^COPYBW" "$OUT/bench.txt"
+  [ -f "$OUT/torch.txt" ] && grep -E "^MATMUL|^COPY" "$OUT/torch.txt"
+  if [ -f "$OUT/bench.txt" ]; then
+    echo "shape (P=64)                  | version: us (TFLOP/s, GB/s) ... | torch us"
+    grep "^BENCH" "$OUT/bench.txt" | awk -v tf="$OUT/torch.txt" '
+      BEGIN { while ((getline l < tf) > 0) if (l ~ /^TORCH/) { split(l, a, " "); k = a[2] " " a[3] " " a[4] " " a[5]; sub("t_us=", "", a[7]); t[k] = a[7] } }
+      { k = $3 " " $4 " " $5 " " $6; for (i = 1; i <= NF; i++) { split($i, kv, "="); f[kv[1]] = kv[2] }
+        if (!(k in seen)) { order[++n] = k; seen[k] = 1 }
+        row[k] = row[k] sprintf(" %s: %s (%s, %s)", $2, f["t_us"], f["tflops"], f["gbs"]) }
+      END { for (i = 1; i <= n; i++) printf "%-29s |%s | %s\n", order[i], row[order[i]], (order[i] in t) ? t[order[i]] : "-" }'
+    grep "^BENCH" "$OUT/bench.txt" | awk '{print $NF}' | grep -v "=0.00e+00" | sort | uniq -c | sed 's/^/consistency vs first version: /'
+    grep -A2 "clocks after" "$OUT/bench.txt" | tail -1 | sed 's/^/clocks after bench (sm, mem, W, C): /'
+  fi
+  if [ -f "$OUT/noload.txt" ]; then
+    grep "^BENCH" "$OUT/noload.txt" | awk '{ for (i = 1; i <= NF; i++) { split($i, kv, "="); f[kv[1]] = kv[2] }
+      printf "noload %s %s %s %s: %s us\n", $2, $3, $5, $6, f["t_us"] }'
+  fi
+  [ -f "$OUT/lib.txt" ] && tail -3 "$OUT/lib.txt"
+  echo "status: $status"
+} | tee "$OUT/summary.txt"
+exit $status

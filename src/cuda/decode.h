@@ -1,0 +1,72 @@
+/* Absorbed-MLA split-KV attention on the GPU: the params struct and the
+ * launchers shared by src/cuda/ and the kernel ladder in dev/cuda/.
+ * Plain C (included by C host code and by .cu files). */
+#ifndef MLA_CUDA_DECODE_H
+#define MLA_CUDA_DECODE_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* One launch covers a planned batch: request i owns query rows
+ * [qo_indptr[i], qo_indptr[i+1]) (at most max_q_len of them) and kv_lens[i]
+ * keys, found through its block-table row (page ids; slot = page * page_size
+ * + offset). Inside a request the kernels see (query token, head) rows packed
+ * as t * H + h, cut into 64-row m-blocks. Causal masks are bottom-right
+ * aligned: query t of a request with Q queries and K keys sees keys
+ * j <= K - Q + t; a row with no visible key gets o = 0 and lse = -inf.
+ * All pointers are device pointers; q rows and strides must keep every
+ * 16-byte chunk aligned (strides multiples of 8 elements). */
+typedef struct mla_decode_params {
+  int batch_size;
+  int num_heads;       /* H, 1..128 */
+  int max_q_len;       /* most query tokens of one request (>= 1) */
+  int causal;          /* 1: query t of Q sees keys j <= K - Q + t */
+  int page_size;       /* power of two, 1..256 */
+  int block_table_width;
+  int64_t num_pages;   /* pages in the cache layer (bounds the TMA map) */
+  float scale;         /* softmax scale */
+  int lse_base2;       /* 1: lse returned in base 2 */
+
+  const uint16_t *q_nope; /* [Tq, H, 512] bf16 */
+  const uint16_t *q_rope; /* [Tq, H, 64] bf16 */
+  int64_t q_nope_stride_token, q_nope_stride_head; /* elements */
+  int64_t q_rope_stride_token, q_rope_stride_head;
+  const void *kv;         /* [num_pages * page_size, row_bytes] cache layer, rows [c (512) | r (64)] */
+  int64_t row_bytes;      /* 1152 for bf16/f16 */
+  int kv_dtype;           /* mla_dtype of the cache (BF16 first) */
+
+  const int32_t *qo_indptr;   /* [bs+1] */
+  const int32_t *kv_lens;     /* [bs] */
+  const int32_t *block_table; /* [bs, block_table_width] */
+
+  /* Split-KV schedule (mla_plan: MLA_SCHED_* layout). */
+  int num_sm_parts;
+  const int32_t *sched_meta;  /* [num_sm_parts, 8] */
+  const int32_t *num_splits;  /* [bs+1] */
+
+  uint16_t *out;   /* [Tq, H, 512] bf16 */
+  float *lse;      /* [Tq, H] or NULL */
+  float *o_accum;  /* [total_splits, max_q_len * H, 512] partials of split requests (o / l) */
+  float *lse_accum;/* [total_splits, max_q_len * H] (natural log; -inf for an empty piece) */
+} mla_decode_params;
+
+#ifdef __CUDACC__
+#define MLA_DECODE_HD __host__ __device__
+#else
+#define MLA_DECODE_HD
+#endif
+
+/* Rows of one request as the kernels see them, and the 64-row m-blocks they
+ * are cut into (each m-block re-reads the request's keys). */
+static inline MLA_DECODE_HD int mla_decode_rows(const mla_decode_params *p) { return p->max_q_len * p->num_heads; }
+static inline MLA_DECODE_HD int mla_decode_m_blocks(const mla_decode_params *p) {
+  return (mla_decode_rows(p) + 63) / 64;
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MLA_CUDA_DECODE_H */

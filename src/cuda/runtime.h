@@ -1,0 +1,41 @@
+/* The CUDA runtime as the C host code sees it: small extern "C" wrappers so
+ * that C files never include CUDA headers, and every failure becomes a status
+ * with the CUDA error string (never an exit). Implemented in runtime.cu;
+ * only compiled when MLA_WITH_CUDA. */
+#ifndef MLA_CUDA_RUNTIME_H
+#define MLA_CUDA_RUNTIME_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* All return 0 on success or a CUDA error code; mla_cuda_error_string() names
+ * a code. stream is a cudaStream_t (NULL = the legacy default stream). */
+int mla_cuda_device_count(void);
+const char *mla_cuda_error_string(int err);
+int mla_cuda_set_device(int device);
+int mla_cuda_sm_count(int device, int *sms);
+int mla_cuda_malloc(void **p, size_t bytes);
+int mla_cuda_free(void *p);
+int mla_cuda_memset_async(void *p, int value, size_t bytes, void *stream);
+int mla_cuda_memcpy_async(void *dst, const void *src, size_t bytes, void *stream); /* any direction */
+int mla_cuda_stream_sync(void *stream);
+/* 1 when p is device (or managed) memory, 0 for host memory. */
+int mla_cuda_is_device_ptr(const void *p);
+
+/* KV cache kernels (kv_cache.cu). Rows are MLA_ROW wide; slots [T] are device
+ * int32; out-of-range slots are skipped and counted into *bad (device int). */
+int mla_cuda_kv_write(void *layer, int64_t num_slots, int cache_dtype, size_t row_bytes, float fp8_scale,
+                      int num_tokens, const int32_t *slots, const void *c, const void *r, int src_dtype,
+                      int *bad, void *stream);
+int mla_cuda_kv_read(const void *layer, int64_t num_slots, int cache_dtype, size_t row_bytes,
+                     float fp8_scale, int num_tokens, const int32_t *slots, void *c, void *r, int dst_dtype,
+                     int *bad, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MLA_CUDA_RUNTIME_H */

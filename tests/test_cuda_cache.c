@@ -1,0 +1,245 @@
+/* The KV cache on a CUDA device: the quantize-on-write and dequantizing read
+ * kernels store and return exactly the bytes and values of the CPU cache, for
+ * every cache dtype, source dtype and page size; bad slots are skipped and
+ * reported; host pointers are refused; copy-on-write copies device rows.
+ * Skips (passing) where the library was built without CUDA or no GPU is
+ * present. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "test_util.h"
+
+#ifndef MLA_TEST_CUDA
+int main(void) {
+  printf("test_cuda_cache: skipped: built without CUDA\n");
+  return tu_finish("test_cuda_cache");
+}
+#else
+#include <cuda_runtime.h>
+
+#define CK(x)                                                                                   \
+  do {                                                                                          \
+    cudaError_t e_ = (x);                                                                       \
+    if (e_ != cudaSuccess) {                                                                    \
+      fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
+      exit(1);                                                                                  \
+    }                                                                                           \
+  } while (0)
+
+static void *dev_copy(const void *host, size_t bytes) {
+  void *d = NULL;
+  CK(cudaMalloc(&d, bytes ? bytes : 1));
+  if (bytes) CK(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice));
+  return d;
+}
+
+static size_t act_bytes(mla_dtype t) { return t == MLA_DTYPE_F32 ? 4 : 2; }
+
+/* Equal values, NaN matching NaN: the GPU's arithmetic NaN has another bit
+ * pattern than the CPU's, and a NaN's payload carries no meaning. */
+static int same_values(mla_dtype t, const void *a, const void *b, int64_t n) {
+  double *x = malloc(sizeof(double) * (size_t)n), *y = malloc(sizeof(double) * (size_t)n);
+  tu_from_dtype(t, a, x, n);
+  tu_from_dtype(t, b, y, n);
+  int ok = 1;
+  for (int64_t i = 0; i < n && ok; i++) ok = isnan(x[i]) ? isnan(y[i]) : x[i] == y[i];
+  free(x);
+  free(y);
+  return ok;
+}
+
+int main(void) {
+  tu_rng rng = {tu_seed("test_cuda_cache", 17)};
+  mla_ctx *gpu = NULL, *cpu = NULL;
+  mla_ctx_desc gd = {MLA_DEVICE_CUDA, 1, 0};
+  mla_status st = mla_ctx_create(&gd, &gpu);
+  if (st == MLA_ERR_DEVICE) {
+    printf("test_cuda_cache: skipped: no GPU (%s)\n", mla_status_string(st));
+    return tu_finish("test_cuda_cache");
+  }
+  TU_STATUS(st, MLA_OK);
+  if (!gpu) return tu_finish("test_cuda_cache");
+  mla_ctx_desc cd = {MLA_DEVICE_CPU, 2, 0};
+  TU_STATUS(mla_ctx_create(&cd, &cpu), MLA_OK);
+
+  const mla_dtype cdts[4] = {MLA_DTYPE_BF16, MLA_DTYPE_F16, MLA_DTYPE_FP8_E4M3, MLA_DTYPE_FP8_E4M3_BLOCK};
+  const mla_dtype acts[3] = {MLA_DTYPE_F32, MLA_DTYPE_BF16, MLA_DTYPE_F16};
+  const int Ps[2] = {1, 64};
+  for (int di = 0; di < 4; di++)
+    for (int ai = 0; ai < 3; ai++)
+      for (int pi = 0; pi < 2; pi++) {
+        mla_dtype cdt = cdts[di], act = acts[ai];
+        int P = Ps[pi], pages = 4096 / P, T = 300;
+        float scales[2] = {0.37f, 2.5f};
+        mla_kv_cache_desc kd = {2, pages, P, cdt, cdt == MLA_DTYPE_FP8_E4M3 ? scales : NULL};
+        mla_kv_cache *hc = NULL, *dc = NULL;
+        TU_STATUS(mla_kv_cache_create(cpu, &kd, &hc), MLA_OK);
+        TU_STATUS(mla_kv_cache_create(gpu, &kd, &dc), MLA_OK);
+        /* Rows: N(0, sigma) with sigma spanning tiny to saturating, plus a NaN
+         * and an inf in a few rows; distinct shuffled slots. */
+        float *c = malloc(sizeof(float) * T * 512), *r = malloc(sizeof(float) * T * 64);
+        for (int t = 0; t < T; t++) {
+          double sigma = ldexp(1.0, tu_randint(&rng, -12, 10));
+          for (int i = 0; i < 512; i++) c[t * 512 + i] = (float)(tu_normal(&rng) * sigma);
+          for (int i = 0; i < 64; i++) r[t * 64 + i] = (float)(tu_normal(&rng) * sigma);
+        }
+        c[5 * 512 + 130] = NAN;
+        c[9 * 512 + 7] = INFINITY;
+        r[11 * 64 + 3] = -INFINITY;
+        int32_t *slots = malloc(sizeof(int32_t) * (size_t)pages * P);
+        for (int i = 0; i < pages * P; i++) slots[i] = i;
+        tu_shuffle_i32(&rng, slots, pages * P);
+        size_t es = act_bytes(act);
+        void *ca = malloc(es * T * 512), *ra = malloc(es * T * 64);
+        tu_to_dtype(act, c, ca, (int64_t)T * 512);
+        tu_to_dtype(act, r, ra, (int64_t)T * 64);
+        void *d_c = dev_copy(ca, es * T * 512), *d_r = dev_copy(ra, es * T * 64);
+        int32_t *d_slots = dev_copy(slots, sizeof(int32_t) * T);
+        for (int layer = 0; layer < 2; layer++) {
+          TU_STATUS(mla_kv_cache_write(hc, layer, T, slots, ca, ra, act), MLA_OK);
+          TU_STATUS(mla_kv_cache_write(dc, layer, T, d_slots, d_c, d_r, act), MLA_OK);
+        }
+        TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
+        /* Stored bytes identical to the CPU cache's, whole layer. */
+        size_t rb = 0;
+        mla_kv_cache_row_bytes(hc, &rb);
+        size_t lb = rb * (size_t)pages * P;
+        unsigned char *got = malloc(lb);
+        for (int layer = 0; layer < 2; layer++) {
+          void *hp = NULL, *dp = NULL;
+          mla_kv_cache_layer_data(hc, layer, &hp);
+          mla_kv_cache_layer_data(dc, layer, &dp);
+          CK(cudaMemcpy(got, dp, lb, cudaMemcpyDeviceToHost));
+          size_t diff = 0;
+          for (size_t i = 0; i < lb; i++) diff += got[i] != ((unsigned char *)hp)[i];
+          TU_CHECK(diff == 0, "%s cache, %s rows, P=%d, layer %d: %zu stored bytes differ from the CPU's",
+                   mla_dtype_name(cdt), mla_dtype_name(act), P, layer, diff);
+        }
+        /* Reads back identical to the CPU's read, in every dtype. */
+        for (int oi = 0; oi < 3; oi++) {
+          mla_dtype odt = acts[oi];
+          size_t ob = act_bytes(odt);
+          void *hc_out = malloc(ob * T * 512), *hr_out = malloc(ob * T * 64);
+          void *gc_out = malloc(ob * T * 512), *gr_out = malloc(ob * T * 64);
+          void *d_co = NULL, *d_ro = NULL;
+          CK(cudaMalloc(&d_co, ob * T * 512));
+          CK(cudaMalloc(&d_ro, ob * T * 64));
+          TU_STATUS(mla_kv_cache_read(hc, 1, T, slots, hc_out, hr_out, odt), MLA_OK);
+          TU_STATUS(mla_kv_cache_read(dc, 1, T, d_slots, d_co, d_ro, odt), MLA_OK);
+          TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
+          CK(cudaMemcpy(gc_out, d_co, ob * T * 512, cudaMemcpyDeviceToHost));
+          CK(cudaMemcpy(gr_out, d_ro, ob * T * 64, cudaMemcpyDeviceToHost));
+          TU_CHECK(same_values(odt, hc_out, gc_out, (int64_t)T * 512) &&
+                       same_values(odt, hr_out, gr_out, (int64_t)T * 64),
+                   "%s cache read as %s differs from the CPU read", mla_dtype_name(cdt), mla_dtype_name(odt));
+          /* gather_latent on the GPU context is the same read */
+          TU_STATUS(mla_gather_latent(gpu, dc, 1, T, d_slots, odt, d_co, NULL), MLA_OK);
+          TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
+          CK(cudaMemcpy(gc_out, d_co, ob * T * 512, cudaMemcpyDeviceToHost));
+          TU_CHECK(same_values(odt, hc_out, gc_out, (int64_t)T * 512), "gather_latent differs");
+          CK(cudaFree(d_co));
+          CK(cudaFree(d_ro));
+          free(hc_out);
+          free(hr_out);
+          free(gc_out);
+          free(gr_out);
+        }
+        free(got);
+        free(ca);
+        free(ra);
+        free(c);
+        free(r);
+        free(slots);
+        CK(cudaFree(d_c));
+        CK(cudaFree(d_r));
+        CK(cudaFree(d_slots));
+        mla_kv_cache_destroy(hc);
+        mla_kv_cache_destroy(dc);
+      }
+
+  /* Bad slots are skipped and reported; host pointers refused; CPU-only calls
+   * refuse a CUDA context. */
+  {
+    mla_kv_cache_desc kd = {1, 16, 16, MLA_DTYPE_BF16, NULL};
+    mla_kv_cache *dc = NULL;
+    TU_STATUS(mla_kv_cache_create(gpu, &kd, &dc), MLA_OK);
+    float c[3 * 512], r[3 * 64];
+    tu_fill_bf16_normal(&rng, c, 3 * 512, 1.0);
+    tu_fill_bf16_normal(&rng, r, 3 * 64, 1.0);
+    int32_t slots[3] = {5, 16 * 16, 7}; /* the middle one is past the end */
+    void *d_c = dev_copy(c, sizeof c), *d_r = dev_copy(r, sizeof r);
+    int32_t *d_slots = dev_copy(slots, sizeof slots);
+    TU_STATUS(mla_kv_cache_write(dc, 0, 3, d_slots, d_c, d_r, MLA_DTYPE_F32), MLA_OK);
+    TU_STATUS(mla_ctx_synchronize(gpu), MLA_ERR_OUT_OF_RANGE);
+    TU_CHECK(strstr(mla_ctx_last_error(gpu), "skipped") != NULL, "message: %s", mla_ctx_last_error(gpu));
+    TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK); /* the count was reset */
+    float back[512];
+    void *d_back = NULL;
+    CK(cudaMalloc(&d_back, sizeof back));
+    int32_t *d_one = dev_copy(&slots[2], sizeof(int32_t));
+    TU_STATUS(mla_kv_cache_read(dc, 0, 1, d_one, d_back, NULL, MLA_DTYPE_F32), MLA_OK);
+    TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
+    CK(cudaMemcpy(back, d_back, sizeof back, cudaMemcpyDeviceToHost));
+    TU_CHECK(!memcmp(back, c + 2 * 512, sizeof back), "the good rows around a bad slot were written");
+    TU_STATUS(mla_kv_cache_write(dc, 0, 3, slots, d_c, d_r, MLA_DTYPE_F32), MLA_ERR_INVALID_ARGUMENT);
+    TU_CHECK(strstr(mla_kv_cache_last_error(dc), "host memory") != NULL, "message: %s",
+             mla_kv_cache_last_error(dc));
+    TU_STATUS(mla_kv_cache_write(dc, 0, 3, d_slots, c, d_r, MLA_DTYPE_F32), MLA_ERR_INVALID_ARGUMENT);
+
+    /* Copy-on-write on the device: the child keeps the parent's rows. */
+    mla_req_table_desc rd = {4, 64, 16, 16};
+    mla_req_table *rt = NULL;
+    TU_STATUS(mla_req_table_create(gpu, &rd, dc, &rt), MLA_OK);
+    int32_t a, b, s_a[20], s_b[5];
+    TU_STATUS(mla_req_add(rt, &a), MLA_OK);
+    TU_STATUS(mla_req_extend(rt, a, 20, s_a), MLA_OK);
+    float pc[20 * 512], pr[20 * 64];
+    tu_fill_bf16_normal(&rng, pc, 20 * 512, 1.0);
+    tu_fill_bf16_normal(&rng, pr, 20 * 64, 1.0);
+    void *d_pc = dev_copy(pc, sizeof pc), *d_pr = dev_copy(pr, sizeof pr);
+    int32_t *d_sa = dev_copy(s_a, sizeof s_a);
+    TU_STATUS(mla_kv_cache_write(dc, 0, 20, d_sa, d_pc, d_pr, MLA_DTYPE_F32), MLA_OK);
+    TU_STATUS(mla_req_fork(rt, a, 18, &b), MLA_OK);
+    TU_STATUS(mla_req_extend(rt, b, 5, s_b), MLA_OK); /* writes into the shared page: CoW */
+    const int32_t *r2t = NULL;
+    TU_STATUS(mla_req_table_data(rt, &r2t), MLA_OK);
+    int32_t child[18];
+    memcpy(child, r2t + (size_t)b * 64, sizeof child);
+    TU_CHECK(child[17] != s_a[17], "the shared partial page was copied (slot %d)", child[17]);
+    int32_t *d_child = dev_copy(child, sizeof child);
+    float cb[18 * 512];
+    void *d_cb = NULL;
+    CK(cudaMalloc(&d_cb, sizeof cb));
+    TU_STATUS(mla_kv_cache_read(dc, 0, 18, d_child, d_cb, NULL, MLA_DTYPE_F32), MLA_OK);
+    TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
+    CK(cudaMemcpy(cb, d_cb, sizeof cb, cudaMemcpyDeviceToHost));
+    TU_CHECK(!memcmp(cb, pc, sizeof cb), "the child reads the parent's prefix rows after copy-on-write");
+
+    /* The CPU kernels refuse a CUDA context rather than touching device memory. */
+    mla_ragged_args ra;
+    memset(&ra, 0, sizeof ra);
+    TU_STATUS(mla_attention_ragged(gpu, &ra), MLA_ERR_UNSUPPORTED);
+    mla_backend_desc bd;
+    memset(&bd, 0, sizeof bd);
+    mla_backend *be = NULL;
+    TU_STATUS(mla_backend_create(gpu, &bd, &be), MLA_ERR_UNSUPPORTED);
+
+    mla_req_table_destroy(rt);
+    CK(cudaFree(d_pc));
+    CK(cudaFree(d_pr));
+    CK(cudaFree(d_sa));
+    CK(cudaFree(d_child));
+    CK(cudaFree(d_cb));
+    CK(cudaFree(d_one));
+    CK(cudaFree(d_back));
+    CK(cudaFree(d_c));
+    CK(cudaFree(d_r));
+    CK(cudaFree(d_slots));
+    mla_kv_cache_destroy(dc);
+  }
+  mla_ctx_destroy(cpu);
+  mla_ctx_destroy(gpu);
+  return tu_finish("test_cuda_cache");
+}
+#endif

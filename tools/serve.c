@@ -1,0 +1,970 @@
+/* `mla demo`, part 2: the serving simulation (see serve.h).
+ *
+ * The model. A layer is DeepSeek's attention block (no q-LoRA, and no FFN:
+ * the FFN never touches attention, and leaving it out keeps the run short):
+ *   xn    = rmsnorm(x)                                   [T, D]
+ *   q     = xn . Wq                 [T, H, 192] = q_nope 128 | q_pe 64 (RoPE)
+ *   c     = rmsnorm((xn . Wkv_a)[:, :512])               [T, 512] latent
+ *   r     = rope((xn . Wkv_a)[:, 512:])                  [T, 64]
+ *   absorbed modes (decode, verify, prefix extend):
+ *     q_abs = q_nope . W_UK[h]                           [T, H, 512]
+ *     o_lat = attention(q_abs, q_pe; cached c, r)        [T, H, 512]
+ *     o     = o_lat . W_UV[h]^T                          [T, H, 128]
+ *   MHA modes (prefill; prefix extend when chunked):
+ *     k = (c . W_UK[h]^T, r), v = c . W_UV[h]^T; o = attention(q, k, v)
+ *   x    += o . Wo                                       [T, D]
+ * W_UK and W_UV are the two halves of kv_b_proj [H, 256, 512], which the
+ * backend also receives for chunked-prefix MHA. An embedding [V, D] and an
+ * LM head [D, V] close the loop: each sequence's greedy next token is its
+ * next input. Weights are random, rounded to the activation dtype (a bf16
+ * model held in fp32 for the products).
+ *
+ * The serving loop, per step: admit arriving requests (a fresh one is
+ * prefilled by EXTEND without prefix, ragged MHA; one that shares an earlier
+ * request's prompt prefix is forked from it, mla_req_fork, and prefilled by
+ * EXTEND with that prefix); one DECODE batch for the running requests; one
+ * request in turn runs TARGET_VERIFY on draft tokens, and the rejected ones
+ * are rolled back (mla_req_truncate); finished requests free their pages.
+ * Every few steps a sampled layer's attention is compared with the float64
+ * oracle (tests/ref) on the rows the cache holds, read back with
+ * mla_kv_cache_read. Oracle time is kept out of the throughput figures. */
+#include "serve.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "demo_util.h"
+#include "ref.h"
+#include "serve_gemm.h"
+
+#define L MLA_LATENT
+#define R MLA_ROPE
+#define NOPE 128         /* qk_nope_head_dim */
+#define DQK (NOPE + R)   /* 192 */
+#define DV 128           /* v_head_dim */
+#define VOCAB 4096       /* embedding rows; only the loop's shape matters */
+#define CHECK_HEADS 8    /* heads the oracle recomputes per check */
+#define CHECK_QUERIES 8  /* last query rows per request the oracle recomputes */
+#define MAX_BATCH 256    /* --max-batch limit (fixed-size arrays below) */
+
+typedef struct layer_w {
+  float *wq;    /* [D, H*192] */
+  float *wkva;  /* [D, 576] */
+  float *kvb;   /* [H, 256, 512] kv_b_proj: rows 0..127 W_UK[h], 128..255 W_UV[h] */
+  float *wukt;  /* [H, 512, 128] W_UK[h]^T (k_nope expansion) */
+  float *wuvt;  /* [H, 512, 128] W_UV[h]^T (v expansion and o_lat -> o) */
+  void *kvb_a;  /* [H, 256, 512] kv_b_proj in the activation dtype */
+  float *wo;    /* [H*128, D] */
+} layer_w;
+
+enum { WAITING = 0, RUNNING = 1, DONE = 2 };
+
+typedef struct sim_req {
+  int arrival;   /* step it arrives at */
+  int prompt;    /* prompt tokens (planned; a fork re-draws it) */
+  int target;    /* tokens to generate */
+  int state;
+  int32_t id;    /* request-table id while running */
+  int prefix;    /* shared prefix length */
+  int len;       /* tokens in the request table (all have cache rows) */
+  int generated;
+  int32_t next;  /* sampled token, not yet fed */
+  int admitted;  /* step of admission */
+} sim_req;
+
+typedef struct stats {
+  double t_attn, t_check, t_total; /* ms; t_total excludes checks */
+  int64_t tok_prefill, tok_decode, tok_verify, generated;
+  int64_t drafts, accepted, rolled_back;
+  int forks, finished, verify_rounds;
+  int checks, failed, attn_checks;
+  double max_err, max_cos, max_lse; /* attention checks */
+  double cache_err;                 /* cache rows read back vs written */
+  int pages_peak, shared_peak;
+} stats;
+
+typedef struct sim {
+  const demo_opts *o;
+  FILE *out;
+  demo_rng g;
+  int H, D, layers, P, ndt, N, max_batch, max_ctx, max_tokens, usable_pages;
+  mla_dtype act;
+  size_t es; /* bytes per activation element */
+  double scale;
+  mla_ctx *ctx;
+  mla_backend *be;
+  mla_req_table *rt;
+  /* weights */
+  layer_w *lw;
+  float *embed; /* [V, D] */
+  float *head;  /* [D, V] */
+  float inv_freq[R / 2];
+  /* activations, sized for max_tokens rows */
+  float *x, *xn, *q, *kv; /* [T, D], [T, D], [T, H*192], [T, 576] */
+  float *c, *r;           /* [T, 512], [T, 64] rounded to the act dtype */
+  float *big;             /* [T, H, 512] per-head staging */
+  float *oh;              /* [T, H*128] attention output per head, after W_UV */
+  void *c_a, *r_a;        /* [T, 512], [T, 64] act: rows written to the cache */
+  void *in_a;             /* [T, H, 512] act: q_abs, or q | k | v for MHA */
+  void *qr_a;             /* [T, H, 64] act: q_pe (absorbed) */
+  void *out_a;            /* [T, H, 512] act: attention output */
+  float *lse;             /* [T, H] */
+  float *logits;          /* [T, V] */
+  /* requests and the current batch */
+  sim_req *req;
+  int32_t *ids, *seq, *pre; /* [max_batch] batch rows */
+  int32_t *tok, *pos, *slots; /* [max_tokens] query rows */
+  int *sample_rows;           /* [max_tokens] rows whose next token is sampled */
+  int32_t *sampled;           /* [max_tokens] */
+  int rr;                     /* round robin of the verifying request */
+  stats st;
+  /* the step's oracle check */
+  int check_layer;            /* -1: none this step */
+  int step_checks, step_failed;
+  int last_checked;           /* layer of the last check */
+} sim;
+
+static int fail_status(sim *s, mla_status st, const char *what, const char *detail) {
+  if (st == MLA_OK) return 0;
+  fprintf(s->out, "error: %s: %s (%s)\n", what, mla_status_string(st), detail ? detail : "");
+  return -1;
+}
+#define TRY(s, call, detail)                                                  \
+  do {                                                                        \
+    if (fail_status((s), (call), #call, (detail)) != 0) return -1;            \
+  } while (0)
+
+/* ---- model ---------------------------------------------------------------- */
+
+/* n values uniform with standard deviation sigma, rounded to the act dtype. */
+static void fill(sim *s, float *w, int64_t n, double sigma) {
+  const double a = sqrt(3.0) * sigma;
+  for (int64_t i = 0; i < n; i++) w[i] = (float)((2.0 * demo_rng_uniform(&s->g) - 1.0) * a);
+  void *tmp = malloc((size_t)(n ? n : 1) * s->es);
+  if (!tmp) return;
+  mla_convert(w, MLA_DTYPE_F32, tmp, s->act, n);
+  mla_convert(tmp, s->act, w, MLA_DTYPE_F32, n);
+  free(tmp);
+}
+
+/* malloc that notes a failure in *oom (checked once after a group). */
+static void *xmalloc(size_t bytes, int *oom) {
+  void *p = malloc(bytes ? bytes : 1);
+  if (!p) *oom = 1;
+  return p;
+}
+
+static int model_init(sim *s) {
+  const int H = s->H, D = s->D;
+  int oom = 0;
+  s->lw = calloc((size_t)s->layers, sizeof(layer_w));
+  if (!s->lw) return -1;
+  for (int l = 0; l < s->layers; l++) {
+    layer_w *w = &s->lw[l];
+    w->wq = xmalloc((size_t)D * H * DQK * sizeof(float), &oom);
+    w->wkva = xmalloc((size_t)D * (L + R) * sizeof(float), &oom);
+    w->kvb = xmalloc((size_t)H * (NOPE + DV) * L * sizeof(float), &oom);
+    w->wukt = xmalloc((size_t)H * L * NOPE * sizeof(float), &oom);
+    w->wuvt = xmalloc((size_t)H * L * DV * sizeof(float), &oom);
+    w->kvb_a = xmalloc((size_t)H * (NOPE + DV) * L * s->es, &oom);
+    w->wo = xmalloc((size_t)H * DV * D * sizeof(float), &oom);
+    if (oom) return -1;
+    /* Scales keep activations near unit size: q_abs . c then has the
+     * spread of a real model's logits (std ~1.7 after the 192^-0.5 scale). */
+    fill(s, w->wq, (int64_t)D * H * DQK, 1.0 / sqrt(D));
+    fill(s, w->wkva, (int64_t)D * (L + R), 1.0 / sqrt(D));
+    for (int h = 0; h < H; h++) {
+      float *kh = w->kvb + (size_t)h * (NOPE + DV) * L;
+      fill(s, kh, (int64_t)NOPE * L, 1.0 / sqrt(NOPE));
+      fill(s, kh + (size_t)NOPE * L, (int64_t)DV * L, 1.0 / sqrt(L));
+      for (int j = 0; j < NOPE; j++)
+        for (int x = 0; x < L; x++) w->wukt[((size_t)h * L + x) * NOPE + j] = kh[(size_t)j * L + x];
+      for (int j = 0; j < DV; j++)
+        for (int x = 0; x < L; x++) w->wuvt[((size_t)h * L + x) * DV + j] = kh[(size_t)(NOPE + j) * L + x];
+    }
+    mla_convert(w->kvb, MLA_DTYPE_F32, w->kvb_a, s->act, (int64_t)H * (NOPE + DV) * L);
+    fill(s, w->wo, (int64_t)H * DV * D, 1.0 / sqrt((double)H * DV));
+  }
+  s->embed = xmalloc((size_t)VOCAB * D * sizeof(float), &oom);
+  s->head = xmalloc((size_t)D * VOCAB * sizeof(float), &oom);
+  if (oom) return -1;
+  fill(s, s->embed, (int64_t)VOCAB * D, 1.0);
+  fill(s, s->head, (int64_t)D * VOCAB, 1.0 / sqrt(D));
+  for (int i = 0; i < R / 2; i++) s->inv_freq[i] = (float)pow(10000.0, -2.0 * i / R);
+  return 0;
+}
+
+static void model_free(sim *s) {
+  for (int l = 0; s->lw && l < s->layers; l++) {
+    layer_w *w = &s->lw[l];
+    free(w->wq);
+    free(w->wkva);
+    free(w->kvb);
+    free(w->wukt);
+    free(w->wuvt);
+    free(w->kvb_a);
+    free(w->wo);
+  }
+  free(s->lw);
+  free(s->embed);
+  free(s->head);
+}
+
+static void rmsnorm(float *y /* [n] */, const float *x /* [n] */, int n) {
+  double ss = 0;
+  for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
+  const float inv = (float)(1.0 / sqrt(ss / n + 1e-6));
+  for (int i = 0; i < n; i++) y[i] = x[i] * inv;
+}
+
+/* Rotary embedding (rotate-half form) of one 64-wide vector, with the
+ * position's cos/sin table cs [32], sn [32]. */
+static void rope(float *v /* [64] */, const float *cs, const float *sn) {
+  for (int i = 0; i < R / 2; i++) {
+    const float x0 = v[i], x1 = v[i + R / 2];
+    v[i] = x0 * cs[i] - x1 * sn[i];
+    v[i + R / 2] = x0 * sn[i] + x1 * cs[i];
+  }
+}
+
+/* ---- oracle checks ---------------------------------------------------------- */
+
+/* Rows [r0, r0+m) x heads hs[0..nh) of an act tensor [rows, H, dim] as double
+ * [m, nh, dim]. */
+static void pick(const sim *s, const void *src, int dim, int r0, int m, const int *hs, int nh, double *dst) {
+  for (int i = 0; i < m; i++)
+    for (int j = 0; j < nh; j++)
+      mla_convert((const char *)src + (((size_t)(r0 + i) * s->H + hs[j]) * dim) * s->es, s->act,
+                  dst + ((size_t)i * nh + j) * dim, MLA_DTYPE_F64, dim);
+}
+
+static void pick_lse(const sim *s, int r0, int m, const int *hs, int nh, double *dst) {
+  for (int i = 0; i < m; i++)
+    for (int j = 0; j < nh; j++) dst[i * nh + j] = s->lse[(size_t)(r0 + i) * s->H + hs[j]];
+}
+
+/* Count one check; attention checks (not cache-row or page checks) also
+ * feed the error maxima of the summary. */
+static void record(sim *s, const demo_cmp *c, int attention) {
+  s->st.checks++;
+  s->step_checks++;
+  if (!c->ok) {
+    s->st.failed++;
+    s->step_failed++;
+  }
+  if (!attention) return;
+  s->st.attn_checks++;
+  if (c->max_abs_err > s->st.max_err) s->st.max_err = c->max_abs_err;
+  if (c->cos_dist > s->st.max_cos) s->st.max_cos = c->cos_dist;
+  if (c->lse_err > s->st.max_lse) s->st.max_lse = c->lse_err;
+}
+
+typedef struct check_bufs {
+  double *q, *qr, *k, *v, *c, *r, *w, *o, *lse, *got, *got_lse;
+} check_bufs;
+
+static void bufs_free(check_bufs *b) {
+  free(b->q), free(b->qr), free(b->k), free(b->v), free(b->c), free(b->r), free(b->w);
+  free(b->o), free(b->lse), free(b->got), free(b->got_lse);
+}
+
+/* Enough for one request: m query rows, K keys, nh heads. */
+static int bufs_alloc(check_bufs *b, int m, int K, int nh) {
+  memset(b, 0, sizeof *b);
+  size_t qn = (size_t)m * nh, kn = (size_t)(K ? K : 1) * nh, d = sizeof(double);
+  b->q = malloc(qn * L * d), b->qr = malloc(qn * R * d);
+  b->k = malloc(kn * DQK * d), b->v = malloc(kn * DV * d);
+  b->c = malloc((size_t)(K ? K : 1) * L * d), b->r = malloc((size_t)(K ? K : 1) * R * d);
+  b->w = malloc((size_t)nh * (NOPE + DV) * L * d);
+  b->o = malloc(qn * L * d), b->lse = malloc(qn * d), b->got = malloc(qn * L * d), b->got_lse = malloc(qn * d);
+  return b->q && b->qr && b->k && b->v && b->c && b->r && b->w && b->o && b->lse && b->got && b->got_lse ? 0 : -1;
+}
+
+/* The rows this batch wrote to the cache, read back, against what was
+ * written rounded the way the cache dtype stores it. */
+static void check_cache_write(sim *s, int layer, int T) {
+  mla_kv_cache *cache;
+  mla_backend_cache(s->be, &cache);
+  float *cf = malloc((size_t)T * L * sizeof(float)), *rf = malloc((size_t)T * R * sizeof(float));
+  demo_cmp c;
+  memset(&c, 0, sizeof c);
+  if (cf && rf && mla_kv_cache_read(cache, layer, T, s->slots, cf, rf, MLA_DTYPE_F32) == MLA_OK) {
+    const mla_dtype cd = s->o->cache_dtype;
+    c.ok = 1;
+    for (int t = 0; t < T; t++) {
+      const float *want_c = s->c + (size_t)t * L, *want_r = s->r + (size_t)t * R;
+      double amax = 0;
+      for (int i = 0; i < L; i++) amax = fmax(amax, fabs(want_c[i]));
+      for (int i = 0; i < L + R; i++) {
+        const double x = i < L ? want_c[i] : want_r[i - L], got = i < L ? cf[(size_t)t * L + i] : rf[(size_t)t * R + i - L];
+        double want, tol = 0;
+        if (cd == MLA_DTYPE_F16) want = ref_round_f16(x);
+        else if (cd == MLA_DTYPE_FP8_E4M3) want = ref_round_e4m3(x); /* c and r; per-layer scale 1 */
+        else if (cd == MLA_DTYPE_FP8_E4M3_BLOCK && i < L) want = x, tol = 0.0625 * fabs(x) + amax / 448 * 0x1p-9;
+        else want = ref_round_bf16(x); /* bf16 cache; the rope part of the block format */
+        const double err = fabs(got - want);
+        if (!(err <= tol)) c.ok = 0;
+        if (err > c.max_abs_err) c.max_abs_err = err;
+      }
+    }
+  }
+  record(s, &c, 0);
+  if (c.max_abs_err > s->st.cache_err) s->st.cache_err = c.max_abs_err;
+  free(cf);
+  free(rf);
+}
+
+/* Absorbed modes: per request, its last query rows and a spread of heads,
+ * against ref_absorbed on the keys the cache holds. */
+static void check_absorbed(sim *s, const mla_plan *p, int layer, const int *hs, int nh) {
+  for (int i = 0; i < p->batch_size; i++) {
+    const int nq = p->qo_indptr[i + 1] - p->qo_indptr[i], kv = p->kv_lens[i];
+    int m = nq < CHECK_QUERIES ? nq : CHECK_QUERIES;
+    const int r0 = p->qo_indptr[i + 1] - m;
+    check_bufs b;
+    demo_cmp c;
+    memset(&c, 0, sizeof c);
+    if (bufs_alloc(&b, m, kv, nh) == 0 && demo_read_request(s->be, layer, p->req_ids[i], kv, b.c, b.r) == 0) {
+      pick(s, s->in_a, L, r0, m, hs, nh, b.q);
+      pick(s, s->qr_a, R, r0, m, hs, nh, b.qr);
+      /* m of the request's nq queries: bottom-right alignment makes the
+       * mask of the last m rows the same as for all nq. */
+      ref_absorbed(1, &m, &kv, nh, s->scale, p->causal, b.q, b.qr, b.c, b.r, b.o, b.lse);
+      pick(s, s->out_a, L, r0, m, hs, nh, b.got);
+      pick_lse(s, r0, m, hs, nh, b.got_lse);
+      c = demo_compare(b.got, b.o, (int64_t)m * nh * L, s->act, b.got_lse, b.lse, (int64_t)m * nh, DEMO_LSE_ATOL);
+    }
+    record(s, &c, 1);
+    bufs_free(&b);
+  }
+}
+
+/* MHA modes: q, k, v as handed to the backend; with a prefix (chunked), the
+ * prefix keys are the cached latent rows expanded with kv_b_proj. */
+static void check_mha(sim *s, const mla_plan *p, int layer, int T, const int32_t *prefix, const int *hs,
+                      int nh) {
+  const char *in = s->in_a;
+  const void *qa = in, *ka = in + (size_t)T * s->H * DQK * s->es, *va = in + (size_t)2 * T * s->H * DQK * s->es;
+  for (int i = 0; i < p->batch_size; i++) {
+    const int q0 = p->qo_indptr[i], E = p->qo_indptr[i + 1] - q0, P = prefix ? prefix[i] : 0;
+    int K = P + E, m = E < CHECK_QUERIES ? E : CHECK_QUERIES;
+    check_bufs b;
+    demo_cmp c;
+    memset(&c, 0, sizeof c);
+    int ok = bufs_alloc(&b, m, K, nh) == 0;
+    if (ok && P) {
+      ok = demo_read_request(s->be, layer, p->req_ids[i], P, b.c, b.r) == 0;
+      for (int j = 0; ok && j < nh; j++)
+        mla_convert((const char *)s->lw[layer].kvb_a + (size_t)hs[j] * (NOPE + DV) * L * s->es, s->act,
+                    b.w + (size_t)j * (NOPE + DV) * L, MLA_DTYPE_F64, (int64_t)(NOPE + DV) * L);
+      if (ok) demo_ref_expand(P, nh, NOPE, DV, s->act, b.c, b.r, b.w, b.k, b.v);
+    }
+    if (ok) {
+      pick(s, ka, DQK, q0, E, hs, nh, b.k + (size_t)P * nh * DQK);
+      pick(s, va, DV, q0, E, hs, nh, b.v + (size_t)P * nh * DV);
+      pick(s, qa, DQK, q0 + E - m, m, hs, nh, b.q);
+      ref_mha(1, &m, &K, nh, nh, DQK, DV, s->scale, 0.0, 1, b.q, b.k, b.v, b.o, b.lse);
+      pick(s, s->out_a, DV, q0 + E - m, m, hs, nh, b.got);
+      pick_lse(s, q0 + E - m, m, hs, nh, b.got_lse);
+      c = demo_compare(b.got, b.o, (int64_t)m * nh * DV, s->act, b.got_lse, b.lse, (int64_t)m * nh,
+                       P ? demo_lse_atol_expanded(s->act) : DEMO_LSE_ATOL);
+    }
+    record(s, &c, 1);
+    bufs_free(&b);
+  }
+}
+
+static void check_layer(sim *s, int layer, int T, int mha, const int32_t *prefix) {
+  double t0 = demo_now_ms();
+  s->last_checked = layer;
+  const mla_plan *p;
+  if (mla_backend_get_plan(s->be, &p) != MLA_OK) return;
+  int hs[CHECK_HEADS], nh = s->H < CHECK_HEADS ? s->H : CHECK_HEADS;
+  const int off = demo_rng_int(&s->g, 0, s->H - 1);
+  for (int j = 0; j < nh; j++) hs[j] = (off + j * s->H / nh) % s->H;
+  check_cache_write(s, layer, T);
+  if (mha) check_mha(s, p, layer, T, prefix, hs, nh);
+  else check_absorbed(s, p, layer, hs, nh);
+  s->st.t_check += demo_now_ms() - t0;
+}
+
+/* The attention checks take the projections' results as given, so check
+ * serve_gemm itself once, against a double loop, on an awkward shape: ragged
+ * row and column edges, K past one block, several strided products,
+ * accumulation. Returns the worst error relative to sum |a b|. */
+static double check_gemm(sim *s) {
+  enum { COUNT = 3, M = 5, N = 70, K = 300, LDA = K + 3, LDB = N + 5, LDC = N + 2 };
+  const int64_t sa = (int64_t)M * LDA, sb = (int64_t)K * LDB, sc = (int64_t)M * LDC;
+  float *a = malloc(COUNT * sa * sizeof(float)), *b = malloc(COUNT * sb * sizeof(float));
+  float *c = malloc(COUNT * sc * sizeof(float)), *c0 = malloc(COUNT * sc * sizeof(float));
+  double worst = a && b && c && c0 ? 0 : INFINITY;
+  if (worst == 0) {
+    for (int64_t i = 0; i < COUNT * sa; i++) a[i] = (float)(2 * demo_rng_uniform(&s->g) - 1);
+    for (int64_t i = 0; i < COUNT * sb; i++) b[i] = (float)(2 * demo_rng_uniform(&s->g) - 1);
+    for (int64_t i = 0; i < COUNT * sc; i++) c[i] = c0[i] = (float)(2 * demo_rng_uniform(&s->g) - 1);
+    serve_gemm(COUNT, M, N, K, a, LDA, sa, b, LDB, sb, c, LDC, sc, 1);
+    for (int p = 0; p < COUNT; p++)
+      for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+          double ref = c0[p * sc + i * LDC + j], mag = fabs(ref);
+          for (int k = 0; k < K; k++) {
+            const double x = (double)a[p * sa + i * LDA + k] * b[p * sb + k * LDB + j];
+            ref += x;
+            mag += fabs(x);
+          }
+          const double err = fabs(c[p * sc + i * LDC + j] - ref) / mag;
+          if (!(err <= worst)) worst = err; /* NaN too */
+        }
+  }
+  free(a), free(b), free(c), free(c0);
+  demo_cmp r;
+  memset(&r, 0, sizeof r);
+  r.ok = worst <= 1e-5; /* fp32 sums of 300 terms: ~1e-7 */
+  record(s, &r, 0);
+  return worst;
+}
+
+/* ---- one forward pass of a batch through the stack -------------------------- */
+
+/* Projections in front of attention for layer l: fills c/r (and c_a/r_a),
+ * and q with RoPE applied. */
+static void project_in(sim *s, int l, int T) {
+  const layer_w *w = &s->lw[l];
+  const int H = s->H, D = s->D;
+  for (int t = 0; t < T; t++) rmsnorm(s->xn + (size_t)t * D, s->x + (size_t)t * D, D);
+  serve_gemm(1, T, H * DQK, D, s->xn, D, 0, w->wq, H * DQK, 0, s->q, H * DQK, 0, 0);
+  serve_gemm(1, T, L + R, D, s->xn, D, 0, w->wkva, L + R, 0, s->kv, L + R, 0, 0);
+  for (int t = 0; t < T; t++) {
+    float cs[R / 2], sn[R / 2];
+    for (int i = 0; i < R / 2; i++) {
+      const double a = s->pos[t] * (double)s->inv_freq[i];
+      cs[i] = (float)cos(a);
+      sn[i] = (float)sin(a);
+    }
+    rmsnorm(s->c + (size_t)t * L, s->kv + (size_t)t * (L + R), L);
+    memcpy(s->r + (size_t)t * R, s->kv + (size_t)t * (L + R) + L, R * sizeof(float));
+    rope(s->r + (size_t)t * R, cs, sn);
+    for (int h = 0; h < H; h++) rope(s->q + ((size_t)t * H + h) * DQK + NOPE, cs, sn);
+  }
+  /* The latent as the engine holds it (act dtype) feeds both the cache and
+   * the MHA expansion, so the two paths agree. */
+  mla_convert(s->c, MLA_DTYPE_F32, s->c_a, s->act, (int64_t)T * L);
+  mla_convert(s->c_a, s->act, s->c, MLA_DTYPE_F32, (int64_t)T * L);
+  mla_convert(s->r, MLA_DTYPE_F32, s->r_a, s->act, (int64_t)T * R);
+  mla_convert(s->r_a, s->act, s->r, MLA_DTYPE_F32, (int64_t)T * R);
+}
+
+/* MHA inputs in in_a: q [T, H, 192] | k [T, H, 192] | v [T, H, 128]. */
+static void mha_inputs(sim *s, int l, int T) {
+  const layer_w *w = &s->lw[l];
+  const int H = s->H;
+  const int64_t n = (int64_t)T * H;
+  float *kn = s->big, *v = s->big + n * NOPE, *k = s->big + 2 * n * NOPE; /* 128 + 128 + 192 <= 512 */
+  serve_gemm(H, T, NOPE, L, s->c, L, 0, w->wukt, NOPE, (int64_t)L * NOPE, kn, (int64_t)H * NOPE, NOPE, 0);
+  serve_gemm(H, T, DV, L, s->c, L, 0, w->wuvt, DV, (int64_t)L * DV, v, (int64_t)H * DV, DV, 0);
+  for (int64_t i = 0; i < n; i++) {
+    memcpy(k + i * DQK, kn + i * NOPE, NOPE * sizeof(float));
+    memcpy(k + i * DQK + NOPE, s->r + (i / H) * R, R * sizeof(float));
+  }
+  char *in = s->in_a;
+  mla_convert(s->q, MLA_DTYPE_F32, in, s->act, n * DQK);
+  mla_convert(k, MLA_DTYPE_F32, in + (size_t)n * DQK * s->es, s->act, n * DQK);
+  mla_convert(v, MLA_DTYPE_F32, in + (size_t)2 * n * DQK * s->es, s->act, n * DV);
+}
+
+/* Absorbed inputs: q_abs [T, H, 512] in in_a, q_pe [T, H, 64] in qr_a. */
+static void absorbed_inputs(sim *s, int l, int T) {
+  const layer_w *w = &s->lw[l];
+  const int H = s->H;
+  const int64_t n = (int64_t)T * H;
+  serve_gemm(H, T, L, NOPE, s->q, (int64_t)H * DQK, DQK, w->kvb, L, (int64_t)(NOPE + DV) * L, s->big,
+             (int64_t)H * L, L, 0);
+  mla_convert(s->big, MLA_DTYPE_F32, s->in_a, s->act, n * L);
+  for (int64_t i = 0; i < n; i++) memcpy(s->big + i * R, s->q + i * DQK + NOPE, R * sizeof(float));
+  mla_convert(s->big, MLA_DTYPE_F32, s->qr_a, s->act, n * R);
+}
+
+/* Attention output -> oh [T, H*128] -> x += oh . Wo. */
+static void project_out(sim *s, int l, int T, int mha) {
+  const layer_w *w = &s->lw[l];
+  const int H = s->H;
+  if (mha) {
+    mla_convert(s->out_a, s->act, s->oh, MLA_DTYPE_F32, (int64_t)T * H * DV);
+  } else {
+    mla_convert(s->out_a, s->act, s->big, MLA_DTYPE_F32, (int64_t)T * H * L);
+    serve_gemm(H, T, DV, L, s->big, (int64_t)H * L, L, w->wuvt, DV, (int64_t)L * DV, s->oh, (int64_t)H * DV, DV, 0);
+  }
+  serve_gemm(1, T, s->D, H * DV, s->oh, (int64_t)H * DV, 0, w->wo, s->D, 0, s->x, s->D, 0, 1);
+}
+
+/* Greedy next token of the n rows listed in sample_rows, into sampled[]. */
+static void sample(sim *s, int n) {
+  const int D = s->D;
+  for (int i = 0; i < n; i++) rmsnorm(s->xn + (size_t)i * D, s->x + (size_t)s->sample_rows[i] * D, D);
+  serve_gemm(1, n, VOCAB, D, s->xn, D, 0, s->head, VOCAB, 0, s->logits, VOCAB, 0, 0);
+  for (int i = 0; i < n; i++) {
+    const float *lg = s->logits + (size_t)i * VOCAB;
+    int best = 0;
+    for (int v = 1; v < VOCAB; v++)
+      if (lg[v] > lg[best]) best = v;
+    s->sampled[i] = best;
+  }
+}
+
+/* Run the planned-to-be batch b (T query rows: tok, pos, slots filled)
+ * through every layer, then sample n_sample rows. prefix: EXTEND prefix
+ * lengths (for the chunked check), or NULL. */
+static int forward(sim *s, const mla_batch *b, int T, const int32_t *prefix, int n_sample) {
+  double t0 = demo_now_ms(), ta = 0;
+  TRY(s, mla_backend_plan(s->be, b), mla_backend_last_error(s->be));
+  int mha = 0;
+  TRY(s, mla_backend_uses_mha(s->be, &mha), "");
+  ta += demo_now_ms() - t0;
+  for (int t = 0; t < T; t++) memcpy(s->x + (size_t)t * s->D, s->embed + (size_t)s->tok[t] * s->D, s->D * sizeof(float));
+  for (int l = 0; l < s->layers; l++) {
+    project_in(s, l, T);
+    if (mha) mha_inputs(s, l, T);
+    else absorbed_inputs(s, l, T);
+    const int64_t n = (int64_t)T * s->H;
+    const char *in = s->in_a;
+    mla_forward_args a;
+    memset(&a, 0, sizeof a);
+    a.layer = l;
+    a.num_new = T;
+    a.new_slots = s->slots;
+    a.new_c = s->c_a;
+    a.new_r = s->r_a;
+    if (mha) {
+      a.q = in;
+      a.k = in + (size_t)n * DQK * s->es;
+      a.v = in + (size_t)2 * n * DQK * s->es;
+      a.kv_b_proj = s->lw[l].kvb_a;
+    } else {
+      a.q_nope = in;
+      a.q_rope = s->qr_a;
+    }
+    a.out = s->out_a;
+    a.lse = s->lse;
+    const double t1 = demo_now_ms();
+    mla_status st = mla_backend_forward(s->be, &a);
+    ta += demo_now_ms() - t1;
+    TRY(s, st, mla_backend_last_error(s->be));
+    if (l == s->check_layer) check_layer(s, l, T, mha, prefix);
+    project_out(s, l, T, mha);
+  }
+  sample(s, n_sample);
+  s->st.t_attn += ta;
+  return 0;
+}
+
+/* ---- the serving loop ------------------------------------------------------- */
+
+/* Pages held by requests now (and how many of them are shared by several
+ * requests), folded into the peaks. */
+static int pages_in_use(sim *s, int *shared) {
+  int free_pages = 0, refs = 0;
+  mla_req_table_free_pages(s->rt, &free_pages);
+  *shared = 0;
+  for (int p = 1; p <= s->usable_pages; p++)
+    if (mla_req_table_page_refs(s->rt, p, &refs) == MLA_OK && refs > 1) (*shared)++;
+  const int used = s->usable_pages - free_pages;
+  if (used > s->st.pages_peak) s->st.pages_peak = used;
+  if (*shared > s->st.shared_peak) s->st.shared_peak = *shared;
+  return used;
+}
+
+/* Admit arrived requests (first come, first served) while the batch, the
+ * step's prefill budget and the page pool allow, and prefill them: fresh
+ * ones in one EXTEND without prefix, forked ones in one EXTEND with prefix. */
+static int admit_and_prefill(sim *s, int step, int *n_new, int *n_fork) {
+  int running = 0, used = 0;
+  for (int i = 0; i < s->N; i++) running += s->req[i].state == RUNNING;
+  /* Admitted requests by kind, and where each one's new slots start in
+   * all_slots (mla_req_extend writes them in admission order). */
+  int list[2][MAX_BATCH], at[2][MAX_BATCH], n[2] = {0, 0};
+  int32_t *all_slots = malloc((size_t)s->max_tokens * sizeof(int32_t));
+  if (!all_slots) return -1;
+  for (int i = 0; i < s->N && running < s->max_batch; i++) {
+    sim_req *q = &s->req[i];
+    if (q->state != WAITING) continue;
+    if (q->arrival > step) break;
+    /* Share a prompt prefix with a request that is already prefilled? */
+    int parent = -1, cand[MAX_BATCH], nc = 0;
+    if (demo_rng_uniform(&s->g) < 0.4)
+      for (int j = 0; j < s->N; j++)
+        if (s->req[j].state == RUNNING && s->req[j].admitted < step) cand[nc++] = j;
+    if (nc) parent = cand[demo_rng_int(&s->g, 0, nc - 1)];
+    int prefix = 0, fresh_tokens = q->prompt;
+    if (parent >= 0) { /* a shared "system prompt", then a question of its own */
+      const int pp = s->req[parent].prompt;
+      prefix = demo_rng_int(&s->g, (pp + 1) / 2, pp);
+      const int room = s->o->max_prompt - prefix, cap = s->o->max_prompt / 2, hi = room < cap ? room : cap;
+      fresh_tokens = demo_rng_int(&s->g, 1, hi > 1 ? hi : 1);
+    }
+    if (used + fresh_tokens > s->max_tokens) break;
+    mla_status st = parent >= 0 ? mla_req_fork(s->rt, s->req[parent].id, prefix, &q->id) : mla_req_add(s->rt, &q->id);
+    if (fail_status(s, st, parent >= 0 ? "mla_req_fork" : "mla_req_add", mla_req_table_last_error(s->rt))) {
+      free(all_slots);
+      return -1;
+    }
+    st = mla_req_extend(s->rt, q->id, fresh_tokens, all_slots + used);
+    if (st != MLA_OK) {
+      mla_req_free(s->rt, q->id);
+      if (st == MLA_ERR_CACHE_FULL) break; /* wait for pages to come back */
+      fail_status(s, st, "mla_req_extend", mla_req_table_last_error(s->rt));
+      free(all_slots);
+      return -1;
+    }
+    const int kind = parent >= 0;
+    list[kind][n[kind]] = i;
+    at[kind][n[kind]++] = used;
+    q->prefix = prefix;
+    q->prompt = q->len = prefix + fresh_tokens;
+    q->state = RUNNING;
+    q->admitted = step;
+    used += fresh_tokens;
+    running++;
+  }
+  *n_new = n[0] + n[1];
+  *n_fork = n[1];
+  int rc = 0;
+  for (int kind = 0; kind < 2 && rc == 0; kind++) {
+    if (!n[kind]) continue;
+    int T = 0;
+    for (int b = 0; b < n[kind]; b++) {
+      sim_req *q = &s->req[list[kind][b]];
+      const int E = q->prompt - q->prefix;
+      s->ids[b] = q->id;
+      s->seq[b] = q->len;
+      s->pre[b] = q->prefix;
+      memcpy(s->slots + T, all_slots + at[kind][b], (size_t)E * sizeof(int32_t));
+      for (int t = 0; t < E; t++) {
+        s->tok[T + t] = demo_rng_int(&s->g, 0, VOCAB - 1); /* the prompt's tokens */
+        s->pos[T + t] = q->prefix + t;
+      }
+      T += E;
+      s->sample_rows[b] = T - 1;
+    }
+    mla_batch bt = {MLA_MODE_EXTEND, n[kind], s->ids, s->seq, NULL, kind ? s->pre : NULL, 0};
+    /* Prefix sharing is the rarest path: check every such batch. */
+    const int sched = s->check_layer;
+    if (kind && sched < 0) s->check_layer = demo_rng_int(&s->g, 0, s->layers - 1);
+    rc = forward(s, &bt, T, kind ? s->pre : NULL, n[kind]);
+    s->check_layer = sched;
+    for (int b = 0; rc == 0 && b < n[kind]; b++) {
+      s->req[list[kind][b]].next = s->sampled[b];
+      s->req[list[kind][b]].generated = 1;
+    }
+    s->st.tok_prefill += T;
+    s->st.generated += n[kind];
+  }
+  s->st.forks += n[1];
+  free(all_slots);
+  return rc;
+}
+
+/* One DECODE batch of the running requests (all but the verifying one). */
+static int decode(sim *s, int step, int skip, int *bs_out) {
+  int bs = 0, idx[MAX_BATCH];
+  for (int i = 0; i < s->N; i++) {
+    sim_req *q = &s->req[i];
+    if (q->state != RUNNING || q->admitted == step || i == skip) continue;
+    TRY(s, mla_req_extend(s->rt, q->id, 1, s->slots + bs), mla_req_table_last_error(s->rt));
+    q->len++;
+    s->ids[bs] = q->id;
+    s->seq[bs] = q->len;
+    s->tok[bs] = q->next;
+    s->pos[bs] = q->len - 1;
+    s->sample_rows[bs] = bs;
+    idx[bs++] = i;
+  }
+  *bs_out = bs;
+  if (!bs) return 0;
+  mla_batch b = {MLA_MODE_DECODE, bs, s->ids, s->seq, NULL, NULL, 0};
+  if (forward(s, &b, bs, NULL, bs)) return -1;
+  for (int j = 0; j < bs; j++) {
+    s->req[idx[j]].next = s->sampled[j];
+    s->req[idx[j]].generated++;
+  }
+  s->st.tok_decode += bs;
+  s->st.generated += bs;
+  return 0;
+}
+
+/* TARGET_VERIFY of one request: its pending token and ndt-1 draft tokens;
+ * a random prefix of the drafts is accepted (a stand-in for comparing them
+ * with the target's choices), the rest rolled back. */
+static int verify(sim *s, int i, int *kept) {
+  sim_req *q = &s->req[i];
+  const int ndt = s->ndt, committed = q->len;
+  TRY(s, mla_req_extend(s->rt, q->id, ndt, s->slots), mla_req_table_last_error(s->rt));
+  s->ids[0] = q->id;
+  s->seq[0] = committed; /* TARGET_VERIFY: kv = seq_len + ndt */
+  for (int t = 0; t < ndt; t++) {
+    s->tok[t] = t == 0 ? q->next : demo_rng_int(&s->g, 0, VOCAB - 1);
+    s->pos[t] = committed + t;
+    s->sample_rows[t] = t;
+  }
+  mla_batch b = {MLA_MODE_TARGET_VERIFY, 1, s->ids, s->seq, NULL, NULL, ndt};
+  if (forward(s, &b, ndt, NULL, ndt)) return -1;
+  int accepted = 0;
+  while (accepted < ndt - 1 && demo_rng_uniform(&s->g) < 0.6) accepted++;
+  TRY(s, mla_req_truncate(s->rt, q->id, committed + 1 + accepted), mla_req_table_last_error(s->rt));
+  q->len = committed + 1 + accepted;
+  q->next = s->sampled[accepted]; /* the target's token after the last accepted one */
+  q->generated += 1 + accepted;
+  *kept = 1 + accepted;
+  s->st.tok_verify += ndt;
+  s->st.generated += 1 + accepted;
+  s->st.drafts += ndt - 1;
+  s->st.accepted += accepted;
+  s->st.rolled_back += ndt - 1 - accepted;
+  s->st.verify_rounds++;
+  return 0;
+}
+
+static int retire(sim *s, int *finished) {
+  *finished = 0;
+  for (int i = 0; i < s->N; i++) {
+    sim_req *q = &s->req[i];
+    if (q->state != RUNNING) continue;
+    if (q->generated < q->target && q->len + s->ndt + 1 <= s->max_ctx) continue;
+    TRY(s, mla_req_free(s->rt, q->id), mla_req_table_last_error(s->rt));
+    q->state = DONE;
+    (*finished)++;
+  }
+  s->st.finished += *finished;
+  return 0;
+}
+
+static int step(sim *s, int k) {
+  const double t0 = demo_now_ms(), check0 = s->st.t_check, attn0 = s->st.t_attn;
+  const int64_t tok0 = s->st.tok_prefill + s->st.tok_decode + s->st.tok_verify;
+  s->check_layer = k % s->o->check_every == 0 ? (k / s->o->check_every) % s->layers : -1;
+  s->step_checks = s->step_failed = 0;
+  int n_new = 0, n_fork = 0, bs = 0, kept = 0, finished = 0;
+  if (admit_and_prefill(s, k, &n_new, &n_fork)) return -1;
+  /* The verifying request: the next running one in turn. */
+  int spec = -1, eligible = 0;
+  for (int i = 0; i < s->N; i++) eligible += s->req[i].state == RUNNING && s->req[i].admitted < k;
+  if (eligible && s->ndt > 1) {
+    int want = s->rr++ % eligible;
+    for (int i = 0; i < s->N && spec < 0; i++)
+      if (s->req[i].state == RUNNING && s->req[i].admitted < k && want-- == 0) spec = i;
+  }
+  if (decode(s, k, spec, &bs)) return -1;
+  if (spec >= 0 && verify(s, spec, &kept)) return -1;
+  int shared = 0, used = pages_in_use(s, &shared); /* the step's high-water mark */
+  if (retire(s, &finished)) return -1;
+  used = pages_in_use(s, &shared);
+  const double ms = demo_now_ms() - t0 - (s->st.t_check - check0), attn = s->st.t_attn - attn0;
+  s->st.t_total += ms;
+  const int64_t toks = s->st.tok_prefill + s->st.tok_decode + s->st.tok_verify - tok0;
+  char ver[16] = "-", chk[48] = "";
+  if (spec >= 0) snprintf(ver, sizeof ver, "%d/%d", kept, s->ndt);
+  if (s->step_checks)
+    snprintf(chk, sizeof chk, "  oracle L%d %d/%d %s", s->last_checked, s->step_checks - s->step_failed,
+             s->step_checks, s->step_failed ? "FAIL" : "ok");
+  fprintf(s->out,
+          "step %3d  decode %2d  prefill %d (%d forked)  verify %-4s  tokens %5lld  pages %4d/%d  done %d"
+          "  %8.1f ms  attn %3.0f%%%s\n",
+          k, bs, n_new, n_fork, ver, (long long)toks, used, s->usable_pages, finished, ms,
+          ms > 0 ? 100.0 * attn / ms : 0.0, chk);
+  return 0;
+}
+
+static int cmp_int(const void *a, const void *b) { return *(const int *)a - *(const int *)b; }
+
+static int setup(sim *s) {
+  const demo_opts *o = s->o;
+  /* Requests: a first wave at step 0, the rest arriving over the first two
+   * thirds of the run. */
+  s->req = calloc((size_t)s->N, sizeof(sim_req));
+  int *arr = calloc((size_t)s->N, sizeof(int));
+  if (!s->req || !arr) {
+    free(arr);
+    fprintf(s->out, "error: out of memory for %d requests\n", s->N);
+    return -1;
+  }
+  const int wave = s->max_batch / 2 > 0 ? s->max_batch / 2 : 1, span = s->o->steps * 2 / 3 > 1 ? s->o->steps * 2 / 3 : 1;
+  for (int i = 0; i < s->N; i++) arr[i] = i < wave ? 0 : demo_rng_int(&s->g, 1, span);
+  qsort(arr, (size_t)s->N, sizeof(int), cmp_int);
+  const int max_target = o->steps * 3 / 4 > 4 ? o->steps * 3 / 4 : 4;
+  for (int i = 0; i < s->N; i++) {
+    sim_req *q = &s->req[i];
+    q->arrival = arr[i];
+    q->prompt = demo_rng_int(&s->g, o->max_prompt / 8 > 1 ? o->max_prompt / 8 : 1, o->max_prompt);
+    q->target = demo_rng_int(&s->g, 2, max_target);
+    q->id = -1;
+  }
+  free(arr);
+  /* Longest request: prompt + generated tokens (a verify round can overshoot
+   * the target by ndt) + the drafts in flight. */
+  s->max_ctx = o->max_prompt + max_target + 2 * s->ndt + 1;
+  s->max_tokens = o->max_prompt > 256 ? o->max_prompt : 256; /* prefill rows per step */
+  if (s->max_tokens < s->max_batch) s->max_tokens = s->max_batch;
+  if (s->max_tokens < s->ndt) s->max_tokens = s->ndt;
+
+  mla_backend_desc bd;
+  memset(&bd, 0, sizeof bd);
+  bd.cache.num_layers = s->layers;
+  bd.cache.page_size = s->P;
+  bd.cache.dtype = o->cache_dtype;
+  /* Every running request at its longest, plus a page each for
+   * copy-on-write of a shared page. */
+  bd.cache.num_pages = 1 + s->max_batch * ((s->max_ctx + s->P - 1) / s->P + 2);
+  bd.max_reqs = s->max_batch;
+  bd.max_context = s->max_ctx;
+  bd.max_bs = s->max_batch;
+  bd.max_q_tokens = s->max_tokens;
+  bd.num_heads = s->H;
+  bd.scale = (float)s->scale;
+  bd.act_dtype = s->act;
+  bd.qk_nope_dim = NOPE;
+  bd.v_dim = DV;
+  bd.extend_impl = o->prefix_impl;
+  bd.chunk_capacity = 256; /* a long shared prefix takes several chunks */
+  s->usable_pages = bd.cache.num_pages - 1;
+  TRY(s, mla_backend_create(s->ctx, &bd, &s->be), mla_ctx_last_error(s->ctx));
+  TRY(s, mla_backend_req_table(s->be, &s->rt), "");
+
+  const size_t T = (size_t)s->max_tokens, H = (size_t)s->H, D = (size_t)s->D, f = sizeof(float);
+  int oom = 0;
+  s->x = xmalloc(T * D * f, &oom);
+  s->xn = xmalloc(T * D * f, &oom);
+  s->q = xmalloc(T * H * DQK * f, &oom);
+  s->kv = xmalloc(T * (L + R) * f, &oom);
+  s->c = xmalloc(T * L * f, &oom);
+  s->r = xmalloc(T * R * f, &oom);
+  s->big = xmalloc(T * H * L * f, &oom);
+  s->oh = xmalloc(T * H * DV * f, &oom);
+  s->c_a = xmalloc(T * L * s->es, &oom);
+  s->r_a = xmalloc(T * R * s->es, &oom);
+  s->in_a = xmalloc(T * H * L * s->es, &oom);
+  s->qr_a = xmalloc(T * H * R * s->es, &oom);
+  s->out_a = xmalloc(T * H * L * s->es, &oom);
+  s->lse = xmalloc(T * H * f, &oom);
+  s->logits = xmalloc(T * VOCAB * f, &oom);
+  s->ids = xmalloc((size_t)s->max_batch * sizeof(int32_t), &oom);
+  s->seq = xmalloc((size_t)s->max_batch * sizeof(int32_t), &oom);
+  s->pre = xmalloc((size_t)s->max_batch * sizeof(int32_t), &oom);
+  s->tok = xmalloc(T * sizeof(int32_t), &oom);
+  s->pos = xmalloc(T * sizeof(int32_t), &oom);
+  s->slots = xmalloc(T * sizeof(int32_t), &oom);
+  s->sample_rows = xmalloc(T * sizeof(int), &oom);
+  s->sampled = xmalloc(T * sizeof(int32_t), &oom);
+  if (oom) {
+    fprintf(s->out, "error: out of memory for the simulation's buffers (%zu rows, %d heads)\n", T, s->H);
+    return -1;
+  }
+  return model_init(s) ? (fprintf(s->out, "error: out of memory for the weights\n"), -1) : 0;
+}
+
+static void teardown(sim *s) {
+  model_free(s);
+  void *bufs[] = {s->x,     s->xn,  s->q,   s->kv,  s->c,   s->r,   s->big, s->oh,  s->c_a,
+                  s->r_a,   s->in_a, s->qr_a, s->out_a, s->lse, s->logits, s->ids, s->seq, s->pre,
+                  s->tok,   s->pos, s->slots, s->sample_rows, s->sampled, s->req};
+  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+  mla_backend_destroy(s->be);
+  mla_ctx_destroy(s->ctx);
+}
+
+static void summary(sim *s, int steps_run) {
+  const stats *t = &s->st;
+  const int64_t toks = t->tok_prefill + t->tok_decode + t->tok_verify;
+  const double sec = t->t_total / 1e3;
+  fprintf(s->out, "\nsummary: %d steps, %d requests (%d forked from a shared prefix, %d finished)\n", steps_run,
+          s->N, t->forks, t->finished);
+  fprintf(s->out, "  tokens: %lld through the stack (prefill %lld, decode %lld, verify %lld) in %.2f s = %.1f tok/s;"
+                  " %lld generated = %.1f tok/s\n",
+          (long long)toks, (long long)t->tok_prefill, (long long)t->tok_decode, (long long)t->tok_verify, sec,
+          sec > 0 ? toks / sec : 0.0, (long long)t->generated, sec > 0 ? t->generated / sec : 0.0);
+  fprintf(s->out, "  time: attention %.2f s (%.0f%%), projections and the rest %.2f s; oracle checks %.2f s (not counted)\n",
+          t->t_attn / 1e3, t->t_total > 0 ? 100.0 * t->t_attn / t->t_total : 0.0, (t->t_total - t->t_attn) / 1e3,
+          t->t_check / 1e3);
+  fprintf(s->out, "  speculative verify: %d rounds, %lld drafts, %lld accepted, %lld rolled back\n", t->verify_rounds,
+          (long long)t->drafts, (long long)t->accepted, (long long)t->rolled_back);
+  fprintf(s->out, "  pages: peak %d of %d in use (%d shared by forks at most)\n", t->pages_peak, s->usable_pages,
+          t->shared_peak);
+  fprintf(s->out,
+          "  oracle: %d attention checks on sampled layers (max |err| %.2e, cos dist %.2e, lse err %.2e),"
+          " %d other (cache rows read back: max |err| %.2e; pages; projections): %s\n",
+          t->attn_checks, t->max_err, t->max_cos, t->max_lse, t->checks - t->attn_checks, t->cache_err,
+          t->failed ? "FAILED" : "all ok");
+}
+
+int serve_run(const demo_opts *o, FILE *out) {
+  sim s;
+  memset(&s, 0, sizeof s);
+  s.o = o;
+  s.out = out;
+  s.g.s = o->seed * 0x9e3779b97f4a7c15ull + 7; /* not the table's stream */
+  s.H = o->heads ? o->heads : 128;
+  s.N = o->requests ? o->requests : 16;
+  s.D = o->hidden;
+  s.layers = o->layers;
+  s.P = o->page_size;
+  s.ndt = o->draft_tokens;
+  s.max_batch = o->max_batch;
+  s.act = o->act_dtype;
+  s.es = mla_dtype_size(o->act_dtype);
+  s.scale = 1.0 / sqrt((double)DQK); /* DeepSeek's softmax scale, 192^-0.5 */
+  s.check_layer = -1;
+  demo_opts resolved = *o;
+  if (!resolved.max_prompt) resolved.max_prompt = 160;
+  s.o = &resolved;
+  mla_ctx_desc cd;
+  memset(&cd, 0, sizeof cd);
+  cd.device = MLA_DEVICE_CPU;
+  cd.num_threads = o->threads;
+  mla_status st = mla_ctx_create(&cd, &s.ctx);
+  if (st != MLA_OK) {
+    fprintf(out, "error: mla_ctx_create: %s\n", mla_status_string(st));
+    return -1;
+  }
+  int threads = 0;
+  mla_ctx_get_threads(s.ctx, &threads);
+  serve_gemm_init(o->threads);
+  fprintf(out,
+          "\nserving simulation: %d layers, hidden %d, %d heads (MLA: latent %d, rope %d, qk_nope %d, v %d), "
+          "cache %s, act %s, page %d\n"
+          "  %d requests (prompts up to %d tokens), at most %d running, %d steps, verify with %d draft tokens, "
+          "prefix extend %s\n"
+          "  projections: %s; attention: libmla, %d threads\n",
+          s.layers, s.D, s.H, L, R, NOPE, DV, mla_dtype_name(o->cache_dtype), mla_dtype_name(s.act), s.P, s.N,
+          resolved.max_prompt, s.max_batch, o->steps, s.ndt,
+          o->prefix_impl == MLA_EXTEND_MHA_CHUNKED ? "chunked MHA" : "absorbed", serve_gemm_name(), threads);
+  const double t0 = demo_now_ms();
+  int rc = setup(&s);
+  if (rc == 0) {
+    const double gemm_err = check_gemm(&s);
+    fprintf(out, "  set-up (random weights): %.1f s; projection self-check: rel err %.1e %s\n",
+            (demo_now_ms() - t0) / 1e3, gemm_err, gemm_err <= 1e-5 ? "ok" : "FAIL");
+  }
+  int k = 0;
+  for (; rc == 0 && k < o->steps; k++) {
+    int left = 0;
+    for (int i = 0; i < s.N; i++) left += s.req[i].state != DONE;
+    if (!left) break;
+    rc = step(&s, k);
+  }
+  if (rc == 0) {
+    /* Free what still runs: every page must come back. */
+    for (int i = 0; i < s.N; i++)
+      if (s.req[i].state == RUNNING && mla_req_free(s.rt, s.req[i].id) == MLA_OK) s.req[i].state = DONE;
+    int shared = 0, used = pages_in_use(&s, &shared);
+    demo_cmp c;
+    memset(&c, 0, sizeof c);
+    c.ok = used == 0;
+    record(&s, &c, 0);
+    summary(&s, k);
+    fprintf(out, "  pages in use after every request is freed: %d%s\n", used, used ? " (LEAK)" : "");
+  }
+  const int failed = s.st.failed;
+  teardown(&s);
+  if (rc != 0) return -1;
+  fprintf(out, "%s: %d check(s) failed\n", failed ? "FAILED" : "the simulation matches the float64 oracle", failed);
+  return failed;
+}
