@@ -1,0 +1,279 @@
+"""SglangMLABackend: sglang-shaped calls over plain numpy tensors, against the reference."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import libmla
+import reference as ref
+from helpers import TOL
+
+SCALE = 0.0722
+H = 4
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Layer:
+    """The two attributes of sglang's RadixAttention the backend reads."""
+
+    def __init__(self, layer_id):
+        self.layer_id, self.scaling = layer_id, SCALE
+
+
+def _backend(ctx, **kw):
+    args = dict(num_heads=H, num_layers=2, num_pages=48, page_size=16, scale=SCALE, max_reqs=8,
+                max_context_len=160, dtype="f32", kv_cache_dtype="bf16", max_bs=4,
+                max_num_tokens=128, num_draft_tokens=3, ctx=ctx)
+    args.update(kw)
+    return libmla.SglangMLABackend(**args)
+
+
+class Model:
+    """Random activations plus a float64 mirror of the cache (per layer and slot)."""
+
+    def __init__(self, be, rng):
+        self.be, self.rng, self.c, self.r = be, rng, {}, {}
+
+    def latent(self, layer, slots):
+        n = len(slots)
+        kv = self.rng.standard_normal((n, 576)).astype(np.float32)  # sglang's [T, 576] k
+        sc, sr = ref.stored(kv[:, :512], kv[:, 512:], "bf16")
+        for i, s in enumerate(slots):
+            self.c[(layer, int(s))], self.r[(layer, int(s))] = sc[i], sr[i]
+        return kv
+
+    def follow_fork(self, src, dst, n):
+        """Copy-on-write gave dst fresh slots for some shared positions: mirror them."""
+        for layer in range(2):
+            for p in range(n):
+                a, b = int(self.be.req_to_token[src, p]), int(self.be.req_to_token[dst, p])
+                if (layer, a) in self.c:
+                    self.c[(layer, b)], self.r[(layer, b)] = self.c[(layer, a)], self.r[(layer, a)]
+
+    def ref_absorbed(self, layer, q, rids, q_lens, kv_lens, causal):
+        qv = q.reshape(-1, H, 576).astype(np.float64)
+        out, lses, t = [], [], 0
+        for rid, ql, kl in zip(rids, q_lens, kv_lens):
+            slots = self.be.req_to_token[rid, :kl]
+            c = np.array([self.c[(layer, int(s))] for s in slots])
+            r = np.array([self.r[(layer, int(s))] for s in slots])
+            o, lse = ref.absorbed(qv[t:t + ql, :, :512], qv[t:t + ql, :, 512:], c, r, SCALE, causal)
+            out.append(o)
+            lses.append(lse)
+            t += ql
+        return np.concatenate(out).reshape(t, H * 512), np.concatenate(lses)
+
+
+def test_decode_verify_draft_extend(ctx, rng):
+    be = _backend(ctx)
+    m = Model(be, rng)
+    a, b = be.alloc_req(), be.alloc_req()
+    # Prefill through the MHA path: q/k/v from the "model", latent rows stored alongside.
+    seq = [30, 11]
+    loc = np.concatenate([be.extend_req(a, 30), be.extend_req(b, 11)])
+    fb = libmla.ForwardBatch(libmla.ForwardMode.EXTEND, [a, b], seq, out_cache_loc=loc,
+                             extend_prefix_lens=[0, 0], extend_seq_lens=seq)
+    md = be.init_forward_metadata(fb)
+    assert md.uses_mha and be.forward_metadata is md
+    T = 41
+    for lid in range(2):
+        kv = m.latent(lid, loc)
+        q = rng.standard_normal((T, H * 192)).astype(np.float32)
+        k = rng.standard_normal((T, H, 192)).astype(np.float32)
+        v = rng.standard_normal((T, H, 128)).astype(np.float32)
+        o = be.forward_extend(q, k, v, Layer(lid), fb, latent=kv)
+        o_ref, _ = ref.ragged(q.reshape(T, H, 192).astype(np.float64), k.astype(np.float64),
+                              v.astype(np.float64), [0, 30, 41], [0, 30, 41], SCALE, True)
+        assert o.shape == (T, H * 128)
+        ref.assert_close(o, o_ref.reshape(T, -1), *TOL["f32"], what="prefill")
+    # Decode: q as sglang's [bs, H * 576] (strided path) and as q_nope + q_rope (one C call).
+    loc = np.concatenate([be.extend_req(a, 1), be.extend_req(b, 1)])
+    fb = libmla.ForwardBatch(libmla.ForwardMode.DECODE, [a, b], [31, 12], out_cache_loc=loc)
+    be.init_forward_metadata(fb)
+    for lid in range(2):
+        kv = m.latent(lid, loc)
+        q = rng.standard_normal((2, H * 576)).astype(np.float32)
+        o1, lse1 = be.forward_decode(q, kv, None, Layer(lid), fb, return_lse=True)
+        q3 = q.reshape(2, H, 576)
+        o2 = be.forward_decode(np.ascontiguousarray(q3[..., :512]), kv[:, :512], None, lid, fb,
+                               q_rope=np.ascontiguousarray(q3[..., 512:]), k_rope=kv[:, 512:])
+        np.testing.assert_array_equal(o1, o2)
+        o_ref, lse_ref = m.ref_absorbed(lid, q, [a, b], [1, 1], [31, 12], False)
+        ref.assert_close(o1, o_ref, *TOL["f32"], what="decode")
+        ref.assert_close(lse1, lse_ref, 1e-4, 1e-5, "decode lse")
+    # Target verify with 3 draft tokens (seq_lens exclude them), via forward_extend.
+    loc = np.concatenate([be.extend_req(a, 3), be.extend_req(b, 3)])
+
+    class Spec:
+        draft_token_num = 3
+
+    fb = libmla.ForwardBatch("TARGET_VERIFY", [a, b], [31, 12], out_cache_loc=loc, spec_info=Spec())
+    md = be.init_forward_metadata(fb)
+    assert md.plan.num_q_tokens == 6 and not md.uses_mha
+    kv = m.latent(0, loc)
+    q = rng.standard_normal((6, H * 576)).astype(np.float32)
+    o = be.forward_extend(q, kv, None, Layer(0), fb)
+    o_ref, _ = m.ref_absorbed(0, q, [a, b], [3, 3], [34, 15], True)
+    ref.assert_close(o, o_ref, *TOL["f32"], what="verify")
+    # Accept 1 draft of a, 2 of b; then draft extend (sglang's DRAFT_EXTEND_V2 name) over them.
+    be.truncate_req(a, 32)
+    be.truncate_req(b, 14)
+
+    class SglMode:  # an sglang ForwardMode member, matched by name
+        name = "DRAFT_EXTEND_V2"
+
+    fb = libmla.ForwardBatch(SglMode(), [a, b], [32, 14], extend_seq_lens=[1, 2], out_cache_loc=[])
+    be.init_forward_metadata(fb)
+    q = rng.standard_normal((3, H * 576)).astype(np.float32)
+    o = be.forward_extend(q, None, None, Layer(0), fb, save_kv_cache=False)
+    o_ref, _ = m.ref_absorbed(0, q, [a, b], [1, 2], [32, 14], True)
+    ref.assert_close(o, o_ref, *TOL["f32"], what="draft extend")
+
+
+def test_chunked_prefix_extend(ctx, rng):
+    be = _backend(ctx, extend_impl="mha_chunked", chunk_capacity=8)
+    m = Model(be, rng)
+    a = be.alloc_req()
+    loc = be.extend_req(a, 20)
+    for lid in range(2):
+        be.set_kv_buffer(Layer(lid), loc, m.latent(lid, loc))  # the model stores latent itself
+    b = be.fork_req(a, 20)
+    loc = be.extend_req(b, 5)
+    assert be.req_to_token[b, 16] != be.req_to_token[a, 16]  # the shared last page was copied
+    m.follow_fork(a, b, 20)
+    fb = libmla.ForwardBatch(libmla.ForwardMode.EXTEND, [b], [25], out_cache_loc=loc,
+                             extend_prefix_lens=[20], extend_seq_lens=[5])
+    assert be.init_forward_metadata(fb).uses_mha
+    kv = m.latent(1, loc)
+    wkv = (rng.standard_normal((H, 256, 512)) * 0.04).astype(np.float32)
+    q = rng.standard_normal((5, H, 128)).astype(np.float32)
+    q_rope = rng.standard_normal((5, H, 64)).astype(np.float32)
+    k = rng.standard_normal((5, H, 128)).astype(np.float32)
+    k_rope = rng.standard_normal((5, 1, 64)).astype(np.float32)  # shared by the heads
+    v = rng.standard_normal((5, H, 128)).astype(np.float32)
+    o = be.forward_extend(q, k, v, Layer(1), fb, q_rope=q_rope, k_rope=k_rope, latent=kv,
+                          kv_b_proj=wkv)
+    slots = be.req_to_token[b, :20]
+    c = np.array([m.c[(1, int(s))] for s in slots])
+    r = np.array([m.r[(1, int(s))] for s in slots])
+    w = wkv.astype(np.float64)
+    kp = np.concatenate([np.einsum("tl,hnl->thn", c, w[:, :128]),
+                         np.broadcast_to(r[:, None], (20, H, 64))], -1)
+    vp = np.einsum("tl,hnl->thn", c, w[:, 128:])
+    kk = np.concatenate([kp, np.concatenate([k, np.broadcast_to(k_rope, (5, H, 64))], -1)])
+    vv = np.concatenate([vp, v])
+    o_ref, _ = ref.attend(np.concatenate([q, q_rope], -1).astype(np.float64), kk, vv, SCALE, True)
+    ref.assert_close(o, o_ref.reshape(5, -1), *TOL["f32"], what="chunked prefix")
+
+
+def test_cuda_graph_metadata_with_padding(ctx, rng):
+    be = _backend(ctx)
+    m = Model(be, rng)
+    reqs = [be.alloc_req() for _ in range(2)]
+    for rid, n in zip(reqs, (17, 40)):
+        loc = be.extend_req(rid, n)
+        for lid in range(2):
+            be.set_kv_buffer(lid, loc, m.latent(lid, loc))
+    with pytest.raises(ValueError, match="init_cuda_graph_state"):
+        be.init_forward_metadata_capture_cuda_graph(4, 4, None, None)
+    be.init_cuda_graph_state(max_bs=4, max_num_tokens=4)
+    md = be.init_forward_metadata_capture_cuda_graph(4, 4, np.zeros(4, np.int32),
+                                                     np.ones(4, np.int32),
+                                                     forward_mode=libmla.ForwardMode.DECODE)
+    assert md.plan.batch_size == 4 and md.padded_rows == 4
+    q = rng.standard_normal((4, H * 576)).astype(np.float32)
+    be.forward_decode(q, None, None, 0, None, save_kv_cache=False)  # the "captured" call
+    # Replay with 2 real rows (sglang pads req_pool_indices / seq_lens to the graph size).
+    loc = np.array([be.extend_req(rid, 1)[0] for rid in reqs], np.int32)
+    seq = np.array([18, 41, 1, 1], np.int32)
+    md = be.init_forward_metadata_replay_cuda_graph(4, np.array(reqs + [0, 0], np.int32), seq,
+                                                    seq_lens_cpu=seq, num_real=2)
+    assert md.padded_rows == 2 and md.plan.num_q_tokens == 4
+    kv = np.concatenate([m.latent(0, loc), np.zeros((2, 576), np.float32)])
+    fb = libmla.ForwardBatch("decode", reqs, [18, 41], out_cache_loc=np.concatenate([loc, [0, 0]]))
+    o = be.forward_decode(q, kv, None, 0, fb)
+    o_ref, _ = m.ref_absorbed(0, q[:2], reqs, [1, 1], [18, 41], False)
+    ref.assert_close(o[:2], o_ref, *TOL["f32"], what="graph replay real rows")
+    # Same rows without padding give the same bits.
+    be.init_forward_metadata(forward_mode="decode", req_pool_indices=reqs, seq_lens=[18, 41])
+    fb2 = libmla.ForwardBatch("decode", reqs, [18, 41], out_cache_loc=loc)
+    o2 = be.forward_decode(q[:2], kv[:2], None, 0, fb2)
+    np.testing.assert_array_equal(o2, o[:2])
+    with pytest.raises(ValueError, match="max_bs"):
+        be.init_forward_metadata_replay_cuda_graph(5, reqs, [18, 41])
+    # Target verify graphs: 3 drafts per row, one real row and one padding row.
+    loc = be.extend_req(reqs[1], 3)
+
+    class Spec:
+        draft_token_num = 3
+
+    md = be.init_forward_metadata_capture_cuda_graph(2, 6, None, None, forward_mode="TARGET_VERIFY",
+                                                     spec_info=Spec())
+    assert md.plan.num_q_tokens == 6 and list(md.plan.kv_lens) == [4, 4]
+    md = be.init_forward_metadata_replay_cuda_graph(2, [reqs[1]], [41], forward_mode="TARGET_VERIFY",
+                                                    spec_info=Spec())
+    assert list(md.plan.kv_lens) == [44, 4] and md.padded_rows == 1
+    kv = m.latent(0, loc)
+    q = rng.standard_normal((6, H * 576)).astype(np.float32)
+    fb = libmla.ForwardBatch("target_verify", [reqs[1]], [41],
+                             out_cache_loc=np.concatenate([loc, [0, 0, 0]]))
+    o = be.forward_extend(q, np.concatenate([kv, np.zeros((3, 576), np.float32)]), None, 0, fb)
+    o_ref, _ = m.ref_absorbed(0, q[:3], [reqs[1]], [3], [44], True)
+    ref.assert_close(o[:3], o_ref, *TOL["f32"], what="verify graph replay")
+
+
+def test_multi_step_draft(ctx, rng):
+    be = _backend(ctx)
+    m = Model(be, rng)
+    reqs = [be.alloc_req() for _ in range(3)]
+    seq = [9, 33, 16]
+    for rid, n in zip(reqs, seq):
+        loc = be.extend_req(rid, n)
+        be.set_kv_buffer(0, loc, m.latent(0, loc))
+    steps = 3
+    for rid in reqs:  # room for every draft token, allocated up front as sglang does
+        be.extend_req(rid, steps)
+    draft = libmla.SglangMLAMultiStepDraftBackend(be, speculative_num_steps=steps)
+    draft.init_forward_metadata(libmla.ForwardBatch("decode", reqs, seq))
+    for i, step in enumerate(draft.attn_backends):
+        kv_lens = [s + i + 1 for s in seq]
+        ip, ix = draft.draft_plan.step(i)  # the one-call draft plan agrees with the step plans
+        np.testing.assert_array_equal(ip, step.forward_metadata.plan.kv_indptr)
+        np.testing.assert_array_equal(ix, step.forward_metadata.plan.kv_indices)
+        loc = draft.step_slots(i)
+        np.testing.assert_array_equal(loc, [be.req_to_token[r, s + i] for r, s in zip(reqs, seq)])
+        kv = m.latent(0, loc)
+        q = rng.standard_normal((3, H * 576)).astype(np.float32)
+        o = step.forward_decode(q, kv, None, Layer(0))
+        o_ref, _ = m.ref_absorbed(0, q, reqs, [1, 1, 1], kv_lens, False)
+        ref.assert_close(o, o_ref, *TOL["f32"], what="draft step %d" % i)
+    # Graph-style replay with one padding row.
+    draft.init_cuda_graph_state(4, 4)
+    draft.init_forward_metadata_capture_cuda_graph(bs=4)
+    draft.init_forward_metadata_replay_cuda_graph(bs=4, req_pool_indices=reqs, seq_lens=seq)
+    p = draft.attn_backends[1].forward_metadata.plan
+    assert p.batch_size == 4 and list(p.kv_lens) == [11, 35, 18, 1]
+    with pytest.raises(ValueError, match="topk"):
+        libmla.SglangMLAMultiStepDraftBackend(be, 2, topk=2)
+
+
+def test_geometry_and_state_errors(ctx):
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        _backend(ctx, kv_lora_rank=256)
+    be = _backend(ctx)
+    with pytest.raises(ValueError, match="init_forward_metadata"):
+        be.forward_decode(np.zeros((1, H * 576), np.float32), None, None, 0, None)
+    with pytest.raises(ValueError, match="forward_mode"):
+        be.init_forward_metadata(forward_mode="SPLIT_PREFILL", req_pool_indices=[0], seq_lens=[1])
+
+
+def test_decode_example_runs():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.join(ROOT, "python")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "python", "examples", "decode_example.py")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "example OK" in r.stdout
