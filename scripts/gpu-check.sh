@@ -17,7 +17,7 @@
 #   lib       the library's CUDA build (cmake -DMLA_CUDA=ON) and its ctest suite
 #   ncu       (not in all) Nsight Compute sections for one launch per version (NCU_VERSIONS, NCU_HS="128 16")
 #   full      all + lib
-# Environment: VERSIONS (default 1,...,7), OUT (log folder; the device tool sets it), QUICK=1 (bench s_k 8192 only),
+# Environment: VERSIONS (default 1,...,10), OUT (log folder; the device tool sets it), QUICK=1 (bench s_k 8192 only),
 #   SKIP_BUILD=1 (use a dev/cuda/build carried from a machine with nvcc 13: no make; its ptxas reports are still listed),
 #   CHECK_VERSIONS, SANITIZE_VERSIONS (default VERSIONS: the versions the check / sanitize stages run),
 #   SANITIZE_TOOLS (default "memcheck racecheck").
@@ -28,7 +28,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/gpu-check-out}
 mkdir -p "$OUT"
 STAGE=${1:-all}
-VERSIONS=${VERSIONS:-1,2,3,4,5,6,7}
+VERSIONS=${VERSIONS:-1,2,3,4,5,6,7,8,9,10}
 SKIP_BUILD=${SKIP_BUILD:-0}
 CHECK_VERSIONS=${CHECK_VERSIONS:-$VERSIONS}
 SANITIZE_VERSIONS=${SANITIZE_VERSIONS:-$VERSIONS}
