@@ -39,21 +39,6 @@
 static tu_rng rng;
 static mla_ctx *ctx2, *ctx1; /* 2 threads, 1 thread */
 
-static int all_ff(const void *p, size_t bytes) {
-  const unsigned char *b = p;
-  for (size_t i = 0; i < bytes; i++)
-    if (b[i] != 0xFF) return 0;
-  return 1;
-}
-
-static size_t act_size(mla_dtype t) { return t == MLA_DTYPE_F32 ? 4 : 2; }
-
-static double round_to(mla_dtype t, double x) {
-  if (t == MLA_DTYPE_BF16) return ref_round_bf16(x);
-  if (t == MLA_DTYPE_F16) return ref_round_f16(x);
-  return (double)(float)x;
-}
-
 /* ---- one batch in a real cache / request table / plan -------------------- */
 
 typedef struct acase {
@@ -233,8 +218,8 @@ static int world_build(world *w, const acase *c) {
   /* q: bf16-representable, in the activation dtype; the oracle reads it back */
   const int64_t nq = (int64_t)w->Tq * c->H;
   float *tmp = malloc(sizeof(float) * (size_t)(nq + 1) * MLA_LATENT);
-  w->qn = malloc(act_size(c->act) * (size_t)(nq + 1) * MLA_LATENT);
-  w->qr = malloc(act_size(c->act) * (size_t)(nq + 1) * MLA_ROPE);
+  w->qn = malloc(tu_act_size(c->act) * (size_t)(nq + 1) * MLA_LATENT);
+  w->qr = malloc(tu_act_size(c->act) * (size_t)(nq + 1) * MLA_ROPE);
   w->qn_d = malloc(sizeof(double) * (size_t)(nq + 1) * MLA_LATENT);
   w->qr_d = malloc(sizeof(double) * (size_t)(nq + 1) * MLA_ROPE);
   tu_fill_bf16_normal(&rng, tmp, nq * MLA_LATENT, 1.0);
@@ -281,7 +266,7 @@ typedef struct outs {
 static outs outs_new(const world *w) {
   outs b;
   const int64_t nq = (int64_t)w->Tq * w->c.H;
-  b.o_bytes = act_size(w->c.act) * (size_t)nq * MLA_LATENT;
+  b.o_bytes = tu_act_size(w->c.act) * (size_t)nq * MLA_LATENT;
   b.lse_bytes = sizeof(float) * (size_t)nq;
   b.o = malloc(b.o_bytes + GUARD * 4);
   b.lse = malloc(b.lse_bytes + GUARD * 4);
@@ -325,7 +310,7 @@ static void check_against_oracle(const world *w, const outs *b, int base2, const
   double *got = malloc(sizeof(double) * (size_t)(no + 1));
   double *ref = malloc(sizeof(double) * (size_t)(no + 1));
   tu_from_dtype(w->c.act, b->o, got, no);
-  for (int64_t i = 0; i < no; i++) ref[i] = round_to(w->c.act, w->o_ref[i]);
+  for (int64_t i = 0; i < no; i++) ref[i] = tu_round_to(w->c.act, w->o_ref[i]);
   ref_cmp c = ref_compare(got, ref, no, O_ATOL, O_RTOL);
   TU_CHECK(ref_cmp_ok(&c, MAX_COS),
            "%s [%s] o: %lld bad, %lld nonfinite mismatches of %lld (first %lld: got %g ref %g) "
@@ -343,8 +328,8 @@ static void check_against_oracle(const world *w, const outs *b, int base2, const
            cs, tag, (long long)c.bad, (long long)c.nonfinite_mismatch, (long long)nq,
            (long long)c.first_bad, c.first_bad >= 0 ? got[c.first_bad] : 0.0,
            c.first_bad >= 0 ? ref[c.first_bad] : 0.0);
-  TU_CHECK(all_ff((char *)b->o + b->o_bytes, GUARD * 4) &&
-               all_ff((char *)b->lse + b->lse_bytes, GUARD * 4),
+  TU_CHECK(tu_all_poisoned((char *)b->o + b->o_bytes, GUARD * 4) &&
+               tu_all_poisoned((char *)b->lse + b->lse_bytes, GUARD * 4),
            "%s [%s]: wrote past the end of out / lse", cs, tag);
   free(got);
   free(ref);
@@ -356,7 +341,7 @@ static void variants(const world *w, const outs *b0) {
   case_str(&w->c, cs, sizeof cs);
   const int H = w->c.H;
   const int64_t nq = (int64_t)w->Tq * H;
-  const size_t es = act_size(w->c.act);
+  const size_t es = tu_act_size(w->c.act);
   { /* strided q: one packed [T, H, 576] buffer, q_rope = q_nope + 512 */
     unsigned char *packed = malloc(es * (size_t)(nq + 1) * MLA_ROW);
     for (int64_t i = 0; i < nq; i++) {
@@ -392,7 +377,7 @@ static void variants(const world *w, const outs *b0) {
     a.lse = NULL;
     TU_STATUS(run(ctx2, w, &a), MLA_OK);
     TU_CHECK(!memcmp(b.o, b0->o, b.o_bytes), "%s: lse = NULL changed o", cs);
-    TU_CHECK(all_ff(b.lse, b.lse_bytes + GUARD * 4), "%s: lse = NULL but lse written", cs);
+    TU_CHECK(tu_all_poisoned(b.lse, b.lse_bytes + GUARD * 4), "%s: lse = NULL but lse written", cs);
     outs_free(&b);
   }
   { /* a plan whose kv_indptr spans are longer than kv_lens, the gaps holding
@@ -516,7 +501,7 @@ static void expect_fail(mla_status got, mla_status want, const outs *b, const ch
            mla_status_string(want));
   TU_CHECK(mla_ctx_last_error(ctx2)[0] != '\0', "%s: no error message", what);
   if (b)
-    TU_CHECK(all_ff(b->o, b->o_bytes) && all_ff(b->lse, b->lse_bytes), "%s: output written",
+    TU_CHECK(tu_all_poisoned(b->o, b->o_bytes) && tu_all_poisoned(b->lse, b->lse_bytes), "%s: output written",
              what);
 }
 
@@ -660,10 +645,10 @@ static void bad_args(void) {
   /* IDLE and empty plans: OK, nothing written */
   p = w.plan, p.mode = MLA_MODE_IDLE;
   TU_STATUS(mla_attention_absorbed(ctx2, w.cache, 0, &p, &a0, ws, need), MLA_OK);
-  TU_CHECK(all_ff(b.o, b.o_bytes) && all_ff(b.lse, b.lse_bytes), "IDLE wrote output");
+  TU_CHECK(tu_all_poisoned(b.o, b.o_bytes) && tu_all_poisoned(b.lse, b.lse_bytes), "IDLE wrote output");
   p = w.plan, p.batch_size = 0, p.num_q_tokens = 0;
   TU_STATUS(mla_attention_absorbed(ctx2, w.cache, 0, &p, &a0, NULL, 0), MLA_OK);
-  TU_CHECK(all_ff(b.o, b.o_bytes) && all_ff(b.lse, b.lse_bytes), "empty plan wrote output");
+  TU_CHECK(tu_all_poisoned(b.o, b.o_bytes) && tu_all_poisoned(b.lse, b.lse_bytes), "empty plan wrote output");
   /* and the good call still works afterwards */
   TU_STATUS(mla_attention_absorbed(ctx2, w.cache, 0, &w.plan, &a0, ws, need), MLA_OK);
   oracle(&w);
@@ -695,7 +680,7 @@ static void gather_tests(void) {
     for (; k < T; k++) slots[k] = slots[tu_randint(&rng, 0, w.Tk - 1)];
     tu_shuffle_i32(&rng, slots, T);
     for (int ai = 0; ai < 3; ai++) {
-      const size_t es = act_size(acts[ai]);
+      const size_t es = tu_act_size(acts[ai]);
       const size_t cb = es * (size_t)T * MLA_LATENT, rb = es * (size_t)T * MLA_ROPE;
       unsigned char *c1 = malloc(cb + 64), *r1 = malloc(rb + 64);
       unsigned char *c2 = malloc(cb), *r2 = malloc(rb);
@@ -706,12 +691,12 @@ static void gather_tests(void) {
       TU_CHECK(!memcmp(c1, c2, cb) && !memcmp(r1, r2, rb),
                "gather_latent %s -> %s differs from mla_kv_cache_read", mla_dtype_name(cdts[d]),
                mla_dtype_name(acts[ai]));
-      TU_CHECK(all_ff(c1 + cb, 64) && all_ff(r1 + rb, 64), "gather_latent wrote past the end");
+      TU_CHECK(tu_all_poisoned(c1 + cb, 64) && tu_all_poisoned(r1 + rb, 64), "gather_latent wrote past the end");
       /* one part only */
       tu_poison(c1, cb);
       tu_poison(r1, rb);
       TU_STATUS(mla_gather_latent(ctx2, w.cache, 0, T, slots, acts[ai], NULL, r1), MLA_OK);
-      TU_CHECK(all_ff(c1, cb) && !memcmp(r1, r2, rb), "gather_latent r only");
+      TU_CHECK(tu_all_poisoned(c1, cb) && !memcmp(r1, r2, rb), "gather_latent r only");
       TU_STATUS(mla_gather_latent(ctx2, w.cache, 0, T, slots, acts[ai], c1, NULL), MLA_OK);
       TU_CHECK(!memcmp(c1, c2, cb), "gather_latent c only");
       if (d == 0 && ai == 0) { /* bad arguments */

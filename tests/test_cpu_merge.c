@@ -19,21 +19,6 @@
 static tu_rng rng;
 static mla_ctx *ctx2, *ctx1;
 
-static int all_ff(const void *p, size_t bytes) {
-  const unsigned char *b = p;
-  for (size_t i = 0; i < bytes; i++)
-    if (b[i] != 0xFF) return 0;
-  return 1;
-}
-
-static size_t act_size(mla_dtype t) { return t == MLA_DTYPE_F32 ? 4 : 2; }
-
-static double round_to(mla_dtype t, double x) {
-  if (t == MLA_DTYPE_BF16) return ref_round_bf16(x);
-  if (t == MLA_DTYPE_F16) return ref_round_f16(x);
-  return (double)(float)x;
-}
-
 typedef struct mcase {
   int n, T, H, dim;
   mla_dtype act;
@@ -45,7 +30,7 @@ static void run_case(const mcase *c) {
   snprintf(cs, sizeof cs, "merge n=%d T=%d H=%d dim=%d act=%s base2=%d", c->n, c->T, c->H, c->dim,
            mla_dtype_name(c->act), c->base2);
   const int64_t rows = (int64_t)c->T * c->H, no = rows * c->dim;
-  const size_t es = act_size(c->act), ob = es * (size_t)no, lb = 4 * (size_t)rows;
+  const size_t es = tu_act_size(c->act), ob = es * (size_t)no, lb = 4 * (size_t)rows;
   void *o[MAXN];
   float *l[MAXN];
   double *od[MAXN], *ld[MAXN];
@@ -90,7 +75,7 @@ static void run_case(const mcase *c) {
             MLA_OK);
   double *got = malloc(sizeof(double) * (size_t)(no + 1));
   tu_from_dtype(c->act, out, got, no);
-  for (int64_t i = 0; i < no; i++) o_ref[i] = round_to(c->act, o_ref[i]);
+  for (int64_t i = 0; i < no; i++) o_ref[i] = tu_round_to(c->act, o_ref[i]);
   const double atol = c->act == MLA_DTYPE_F32 ? 1e-6 : 8e-4;
   const double rtol = c->act == MLA_DTYPE_F32 ? 1e-6 : 1.0 / 128.0;
   ref_cmp cm = ref_compare(got, o_ref, no, atol, rtol);
@@ -112,7 +97,7 @@ static void run_case(const mcase *c) {
            (long long)cm.bad, (long long)cm.nonfinite_mismatch, (long long)cm.first_bad,
            cm.first_bad >= 0 ? got[cm.first_bad] : 0.0,
            cm.first_bad >= 0 ? l_ref[cm.first_bad] : 0.0);
-  TU_CHECK(all_ff((char *)out + ob, GUARD * 4) && all_ff((char *)lse + lb, GUARD * 4),
+  TU_CHECK(tu_all_poisoned((char *)out + ob, GUARD * 4) && tu_all_poisoned((char *)lse + lb, GUARD * 4),
            "%s: wrote past the end", cs);
 
   /* one thread: identical */
@@ -175,7 +160,7 @@ static void expect_fail(mla_status got, mla_status want, const void *o, size_t o
   TU_CHECK(got == want, "%s: got %s, expected %s", what, mla_status_string(got),
            mla_status_string(want));
   TU_CHECK(mla_ctx_last_error(ctx2)[0] != '\0', "%s: no error message", what);
-  TU_CHECK(all_ff(o, ob) && all_ff(l, lb), "%s: output written", what);
+  TU_CHECK(tu_all_poisoned(o, ob) && tu_all_poisoned(l, lb), "%s: output written", what);
 }
 
 static void bad_args(void) {
@@ -216,7 +201,7 @@ static void bad_args(void) {
   expect_fail(mla_merge_states(ctx2, 2, T, H, D, F, 0, o, l, NULL, lse),
               MLA_ERR_INVALID_ARGUMENT, out, OB, lse, LB, "out NULL");
   TU_STATUS(mla_merge_states(ctx2, 2, 0, H, D, F, 0, NULL, NULL, NULL, NULL), MLA_OK);
-  TU_CHECK(all_ff(out, OB) && all_ff(lse, LB), "T = 0 wrote output");
+  TU_CHECK(tu_all_poisoned(out, OB) && tu_all_poisoned(lse, LB), "T = 0 wrote output");
 }
 
 int main(void) {

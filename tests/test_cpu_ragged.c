@@ -28,21 +28,6 @@
 static tu_rng rng;
 static mla_ctx *ctx2, *ctx1;
 
-static int all_ff(const void *p, size_t bytes) {
-  const unsigned char *b = p;
-  for (size_t i = 0; i < bytes; i++)
-    if (b[i] != 0xFF) return 0;
-  return 1;
-}
-
-static size_t act_size(mla_dtype t) { return t == MLA_DTYPE_F32 ? 4 : 2; }
-
-static double round_to(mla_dtype t, double x) {
-  if (t == MLA_DTYPE_BF16) return ref_round_bf16(x);
-  if (t == MLA_DTYPE_F16) return ref_round_f16(x);
-  return (double)(float)x;
-}
-
 /* Output tolerance per dtype: f32 keeps the fp32 accumulation error only. */
 static void tol_for(mla_dtype t, double *atol, double *rtol) {
   if (t == MLA_DTYPE_F32) {
@@ -58,7 +43,7 @@ static void tol_for(mla_dtype t, double *atol, double *rtol) {
  * exact double values. */
 static void *rand_act(mla_dtype t, int64_t n, double sigma, double **dbl) {
   float *f = malloc(sizeof(float) * (size_t)(n + 1));
-  void *a = malloc(act_size(t) * (size_t)(n + 1));
+  void *a = malloc(tu_act_size(t) * (size_t)(n + 1));
   *dbl = malloc(sizeof(double) * (size_t)(n + 1));
   tu_fill_bf16_normal(&rng, f, n, sigma);
   tu_to_dtype(t, f, a, n);
@@ -101,7 +86,7 @@ static void run_case(const rcase *c, int check_threads) {
   void *v = rand_act(c->act, Tk * c->Hkv * c->dv, 1.0, &vd);
   /* MLA_FLAG_OUT_F32: fp32 output whatever the activation dtype. */
   const mla_dtype odt = (c->flags & MLA_FLAG_OUT_F32) ? MLA_DTYPE_F32 : c->act;
-  const size_t ob = act_size(odt) * (size_t)(Tq * c->H * c->dv), lb = 4 * (size_t)(Tq * c->H);
+  const size_t ob = tu_act_size(odt) * (size_t)(Tq * c->H * c->dv), lb = 4 * (size_t)(Tq * c->H);
   void *out = malloc(ob + GUARD * 4);
   float *lse = malloc(lb + GUARD * 4);
   tu_poison(out, ob + GUARD * 4);
@@ -136,7 +121,7 @@ static void run_case(const rcase *c, int check_threads) {
   const int64_t no = Tq * c->H * c->dv, nl = Tq * c->H;
   double *got = malloc(sizeof(double) * (size_t)(no + 1));
   tu_from_dtype(odt, out, got, no);
-  for (int64_t i = 0; i < no; i++) o_ref[i] = round_to(odt, o_ref[i]);
+  for (int64_t i = 0; i < no; i++) o_ref[i] = tu_round_to(odt, o_ref[i]);
   double atol, rtol;
   tol_for(odt, &atol, &rtol);
   ref_cmp cm = ref_compare(got, o_ref, no, atol, rtol);
@@ -147,7 +132,7 @@ static void run_case(const rcase *c, int check_threads) {
            (long long)cm.first_bad, cm.first_bad >= 0 ? got[cm.first_bad] : 0.0,
            cm.first_bad >= 0 ? o_ref[cm.first_bad] : 0.0, cm.max_abs_err, cm.cos_dist);
   if (c->null_lse) {
-    TU_CHECK(all_ff(lse, lb), "%s: lse NULL but written", cs);
+    TU_CHECK(tu_all_poisoned(lse, lb), "%s: lse NULL but written", cs);
   } else {
     const double f = (c->flags & MLA_FLAG_LSE_BASE2) ? 1.4426950408889634 : 1.0;
     for (int64_t i = 0; i < nl; i++) {
@@ -161,7 +146,7 @@ static void run_case(const rcase *c, int check_threads) {
              cm.first_bad >= 0 ? got[cm.first_bad] : 0.0,
              cm.first_bad >= 0 ? l_ref[cm.first_bad] : 0.0);
   }
-  TU_CHECK(all_ff((char *)out + ob, GUARD * 4) && all_ff((char *)lse + lb, GUARD * 4),
+  TU_CHECK(tu_all_poisoned((char *)out + ob, GUARD * 4) && tu_all_poisoned((char *)lse + lb, GUARD * 4),
            "%s: wrote past the end", cs);
   if (check_threads && st == MLA_OK) {
     void *out1 = malloc(ob + 1);
@@ -220,7 +205,7 @@ static void expect_fail(mla_status got, mla_status want, const void *o, size_t o
   TU_CHECK(got == want, "%s: got %s, expected %s", what, mla_status_string(got),
            mla_status_string(want));
   TU_CHECK(mla_ctx_last_error(ctx2)[0] != '\0', "%s: no error message", what);
-  TU_CHECK(all_ff(o, ob) && (!l || all_ff(l, lb)), "%s: output written", what);
+  TU_CHECK(tu_all_poisoned(o, ob) && (!l || tu_all_poisoned(l, lb)), "%s: output written", what);
 }
 
 static void bad_args(void) {
@@ -297,7 +282,7 @@ static void bad_args(void) {
     a = a0, a.qo_indptr = zq, a.q = NULL, a.out = NULL;
     TU_STATUS(mla_attention_ragged(ctx2, &a), MLA_OK);
   }
-  TU_CHECK(all_ff(out, ob) && all_ff(lse, lb), "empty batches wrote output");
+  TU_CHECK(tu_all_poisoned(out, ob) && tu_all_poisoned(lse, lb), "empty batches wrote output");
   /* no keys at all: k / v may be NULL, rows are empty states */
   {
     int32_t zk[3] = {0, 0, 0};
@@ -330,7 +315,7 @@ static void expand_case(int T, int H, int nope, int dv, mla_dtype lat, mla_dtype
   void *w = rand_act(act, (int64_t)H * (nope + dv) * MLA_LATENT, 1.0 / sqrt(512.0), &wd);
   const int kd = nope + MLA_ROPE;
   const int64_t nk = (int64_t)T * H * kd, nv = (int64_t)T * H * dv;
-  const size_t es = act_size(act);
+  const size_t es = tu_act_size(act);
   void *k = malloc(es * (size_t)nk + GUARD * 4), *v = malloc(es * (size_t)nv + GUARD * 4);
   tu_poison(k, es * (size_t)nk + GUARD * 4);
   tu_poison(v, es * (size_t)nv + GUARD * 4);
@@ -344,13 +329,13 @@ static void expand_case(int T, int H, int nope, int dv, mla_dtype lat, mla_dtype
         const double *wr = wd + ((int64_t)h * (nope + dv) + n) * MLA_LATENT;
         for (int d = 0; d < MLA_LATENT; d++)
           s += (long double)cd[(int64_t)t * MLA_LATENT + d] * wr[d];
-        if (n < nope) kr[((int64_t)t * H + h) * kd + n] = round_to(act, (double)s);
-        else vr[((int64_t)t * H + h) * dv + n - nope] = round_to(act, (double)s);
+        if (n < nope) kr[((int64_t)t * H + h) * kd + n] = tu_round_to(act, (double)s);
+        else vr[((int64_t)t * H + h) * dv + n - nope] = tu_round_to(act, (double)s);
       }
   for (int t = 0; t < T; t++)
     for (int h = 0; h < H; h++)
       for (int e = 0; e < MLA_ROPE; e++)
-        kr[((int64_t)t * H + h) * kd + nope + e] = round_to(act, rd[(int64_t)t * MLA_ROPE + e]);
+        kr[((int64_t)t * H + h) * kd + nope + e] = tu_round_to(act, rd[(int64_t)t * MLA_ROPE + e]);
   double atol, rtol;
   tol_for(act, &atol, &rtol);
   double *got = malloc(sizeof(double) * (size_t)(nk + nv + 1));
@@ -363,8 +348,8 @@ static void expand_case(int T, int H, int nope, int dv, mla_dtype lat, mla_dtype
   cm = ref_compare(got, vr, nv, atol, rtol);
   TU_CHECK(ref_cmp_ok(&cm, MAX_COS), "%s v: %lld bad of %lld (first %lld)", cs,
            (long long)cm.bad + cm.nonfinite_mismatch, (long long)nv, (long long)cm.first_bad);
-  TU_CHECK(all_ff((char *)k + es * (size_t)nk, GUARD * 4) &&
-               all_ff((char *)v + es * (size_t)nv, GUARD * 4),
+  TU_CHECK(tu_all_poisoned((char *)k + es * (size_t)nk, GUARD * 4) &&
+               tu_all_poisoned((char *)v + es * (size_t)nv, GUARD * 4),
            "%s: wrote past the end", cs);
   /* the rope part is a plain copy: bit-exact when the dtypes agree */
   int rope_ok = 1;

@@ -211,3 +211,18 @@ const char *tu_golden_path(const char *name, char *buf, size_t len) {
   }
   return buf;
 }
+
+int tu_all_poisoned(const void *p, size_t bytes) {
+  const unsigned char *b = p;
+  for (size_t i = 0; i < bytes; i++)
+    if (b[i] != 0xFF) return 0;
+  return 1;
+}
+
+size_t tu_act_size(mla_dtype t) { return t == MLA_DTYPE_F32 ? 4 : 2; }
+
+double tu_round_to(mla_dtype t, double x) {
+  if (t == MLA_DTYPE_BF16) return ref_round_bf16(x);
+  if (t == MLA_DTYPE_F16) return ref_round_f16(x);
+  return (double)(float)x;
+}

@@ -55,6 +55,12 @@ void tu_fill_bf16_normal(tu_rng *r, float *dst, int64_t n, double sigma);
 int tu_poison_cache(mla_kv_cache *cache);
 /* Fill a buffer with 0xFF bytes (NaN for f32/bf16/f16 outputs). */
 void tu_poison(void *p, size_t bytes);
+/* 1 when every byte is still 0xFF (nothing wrote there). */
+int tu_all_poisoned(const void *p, size_t bytes);
+/* Bytes per element of an activation dtype (F32/BF16/F16). */
+size_t tu_act_size(mla_dtype t);
+/* x rounded to what dtype t (F32/BF16/F16) holds, by the oracle's rounding. */
+double tu_round_to(mla_dtype t, double x);
 
 /* Convert between float and an activation dtype buffer (F32/BF16/F16). */
 void tu_to_dtype(mla_dtype t, const float *src, void *dst, int64_t n);
