@@ -11,6 +11,8 @@
 
 #include "internal.h"
 
+size_t mla_cpu_worker_scratch_floats(void); /* src/cpu/ragged.c */
+
 #ifdef MLA_WITH_CUDA
 #include "../cuda/runtime.h"
 #endif
@@ -151,9 +153,20 @@ static mla_status apply_threads(mla_ctx *ctx, int num_threads) {
     if (!pool) return mla_fail(&ctx->err, MLA_ERR_OUT_OF_MEMORY, "mla_ctx", "cannot start %d threads", want);
     want = pool->num_workers + 1;
   }
+  /* Per-worker scratch of the CPU kernels, taken here (context creation,
+   * thread-count changes) so that kernel calls never allocate. */
+  size_t per = mla_cpu_worker_scratch_floats();
+  float *scratch = malloc((size_t)want * per * sizeof(float));
+  if (!scratch) {
+    pool_destroy(pool);
+    return mla_fail(&ctx->err, MLA_ERR_OUT_OF_MEMORY, "mla_ctx", "CPU scratch for %d threads", want);
+  }
   pool_destroy(ctx->pool);
+  free(ctx->cpu_scratch);
   ctx->pool = pool;
   ctx->num_threads = want;
+  ctx->cpu_scratch = scratch;
+  ctx->cpu_scratch_floats = per;
   return MLA_OK;
 }
 
@@ -212,6 +225,7 @@ mla_status mla_ctx_create(const mla_ctx_desc *desc, mla_ctx **out) {
 void mla_ctx_destroy(mla_ctx *ctx) {
   if (!ctx) return;
   pool_destroy(ctx->pool);
+  free(ctx->cpu_scratch);
 #ifdef MLA_WITH_CUDA
   if (ctx->d_bad) mla_cuda_free(ctx->d_bad);
 #endif

@@ -43,6 +43,8 @@ struct mla_ctx_s {
   mla_device device;
   int num_threads;
   struct mla_threadpool *pool; /* NULL when num_threads == 1 */
+  float *cpu_scratch;           /* [num_threads, cpu_scratch_floats] CPU kernel tiles */
+  size_t cpu_scratch_floats;
   /* CUDA contexts */
   int device_id;
   int sm_count;

@@ -18,11 +18,15 @@
  * fp32 FMA flop rate (one per two cycles), so a bf16 dot product path would
  * be slower than converting and would also round q to bf16; it is not used.
  * What makes the kernels fast instead (see absorbed.c): the scores are
- * accumulated over 64-column blocks that stay in L1, the conversion of the
- * next block is software-pipelined into the FMA loops (mla_cpu_conv), the
- * next tile is prefetched a line at a time (mla_cpu_pf), key row strides are
- * compile-time constants in the hot kernels, and 16-row items use a
- * pair-layout scores kernel (qk16p) that halves the broadcast loads.
+ * accumulated over 64-column blocks that stay in L1, each cache row of a
+ * tile is converted once (its latent blocks serve the scores and then
+ * P x V), the conversion of the next block is software-pipelined into the
+ * FMA loops (mla_cpu_conv), the next tile is prefetched a line at a time
+ * (mla_cpu_pf), key row strides are compile-time constants in the hot
+ * kernels, and 16-row items use a pair-layout scores kernel (qk16p) that
+ * halves the broadcast loads. Ragged MHA (ragged.c) walks the keys once per
+ * group of RAG_SUB query blocks, so a converted k / v tile serves all of
+ * them.
  *
  * The micro-kernels come in three builds (scalar C, AVX2+FMA+F16C, AVX-512F)
  * chosen once at run time from the CPU's features; MLA_CPU_ISA=scalar|avx2|
@@ -76,6 +80,10 @@ typedef struct mla_cpu_pf {
   const int32_t *slots;
   int rows, row;  /* rows in all, the current one */
   size_t off;     /* byte offset of the next line in the current row */
+  /* 0: one line per step, row after row. 1: two lines per step, line
+   * offset after line offset (a line of every row, then the next line of
+   * every row), so the first column blocks of all rows arrive first. */
+  int by_col;
 } mla_cpu_pf;
 
 typedef struct mla_cpu_kernels {
@@ -214,6 +222,11 @@ static inline float mla_cpu_exp2(float x) { return exp2f(x); }
 #define MLA_CPU_REQUIRE_CPU_CTX(EB, CTX)                                                    \
   MLA_REQUIRE(EB, (CTX)->device == MLA_DEVICE_CPU, MLA_ERR_UNSUPPORTED,                    \
               "no CUDA implementation of this call yet: use a CPU context")
+
+/* Floats of per-worker scratch the CPU kernels need (ragged MHA tiles); the
+ * context allocates num_threads of these when its workers start. */
+size_t mla_cpu_worker_scratch_floats(void);
+size_t mla_cpu_expand_scratch_floats(void); /* part of the above */
 
 /* Activation dtype check with the library's convention: a value outside the
  * enum is malformed (INVALID_ARGUMENT), a known dtype that cannot be an

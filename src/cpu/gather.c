@@ -78,16 +78,27 @@ typedef struct ex_job {
   const void *c, *r, *w;
   void *k_out, *v_out;
   int64_t tblocks;
+  float *scratch;        /* the context's per-worker scratch */
+  size_t scratch_floats; /* floats per worker */
 } ex_job;
+
+/* Floats expand_range carves from a worker's scratch (+16 for alignment). */
+size_t mla_cpu_expand_scratch_floats(void) {
+  return (size_t)MLA_LATENT * EX_TOKENS + (size_t)EX_WROWS * MLA_LATENT + (size_t)EX_WROWS * EX_TOKENS +
+         (size_t)EX_TOKENS * EX_MAX_WROWS + MLA_LATENT + 16;
+}
 
 static void expand_range(void *arg, int64_t b, int64_t e, int worker) {
   const ex_job *J = arg;
-  (void)worker;
-  _Alignas(64) float CT[MLA_LATENT * EX_TOKENS];
-  _Alignas(64) float W[EX_WROWS * MLA_LATENT];
-  _Alignas(64) float S[EX_WROWS * EX_TOKENS];
-  float OUT[EX_TOKENS * EX_MAX_WROWS]; /* [tokens, nope + v_dim] of one head */
-  float row[MLA_LATENT];
+  /* ~155 KiB of tiles from the context's per-worker scratch (not the
+   * caller's stack); each piece is a multiple of 16 floats, so 64-byte
+   * alignment carries over from the aligned start. */
+  float *base = J->scratch + (size_t)worker * J->scratch_floats;
+  float *CT = (float *)(((uintptr_t)base + 63) & ~(uintptr_t)63); /* [512, 32] */
+  float *W = CT + MLA_LATENT * EX_TOKENS;                          /* [16, 512] */
+  float *S = W + EX_WROWS * MLA_LATENT;                            /* [16, 32] */
+  float *OUT = S + EX_WROWS * EX_TOKENS; /* [tokens, nope + v_dim] of one head */
+  float *row = OUT + EX_TOKENS * EX_MAX_WROWS;                     /* [512] */
   const int kdim = J->nope + MLA_ROPE, wrows = J->nope + J->dv;
   int64_t loaded = -1; /* token block currently in CT */
   int nt = 0, rb = 0;
@@ -161,6 +172,8 @@ mla_status mla_expand_kv(mla_ctx *ctx, int num_tokens, int num_heads, int nope_d
   J.H = num_heads;
   J.nope = nope_dim;
   J.dv = v_dim;
+  J.scratch = ctx->cpu_scratch;
+  J.scratch_floats = ctx->cpu_scratch_floats;
   J.latent = latent_dtype;
   J.act = act_dtype;
   J.c = c;

@@ -26,10 +26,19 @@
 INL void conv_step(mla_cpu_conv *cv) {
   mla_cpu_pf *pf = cv->pf;
   if (pf && pf->row < pf->rows) {
-    _mm_prefetch((const char *)pf->base + (size_t)pf->slots[pf->row] * pf->row_bytes + pf->off,
-                 _MM_HINT_T1);
-    pf->off += 64;
-    if (pf->off >= pf->row_bytes) pf->off = 0, pf->row++;
+    if (pf->by_col) { /* two lines, column block by column block */
+      for (int t = 0; t < 2 && pf->row < pf->rows; t++) {
+        _mm_prefetch((const char *)pf->base + (size_t)pf->slots[pf->row] * pf->row_bytes +
+                         pf->off,
+                     _MM_HINT_T1);
+        if (++pf->row == pf->rows && pf->off + 64 < pf->row_bytes) pf->off += 64, pf->row = 0;
+      }
+    } else {
+      _mm_prefetch((const char *)pf->base + (size_t)pf->slots[pf->row] * pf->row_bytes + pf->off,
+                   _MM_HINT_T1);
+      pf->off += 64;
+      if (pf->off >= pf->row_bytes) pf->off = 0, pf->row++;
+    }
   }
   if (cv->next < cv->count) {
     const int i = cv->next++;
@@ -157,7 +166,7 @@ INL void qkp_block(const int NK, const int CV, int D, const float *K, const floa
       acc[k][v] = accumulate ? _mm512_loadu_ps(S2 + (size_t)k * 32 + 16 * v) : _mm512_setzero_ps();
 #pragma GCC unroll 2
   for (int p = 0; p < D / 2; p++) {
-    if (CV && (p & 1) == 0) conv_step(cv);
+    if (CV && (p & 3) == 0) conv_step(cv);
     const __m512 q0 = _mm512_loadu_ps(QTp + (size_t)p * 32);
     const __m512 q1 = _mm512_loadu_ps(QTp + (size_t)p * 32 + 16);
     for (int k = 0; k < NK; k++) {
