@@ -452,9 +452,11 @@ static void merge_range(void *arg, int64_t b, int64_t e, int worker) {
 /* The size depends only on mla_ctx_workers(ctx), num_heads and
  * plan->max_q_len (not on the batch's lengths), so a caller can size one
  * workspace for its largest batch by passing a plan whose max_q_len is its
- * maximum. It must be queried again after mla_ctx_set_threads. */
-mla_status mla_attention_absorbed_workspace_size(mla_ctx *ctx, const mla_plan *plan,
-                                                 int num_heads, size_t *bytes) {
+ * maximum. It must be queried again after mla_ctx_set_threads.
+ * (The public entry point, src/backend/dispatch.c, sends CUDA contexts to
+ * src/cuda/attention.c instead.) */
+mla_status mla_cpu_attention_absorbed_workspace_size(mla_ctx *ctx, const mla_plan *plan,
+                                                     int num_heads, size_t *bytes) {
   if (!ctx) return MLA_ERR_INVALID_ARGUMENT;
   MLA_REQUIRE_PTR(&ctx->err, plan);
   MLA_REQUIRE_PTR(&ctx->err, bytes);
@@ -516,7 +518,7 @@ static mla_status check_plan(mla_ctx *ctx, const mla_kv_cache *cache, const mla_
   return MLA_OK;
 }
 
-mla_status mla_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, int layer,
+mla_status mla_cpu_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, int layer,
                                   const mla_plan *plan, const mla_absorbed_args *args,
                                   void *workspace, size_t workspace_bytes) {
   if (!ctx) return MLA_ERR_INVALID_ARGUMENT;

@@ -223,6 +223,14 @@ static inline float mla_cpu_exp2(float x) { return exp2f(x); }
   MLA_REQUIRE(EB, (CTX)->device == MLA_DEVICE_CPU, MLA_ERR_UNSUPPORTED,                    \
               "no CUDA implementation of this call yet: use a CPU context")
 
+/* The CPU implementations behind the public entry points (dispatched by
+ * device in src/backend/dispatch.c). */
+mla_status mla_cpu_attention_absorbed_workspace_size(mla_ctx *ctx, const mla_plan *plan,
+                                                     int num_heads, size_t *bytes);
+mla_status mla_cpu_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, int layer,
+                                      const mla_plan *plan, const mla_absorbed_args *args,
+                                      void *workspace, size_t workspace_bytes);
+
 /* Floats of per-worker scratch the CPU kernels need (ragged MHA tiles); the
  * context allocates num_threads of these when its workers start. */
 size_t mla_cpu_worker_scratch_floats(void);

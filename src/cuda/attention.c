@@ -1,0 +1,277 @@
+/* mla_attention_absorbed for CUDA contexts: validates like the CPU path (same
+ * statuses), uploads the host plan's arrays into the device workspace on the
+ * context's stream and launches the sm_90a decode kernels (decode_sm90.cu).
+ *
+ * Scope: bf16 cache and bf16 activations (other dtypes: UNSUPPORTED), page
+ * sizes 8..256 (TMA K loads; smaller: UNSUPPORTED), 1..128 heads, q pointers
+ * 16-byte aligned with strides that are multiples of 8 elements. The kernels
+ * walk the plan's block table (page ids), the CPU path its kv_indices: the
+ * two are checked to describe the same slots, so both paths see the same keys.
+ *
+ * Device workspace: [qo_indptr bs+1][kv_lens bs][block_table bs x width]
+ * [sched_meta parts x 8][num_splits bs+1][o_accum total_splits x R x 512 f32]
+ * [lse_accum total_splits x R f32], R = max_q_len * num_heads. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "../cache/cache.h"
+#include "../core/internal.h"
+#include "attention.h"
+#include "decode_sm90.h"
+#include "runtime.h"
+
+static const char *const FN = "mla_attention_absorbed";
+
+#define REQ(EB, cond, st, ...)                        \
+  do {                                                \
+    if (!(cond)) return mla_fail((EB), (st), FN, __VA_ARGS__); \
+  } while (0)
+
+typedef struct dev_ws {
+  int32_t *qo_indptr, *kv_lens, *block_table, *sched_meta, *num_splits;
+  float *o_accum, *lse_accum;
+} dev_ws;
+
+/* Carves the layout above (count mode when w has no base). */
+static void carve(mla_ws *w, const mla_plan *p, int H, dev_ws *d) {
+  const size_t bs = (size_t)p->batch_size, rows = (size_t)p->max_q_len * (size_t)H;
+  const size_t ts = (size_t)p->total_splits;
+  d->qo_indptr = mla_ws_take(w, sizeof(int32_t) * (bs + 1));
+  d->kv_lens = mla_ws_take(w, sizeof(int32_t) * (bs ? bs : 1));
+  d->block_table = mla_ws_take(w, sizeof(int32_t) * (bs * (size_t)p->block_table_width + 1));
+  d->sched_meta = mla_ws_take(w, sizeof(int32_t) * ((size_t)p->num_sm_parts * MLA_SCHED_META_INTS + 1));
+  d->num_splits = mla_ws_take(w, sizeof(int32_t) * (bs + 1));
+  d->o_accum = mla_ws_take(w, sizeof(float) * (ts * rows * MLA_LATENT + 1));
+  d->lse_accum = mla_ws_take(w, sizeof(float) * (ts * rows + 1));
+}
+
+static mla_status check_sizes(mla_errbuf *eb, const mla_plan *p) {
+  REQ(eb, p->batch_size >= 0 && p->max_q_len >= 0 && p->block_table_width >= 0 && p->num_sm_parts >= 0 &&
+              p->total_splits >= 0,
+      MLA_ERR_INVALID_ARGUMENT,
+      "plan: batch_size %d, max_q_len %d, block_table_width %d, num_sm_parts %d, total_splits %d: "
+      "none may be negative",
+      (int)p->batch_size, (int)p->max_q_len, (int)p->block_table_width, (int)p->num_sm_parts,
+      (int)p->total_splits);
+  return MLA_OK;
+}
+
+/* The size depends only on the plan (batch_size, block_table_width,
+ * num_sm_parts, total_splits, max_q_len) and num_heads. */
+mla_status mla_cuda_attention_absorbed_workspace_size(mla_ctx *ctx, const mla_plan *plan,
+                                                      int num_heads, size_t *bytes) {
+  mla_errbuf *eb = &ctx->err;
+  mla_clear_error(eb);
+  REQ(eb, plan, MLA_ERR_INVALID_ARGUMENT, "plan is NULL");
+  REQ(eb, bytes, MLA_ERR_INVALID_ARGUMENT, "bytes is NULL");
+  REQ(eb, num_heads >= 1 && num_heads <= MLA_MAX_HEADS, MLA_ERR_INVALID_ARGUMENT,
+      "num_heads = %d, expected 1..%d", num_heads, MLA_MAX_HEADS);
+  mla_status st = check_sizes(eb, plan);
+  if (st != MLA_OK) return st;
+  mla_ws w = mla_ws_counter();
+  dev_ws d;
+  carve(&w, plan, num_heads, &d);
+  *bytes = mla_ws_total(&w);
+  return MLA_OK;
+}
+
+/* The plan arrays the kernels read, checked for internal consistency and
+ * against the cache (the CPU path's checks plus the block table and the
+ * split schedule). */
+static mla_status check_plan(mla_errbuf *eb, const mla_kv_cache *cache, const mla_plan *p) {
+  mla_status st = check_sizes(eb, p);
+  if (st != MLA_OK) return st;
+  REQ(eb, p->qo_indptr && p->kv_indptr && p->kv_lens, MLA_ERR_INVALID_ARGUMENT,
+      "plan->qo_indptr, kv_indptr and kv_lens must be non-NULL");
+  REQ(eb, p->page_size == cache->page_size, MLA_ERR_INVALID_ARGUMENT,
+      "plan->page_size = %d differs from the cache's page size %d", (int)p->page_size, cache->page_size);
+  REQ(eb, p->causal == 0 || p->causal == 1, MLA_ERR_INVALID_ARGUMENT, "plan->causal = %d, expected 0 or 1",
+      (int)p->causal);
+  REQ(eb, p->qo_indptr[0] == 0 && p->kv_indptr[0] == 0, MLA_ERR_INVALID_ARGUMENT,
+      "plan->qo_indptr[0] and kv_indptr[0] must be 0");
+  for (int i = 0; i < p->batch_size; i++) {
+    const int64_t q = (int64_t)p->qo_indptr[i + 1] - p->qo_indptr[i];
+    const int64_t kv = (int64_t)p->kv_indptr[i + 1] - p->kv_indptr[i];
+    REQ(eb, q >= 0 && q <= p->max_q_len, MLA_ERR_INVALID_ARGUMENT,
+        "plan: request %d has %lld query rows, expected 0..max_q_len = %d", i, (long long)q,
+        (int)p->max_q_len);
+    REQ(eb, kv >= 0, MLA_ERR_INVALID_ARGUMENT, "plan->kv_indptr decreases at %d", i);
+    REQ(eb, p->kv_lens[i] >= 0 && p->kv_lens[i] <= kv, MLA_ERR_INVALID_ARGUMENT,
+        "plan->kv_lens[%d] = %d outside 0..%lld (its kv_indptr span)", i, (int)p->kv_lens[i], (long long)kv);
+  }
+  REQ(eb, p->qo_indptr[p->batch_size] == p->num_q_tokens, MLA_ERR_INVALID_ARGUMENT,
+      "plan->qo_indptr[bs] = %d differs from num_q_tokens = %d", (int)p->qo_indptr[p->batch_size],
+      (int)p->num_q_tokens);
+  REQ(eb, p->kv_indptr[p->batch_size] == 0 || p->kv_indices, MLA_ERR_INVALID_ARGUMENT,
+      "plan->kv_indices is NULL");
+  for (int i = 0; i < p->batch_size; i++) {
+    const int32_t *idx = p->kv_indices + p->kv_indptr[i];
+    for (int j = 0; j < p->kv_lens[i]; j++)
+      REQ(eb, idx[j] >= 0 && idx[j] < cache->num_slots, MLA_ERR_OUT_OF_RANGE,
+          "plan: key %d of request %d is slot %d, outside the cache's [0, %lld)", j, i, (int)idx[j],
+          (long long)cache->num_slots);
+  }
+  /* The kernels read the block table and the split schedule. */
+  REQ(eb, p->block_table && p->sched_meta && p->num_splits, MLA_ERR_INVALID_ARGUMENT,
+      "plan->block_table, sched_meta and num_splits must be non-NULL");
+  REQ(eb, p->num_sm_parts >= 1, MLA_ERR_INVALID_ARGUMENT, "plan->num_sm_parts = %d, expected >= 1",
+      (int)p->num_sm_parts);
+  REQ(eb, p->num_splits[0] == 0 && p->num_splits[p->batch_size] == p->total_splits, MLA_ERR_INVALID_ARGUMENT,
+      "plan->num_splits must start at 0 and end at total_splits = %d", (int)p->total_splits);
+  const int P = p->page_size;
+  for (int i = 0; i < p->batch_size; i++) {
+    REQ(eb, p->num_splits[i + 1] >= p->num_splits[i], MLA_ERR_INVALID_ARGUMENT,
+        "plan->num_splits decreases at %d", i);
+    const int64_t pages = mla_cdiv(p->kv_lens[i], P);
+    REQ(eb, pages <= p->block_table_width, MLA_ERR_INVALID_ARGUMENT,
+        "plan: request %d needs %lld pages, block_table_width = %d", i, (long long)pages,
+        (int)p->block_table_width);
+    const int32_t *bt = p->block_table + (size_t)i * (size_t)p->block_table_width;
+    const int32_t *idx = p->kv_indices + p->kv_indptr[i];
+    for (int j = 0; j < p->kv_lens[i]; j++) {
+      const int32_t pg = bt[j / P];
+      REQ(eb, pg >= 0 && pg < cache->num_pages, MLA_ERR_OUT_OF_RANGE,
+          "plan->block_table[%d][%d] = %d, outside the cache's %d pages", i, j / P, (int)pg, cache->num_pages);
+      REQ(eb, (int64_t)pg * P + j % P == idx[j], MLA_ERR_INVALID_ARGUMENT,
+          "plan: key %d of request %d is slot %d in kv_indices but page %d in the block table", j, i,
+          (int)idx[j], (int)pg);
+    }
+  }
+  for (int k = 0; k < p->num_sm_parts; k++) {
+    const int32_t *m = p->sched_meta + (size_t)k * MLA_SCHED_META_INTS;
+    if (m[MLA_SCHED_NUM_REQS] == 0) continue;
+    REQ(eb, m[MLA_SCHED_BEGIN_REQ] >= 0 && m[MLA_SCHED_BEGIN_REQ] <= m[MLA_SCHED_END_REQ] &&
+                m[MLA_SCHED_END_REQ] < p->batch_size && m[MLA_SCHED_BEGIN_TOK] >= 0 &&
+                m[MLA_SCHED_BEGIN_TOK] % MLA_SCHED_BLOCK == 0 && m[MLA_SCHED_BEGIN_SPLIT] >= 0,
+        MLA_ERR_INVALID_ARGUMENT, "plan->sched_meta of part %d is inconsistent", k);
+  }
+  return MLA_OK;
+}
+
+static mla_status require_device(mla_errbuf *eb, const char *name, const void *p) {
+  REQ(eb, !p || mla_cuda_is_device_ptr(p), MLA_ERR_INVALID_ARGUMENT,
+      "%s is host memory; a CUDA context takes device pointers", name);
+  return MLA_OK;
+}
+
+mla_status mla_cuda_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, int layer,
+                                       const mla_plan *plan, const mla_absorbed_args *args,
+                                       void *workspace, size_t workspace_bytes) {
+  mla_errbuf *eb = &ctx->err;
+  mla_clear_error(eb);
+  REQ(eb, cache, MLA_ERR_INVALID_ARGUMENT, "cache is NULL");
+  REQ(eb, plan, MLA_ERR_INVALID_ARGUMENT, "plan is NULL");
+  REQ(eb, args, MLA_ERR_INVALID_ARGUMENT, "args is NULL");
+  REQ(eb, layer >= 0 && layer < cache->num_layers, MLA_ERR_OUT_OF_RANGE, "layer = %d, the cache has %d layers",
+      layer, cache->num_layers);
+  REQ(eb, cache->on_device, MLA_ERR_INVALID_ARGUMENT,
+      "the cache lives on the host; a CUDA context needs a cache created on a CUDA context");
+  const int H = args->num_heads;
+  REQ(eb, H >= 1 && H <= MLA_MAX_HEADS, MLA_ERR_INVALID_ARGUMENT, "args->num_heads = %d, expected 1..%d", H,
+      MLA_MAX_HEADS);
+  REQ(eb, (int)args->act_dtype >= MLA_DTYPE_F32 && (int)args->act_dtype <= MLA_DTYPE_F64,
+      MLA_ERR_INVALID_ARGUMENT, "args->act_dtype = %d is not an mla_dtype", (int)args->act_dtype);
+  REQ(eb, args->act_dtype == MLA_DTYPE_BF16, MLA_ERR_UNSUPPORTED,
+      "args->act_dtype = %s: the CUDA kernels take bf16 activations only", mla_dtype_name(args->act_dtype));
+  REQ(eb, cache->dtype == MLA_DTYPE_BF16, MLA_ERR_UNSUPPORTED,
+      "cache dtype %s: the CUDA kernels read bf16 caches only", mla_dtype_name(cache->dtype));
+  REQ(eb, H <= 128, MLA_ERR_UNSUPPORTED, "args->num_heads = %d: the CUDA kernels take 1..128 heads", H);
+  REQ(eb, isfinite(args->scale) && args->scale > 0.0f, MLA_ERR_INVALID_ARGUMENT,
+      "args->scale = %g, expected finite and > 0", (double)args->scale);
+  REQ(eb, (args->flags & ~MLA_FLAG_LSE_BASE2) == 0, MLA_ERR_INVALID_ARGUMENT, "args->flags = 0x%x has unknown bits",
+      args->flags);
+  REQ(eb, args->q_stride_token >= 0 && args->q_stride_head >= 0, MLA_ERR_INVALID_ARGUMENT,
+      "args->q_stride_token / q_stride_head are negative");
+  REQ(eb, plan->batch_size >= 0 && plan->num_q_tokens >= 0, MLA_ERR_INVALID_ARGUMENT,
+      "plan->batch_size = %d / num_q_tokens = %d is negative", (int)plan->batch_size, (int)plan->num_q_tokens);
+  if (plan->mode == MLA_MODE_IDLE || plan->batch_size == 0 || plan->num_q_tokens == 0)
+    return MLA_OK; /* nothing to compute, nothing written */
+  REQ(eb, mla_cuda_decode_supported_page_size(cache->page_size), MLA_ERR_UNSUPPORTED,
+      "page size %d: the CUDA kernels take powers of two 8..256", cache->page_size);
+  mla_status st = check_plan(eb, cache, plan);
+  if (st != MLA_OK) return st;
+  REQ(eb, args->q_nope, MLA_ERR_INVALID_ARGUMENT, "args->q_nope is NULL");
+  REQ(eb, args->q_rope, MLA_ERR_INVALID_ARGUMENT, "args->q_rope is NULL");
+  REQ(eb, args->out, MLA_ERR_INVALID_ARGUMENT, "args->out is NULL");
+  size_t need;
+  {
+    mla_ws w = mla_ws_counter();
+    dev_ws d;
+    carve(&w, plan, H, &d);
+    need = mla_ws_total(&w);
+  }
+  REQ(eb, workspace_bytes >= need, MLA_ERR_WORKSPACE_TOO_SMALL,
+      "workspace_bytes = %zu, need %zu (mla_attention_absorbed_workspace_size)", workspace_bytes, need);
+  REQ(eb, workspace, MLA_ERR_INVALID_ARGUMENT, "workspace is NULL");
+  if ((st = require_device(eb, "args->q_nope", args->q_nope)) != MLA_OK) return st;
+  if ((st = require_device(eb, "args->q_rope", args->q_rope)) != MLA_OK) return st;
+  if ((st = require_device(eb, "args->out", args->out)) != MLA_OK) return st;
+  if ((st = require_device(eb, "args->lse", args->lse)) != MLA_OK) return st;
+  if ((st = require_device(eb, "workspace", workspace)) != MLA_OK) return st;
+
+  const int64_t nope_st = args->q_stride_token ? args->q_stride_token : (int64_t)H * MLA_LATENT;
+  const int64_t nope_sh = args->q_stride_head ? args->q_stride_head : MLA_LATENT;
+  const int64_t rope_st = args->q_stride_token ? args->q_stride_token : (int64_t)H * MLA_ROPE;
+  const int64_t rope_sh = args->q_stride_head ? args->q_stride_head : MLA_ROPE;
+  /* q rows are read in 16-byte pieces (cp.async), out in 4/8-byte pairs. */
+  REQ(eb, ((uintptr_t)args->q_nope & 15) == 0 && ((uintptr_t)args->q_rope & 15) == 0, MLA_ERR_UNSUPPORTED,
+      "args->q_nope / q_rope must be 16-byte aligned for the CUDA kernels");
+  REQ(eb, nope_st % 8 == 0 && nope_sh % 8 == 0 && rope_st % 8 == 0 && rope_sh % 8 == 0, MLA_ERR_UNSUPPORTED,
+      "args->q_stride_token / q_stride_head must be multiples of 8 elements for the CUDA kernels");
+  REQ(eb, ((uintptr_t)args->out & 15) == 0 && ((uintptr_t)args->lse & 3) == 0, MLA_ERR_UNSUPPORTED,
+      "args->out must be 16-byte and args->lse 4-byte aligned for the CUDA kernels");
+
+  mla_ws w = mla_ws_over(workspace, workspace_bytes);
+  dev_ws d;
+  carve(&w, plan, H, &d);
+  if (w.overflow) return mla_fail(eb, MLA_ERR_INTERNAL, FN, "workspace carve overflow");
+  const size_t bs = (size_t)plan->batch_size;
+  void *stream = ctx->stream;
+  /* Pageable host sources: each copy has read its source when it returns, so
+   * the plan may change right after this call. */
+  int e = mla_cuda_memcpy_async(d.qo_indptr, plan->qo_indptr, sizeof(int32_t) * (bs + 1), stream);
+  if (!e) e = mla_cuda_memcpy_async(d.kv_lens, plan->kv_lens, sizeof(int32_t) * bs, stream);
+  if (!e && plan->block_table_width > 0)
+    e = mla_cuda_memcpy_async(d.block_table, plan->block_table,
+                              sizeof(int32_t) * bs * (size_t)plan->block_table_width, stream);
+  if (!e)
+    e = mla_cuda_memcpy_async(d.sched_meta, plan->sched_meta,
+                              sizeof(int32_t) * (size_t)plan->num_sm_parts * MLA_SCHED_META_INTS, stream);
+  if (!e) e = mla_cuda_memcpy_async(d.num_splits, plan->num_splits, sizeof(int32_t) * (bs + 1), stream);
+  if (e) return mla_cuda_fail(eb, FN, "plan upload", e);
+
+  mla_decode_params p;
+  memset(&p, 0, sizeof p);
+  p.batch_size = plan->batch_size;
+  p.num_heads = H;
+  p.max_q_len = plan->max_q_len;
+  p.causal = plan->causal;
+  p.page_size = cache->page_size;
+  p.block_table_width = plan->block_table_width;
+  p.num_pages = cache->num_pages;
+  p.scale = args->scale;
+  p.lse_base2 = (args->flags & MLA_FLAG_LSE_BASE2) != 0;
+  p.q_nope = (const uint16_t *)args->q_nope;
+  p.q_rope = (const uint16_t *)args->q_rope;
+  p.q_nope_stride_token = nope_st;
+  p.q_nope_stride_head = nope_sh;
+  p.q_rope_stride_token = rope_st;
+  p.q_rope_stride_head = rope_sh;
+  p.kv = cache->layers[layer];
+  p.row_bytes = (int64_t)cache->row_bytes;
+  p.kv_dtype = (int)cache->dtype;
+  p.qo_indptr = d.qo_indptr;
+  p.kv_lens = d.kv_lens;
+  p.block_table = d.block_table;
+  p.num_sm_parts = plan->num_sm_parts;
+  p.sched_meta = d.sched_meta;
+  p.num_splits = d.num_splits;
+  p.out = (uint16_t *)args->out;
+  p.lse = args->lse;
+  p.o_accum = d.o_accum;
+  p.lse_accum = d.lse_accum;
+  e = mla_cuda_decode(&p, stream);
+  if (e) return mla_cuda_fail(eb, FN, "decode kernel launch", e);
+  return MLA_OK;
+}

@@ -1,0 +1,758 @@
+// Absorbed-MLA split-KV decode on sm_90a behind mla_decode_params (decode.h):
+// the winners of the kernel ladder in dev/cuda/ (docs/decode-kernel.md).
+//  - m-blocks of <= 32 valid rows (max_q_len * H <= 32): the narrow kernel
+//    (ladder v10): transposed GEMMs (keys = M, rows = N = 16 or 32), two
+//    independent warpgroups merged per request;
+//  - wider m-blocks: the wide seesaw kernel (ladder v9);
+//  - both load K tiles with TMA (page size >= 8; instantiated for P >= 64 and
+//    8 <= P < 64), then the split-KV combine as a programmatic dependent.
+// Page sizes below 8 (the ladder's cp.async kernel v2) are not ported: the
+// launcher returns cudaErrorNotSupported and the host refuses them first.
+#include <string.h>
+
+#include "decode_seesaw.cuh"
+#include "decode_wgmma_narrow.cuh"
+#include "mla.h"
+#include "runtime.h"
+
+namespace {
+using namespace seesaw;
+
+// V read as the MN-major view of the K tile: leading / stride byte offsets
+// verified on the device by dev/cuda/desc_test.cu.
+constexpr uint32_t kVtLbo = 8192, kVtSbo = 1024;
+
+typedef CUresult (*EncodeTiledFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
+                                  const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
+                                  const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                  CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's tensor-map encoder through the runtime (no -lcuda needed).
+EncodeTiledFn encode_fn() {
+  static EncodeTiledFn fn = nullptr;
+  if (!fn) {
+    void *f = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) ==
+            cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = (EncodeTiledFn)f;
+  }
+  return fn;
+}
+
+// Paged cache [num_pages][P][576] bf16 viewed as a 3-D tensor {576, P, pages};
+// the box is 64 columns (128 B, one 128B-swizzle row) by min(P, 64) rows.
+// Built on the host per call (a few microseconds; caching it is a later step).
+cudaError_t make_kv_tmap(const mla_decode_params *p, CUtensorMap *map) {
+  memset(map, 0, sizeof(*map));
+  EncodeTiledFn fn = encode_fn();
+  if (!fn) return cudaErrorNotSupported;
+  cuuint64_t dims[3] = {576, (cuuint64_t)p->page_size, (cuuint64_t)p->num_pages};
+  cuuint64_t strides[2] = {(cuuint64_t)p->row_bytes, (cuuint64_t)p->row_bytes * p->page_size};
+  cuuint32_t box[3] = {64, (cuuint32_t)(p->page_size < 64 ? p->page_size : 64), 1};
+  cuuint32_t one[3] = {1, 1, 1};
+  CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void *>(p->kv), dims, strides, box,
+                  one, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// ---------------------------------------------------------------------------
+// Split-KV combine: one warp per (request, row); requests cut into one piece
+// are skipped (the split kernel wrote them). Launched as a programmatic
+// dependent of the split kernel.
+// ---------------------------------------------------------------------------
+static constexpr int kCombineWarps = 8;
+
+__global__ void __launch_bounds__(kCombineWarps * 32)
+    decode_combine_kernel(const mla_decode_params p) {
+  // Launched as a programmatic dependent (v6+): wait until the split kernel
+  // has completed and its partials are visible (never read them before).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  const int req = blockIdx.x;
+  const int s0 = p.num_splits[req], pieces = p.num_splits[req + 1] - s0;
+  if (pieces <= 1) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int rg = blockIdx.y * kCombineWarps + warp;
+  const int q0 = p.qo_indptr[req], qlen = p.qo_indptr[req + 1] - q0;
+  const int H = p.num_heads;
+  if (rg >= qlen * H) return;
+  const int R = mla_decode_rows(&p);
+
+  // Global lse over the pieces (natural log); empty pieces carry -inf.
+  float mx = -INFINITY;
+  for (int j = lane; j < pieces; j += 32) mx = fmaxf(mx, p.lse_accum[(size_t)(s0 + j) * R + rg]);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float sum = 0.f;
+  if (mx != -INFINITY)
+    for (int j = lane; j < pieces; j += 32) sum += __expf(p.lse_accum[(size_t)(s0 + j) * R + rg] - mx);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const float lse = mx == -INFINITY ? -INFINITY : mx + logf(sum);
+
+  // Each lane owns 16 columns: 4 float4 at lane*4 + 128*c (coalesced).
+  float acc[16];
+#pragma unroll
+  for (int i = 0; i < 16; i++) acc[i] = 0.f;
+  if (mx != -INFINITY) {
+    for (int j = 0; j < pieces; j++) {
+      const float l = p.lse_accum[(size_t)(s0 + j) * R + rg];
+      if (l == -INFINITY) continue;  // an empty piece's o is 0 but never weigh it
+      const float wgt = __expf(l - lse);
+      const float4 *src = reinterpret_cast<const float4 *>(p.o_accum + ((size_t)(s0 + j) * R + rg) * 512);
+#pragma unroll
+      for (int c = 0; c < 4; c++) {
+        float4 v = src[lane + 32 * c];
+        acc[4 * c + 0] += wgt * v.x;
+        acc[4 * c + 1] += wgt * v.y;
+        acc[4 * c + 2] += wgt * v.z;
+        acc[4 * c + 3] += wgt * v.w;
+      }
+    }
+  }
+  const int t = rg / H, h = rg % H;
+  uint16_t *dst = p.out + ((size_t)(q0 + t) * H + h) * 512;
+#pragma unroll
+  for (int c = 0; c < 4; c++) {
+    uint2 v;
+    v.x = pack_bf16(acc[4 * c + 0], acc[4 * c + 1]);
+    v.y = pack_bf16(acc[4 * c + 2], acc[4 * c + 3]);
+    *reinterpret_cast<uint2 *>(dst + 4 * (lane + 32 * c)) = v;
+  }
+  if (lane == 0 && p.lse) p.lse[(size_t)(q0 + t) * H + h] = p.lse_base2 ? lse * kLog2e : lse;
+}
+
+// The combine as a programmatic dependent launch of the split kernel before
+// it in the stream: the launch overlaps that kernel's tail (it triggers early).
+cudaError_t combine_launch_pdl(const mla_decode_params *p, cudaStream_t stream) {
+  const int rows = mla_decode_rows(p);
+  if (p->batch_size == 0) return cudaSuccess;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(p->batch_size, (rows + kCombineWarps - 1) / kCombineWarps);
+  cfg.blockDim = dim3(kCombineWarps * 32);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, decode_combine_kernel, *p);
+}
+
+// ---------------------------------------------------------------------------
+// Wide kernel (ladder v9): 64-row m-blocks, seesaw over two K buffers.
+// ---------------------------------------------------------------------------
+template <bool kBig>
+__global__ void __launch_bounds__(kThreads, 1)
+    decode_wide_kernel(const mla_decode_params p, const __grid_constant__ CUtensorMap kv_map, uint32_t vt_lbo,
+                     uint32_t vt_sbo) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ uint8_t smem_raw[];
+  // Derived from smem_raw (not through an integer): the compiler keeps the
+  // shared state space and emits LDS/STS.
+  uint8_t *smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const uint32_t sb = smem_u32(smem);
+  pdl_trigger();
+  const int part = blockIdx.x, mb = blockIdx.y;
+  const int *meta = p.sched_meta + part * SCHED_INTS;
+  if (meta[SCHED_NUM_REQS] == 0) return;
+  const int tid = threadIdx.x, wg = tid >> 7, t128 = tid & 127, wi = (tid >> 5) & 3, lane = tid & 31;
+  const int rA = 16 * wi + (lane >> 2), rB = rA + 8;
+  const int cq = 2 * (lane & 3);
+  const bool lead = (lane & 3) == 0;
+  float *sM = reinterpret_cast<float *>(smem + kOffM);
+  float *sS0 = reinterpret_cast<float *>(smem + kOffS0);
+  float *sS1 = reinterpret_cast<float *>(smem + kOffS1);
+  const int *lim = reinterpret_cast<const int *>(smem + kOffLim);
+  const uint32_t bars0 = sb + kOffBar, bars1 = sb + kOffBar + 3 * 8;  // [0-3, 4-7, rope]
+  const uint32_t kb0 = sb + kOffB0, kb1 = sb + kOffB1;
+  const float sl2 = p.scale * kLog2e;
+  const int er = meta[SCHED_END_REQ];
+  const bool issuer = t128 == 0;  // elected refill thread of each warpgroup
+
+  if (tid == 0) {
+    for (int i = 0; i < 6; i++) mbar_init(bars0 + 8 * i, 1);
+    fence_mbar_init();
+  }
+  __syncthreads();
+
+  BufCursor cur0 = cursor_first(p, meta, mb, 0), cur1 = cursor_first(p, meta, mb, 1);
+  if (tid == 0) {
+    const TileSrc s0 = tile_src(p, er, cur0), s1 = tile_src(p, er, cur1);
+    for (int g = 0; g < 3; g++) {
+      if (s0.valid) load_group<kBig>(p, &kv_map, s0, kb0, bars0 + 8 * g, 4 * g, g < 2 ? 4 * g + 4 : 9);
+      if (s1.valid) load_group<kBig>(p, &kv_map, s1, kb1, bars1 + 8 * g, 4 * g, g < 2 ? 4 * g + 4 : 9);
+    }
+  }
+  uint32_t use0 = 0, use1 = 0;  // loads consumed per buffer (barrier parity)
+  uint32_t pairs = 0;           // pairs done (P tile roles)
+
+  for (int req = meta[SCHED_BEGIN_REQ]; req <= er; req++) {
+    const ReqWork w = req_work(p, meta, req, mb);
+    if (w.rows == 0) continue;
+    __syncthreads();  // the last request is done with Q, sM and the row arrays
+    uint32_t qr[4][4];
+    load_q(p, w, mb, sb, smem, tid, rA, rB, cq, qr);
+    __syncthreads();
+    const int limA = lim[rA], limB = lim[rB], lim0 = lim[0];  // row 0 has the lowest limit
+
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; i++) o[i] = 0.f;
+    float lsA = 0.f, lsB = 0.f;  // this warpgroup's partial row sums (thread part)
+
+    for (int t0 = 0; t0 < w.n_tiles; t0 += 2, pairs++) {
+      const bool has1 = t0 + 1 < w.n_tiles;
+      const int kt0 = w.kstart + 64 * t0, kt1 = kt0 + 64;
+      const int nv0 = min(64, w.kend_blk - kt0), nv1 = has1 ? min(64, w.kend_blk - kt1) : 0;
+      const bool full0 = kt0 + 64 <= lim0, full1 = kt1 + 64 <= lim0;
+      const uint32_t par0 = use0 & 1, par1 = use1 & 1;
+      const uint32_t sPa = sb + kOffP + (pairs & 1) * kChunk, sPb = sb + kOffP + ((pairs & 1) ^ 1) * kChunk;
+      BufCursor nx0 = cur0, nx1 = cur1;
+      cursor_next(p, meta, mb, nx0);
+      if (has1) cursor_next(p, meta, mb, nx1);
+      TileSrc ld0, ld1;
+      ld0.valid = ld1.valid = 0;
+      if (issuer) {
+        ld0 = tile_src(p, er, nx0);
+        if (has1) ld1 = tile_src(p, er, nx1);
+      }
+      float s[32];
+      uint32_t pa[4][4];
+      if (wg == 0) {
+        // ---------------- WG0: tile T0 in B0 ----------------
+        qk_tile3<0>(s, sb + kOffQ, kb0, bars0, par0, qr);
+        if (ld0.valid) load_group<kBig>(p, &kv_map, ld0, kb0, bars0 + 16, 8, 9);  // rope chunk: read by QK^T only
+        float mxA, mxB;
+        row_max(s, full0, kt0, limA, limB, cq, mxA, mxB);
+        const float mpA = sM[rA], mpB = sM[rB];
+        const float m0A = lazy_max(mpA, mxA * sl2), m0B = lazy_max(mpB, mxB * sl2);
+        const float s0A = lazy_scale(mpA, m0A), s0B = lazy_scale(mpB, m0B);
+        float sumA, sumB;
+        exp_rows(s, sl2, m0A, m0B, sumA, sumB);
+        pack_p(pa, s);
+        store_p(sPa, pa, wi, lane);
+        fence_proxy_async();
+        __syncwarp();
+        if (lead) {
+          sM[rA] = m0A;
+          sM[rB] = m0B;
+          sS0[rA] = s0A;
+          sS0[rB] = s0B;
+        }
+        named_bar_arrive(BAR_A, kThreads);
+        if (__any_sync(0xffffffffu, s0A != 1.f || s0B != 1.f)) rescale_o(o, s0A, s0B);
+        lsA = lsA * s0A + sumA;
+        lsB = lsB * s0B + sumB;
+        // O_L = s0 O_L + P0 V0_L
+        if (nv0 < 64) {
+          zero_tail(smem + kOffB0, nv0, 0, t128);
+          fence_proxy_async();
+          named_bar_sync(BAR_WG0, 128);
+        }
+        pv_rs(o, pa, kb0, 0, vt_lbo, vt_sbo);
+        // WG1's P1 / s1; rows whose max moved get P0' = s1 P0 re-stored.
+        named_bar_sync(BAR_P1, kThreads);
+        const float s1A = sS1[rA], s1B = sS1[rB];
+        const bool mv = s1A != 1.f || s1B != 1.f;
+        if (__any_sync(0xffffffffu, mv)) {
+          uint32_t pb[4][4];
+#pragma unroll
+          for (int k = 0; k < 4; k++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+              const float f = (j & 1) ? s1B : s1A;
+              pb[k][j] = pack_bf16(s[8 * k + 2 * j] * f, s[8 * k + 2 * j + 1] * f);
+            }
+          store_p(sPa, pb, wi, lane);
+          fence_proxy_async();
+        }
+        named_bar_arrive(BAR_P0, kThreads);
+        const bool drain = wg_any(mv, BAR_RED0);  // warpgroup-uniform
+        lsA *= s1A;
+        lsB *= s1B;
+        if (has1) {
+          if (drain) {
+            wgmma_wait<0>();
+            reg_fence(o);
+            keep_alive(pa);
+            rescale_o(o, s1A, s1B);
+          }
+          mbar_wait(bars1, par1);  // B1 chunks 0-3
+          if (nv1 < 64) {
+            zero_tail(smem + kOffB1, nv1, 0, t128);
+            fence_proxy_async();
+            named_bar_sync(BAR_WG0, 128);
+          }
+          pv_ss(o, sPb, kb1, 0, vt_lbo, vt_sbo);  // O_L += P1 V1_L, queued behind P0 V0_L
+          wgmma_wait<1>();
+          keep_alive(pa);
+          if (ld0.valid) load_group<kBig>(p, &kv_map, ld0, kb0, bars0, 0, 4);
+          wgmma_wait<0>();
+          reg_fence(o);
+          if (ld1.valid) load_group<kBig>(p, &kv_map, ld1, kb1, bars1, 0, 4);
+        } else {
+          wgmma_wait<0>();
+          reg_fence(o);
+          keep_alive(pa);
+          if (ld0.valid) load_group<kBig>(p, &kv_map, ld0, kb0, bars0, 0, 4);
+        }
+      } else {
+        // ---------------- WG1: tile T1 in B1 ----------------
+        float mxA = -INFINITY, mxB = -INFINITY;
+        if (has1) {
+          qk_tile3<1>(s, sb + kOffQ, kb1, bars1, par1, qr);
+          if (ld1.valid) load_group<kBig>(p, &kv_map, ld1, kb1, bars1 + 16, 8, 9);
+          row_max(s, full1, kt1, limA, limB, cq, mxA, mxB);
+        }
+        named_bar_sync(BAR_A, kThreads);
+        const float m0A = sM[rA], m0B = sM[rB];
+        const float s0A = sS0[rA], s0B = sS0[rB];
+        const float m1A = lazy_max(m0A, mxA * sl2), m1B = lazy_max(m0B, mxB * sl2);
+        const float s1A = lazy_scale(m0A, m1A), s1B = lazy_scale(m0B, m1B);
+        float sumA = 0.f, sumB = 0.f;
+        if (has1) {
+          exp_rows(s, sl2, m1A, m1B, sumA, sumB);
+          pack_p(pa, s);
+          store_p(sPb, pa, wi, lane);
+          fence_proxy_async();
+        }
+        __syncwarp();
+        if (lead) {
+          sM[rA] = m1A;
+          sM[rB] = m1B;
+          sS1[rA] = s1A;
+          sS1[rB] = s1B;
+        }
+        named_bar_arrive(BAR_P1, kThreads);
+        const float fA = s0A * s1A, fB = s0B * s1B;
+        if (__any_sync(0xffffffffu, fA != 1.f || fB != 1.f)) rescale_o(o, fA, fB);
+        lsA = lsA * fA + sumA;
+        lsB = lsB * fB + sumB;
+        if (has1) {
+          // O_R += P1 V1_R (P1 from registers), left in flight.
+          if (nv1 < 64) {
+            zero_tail(smem + kOffB1, nv1, 4, t128);
+            fence_proxy_async();
+            named_bar_sync(BAR_WG1, 128);
+          }
+          pv_rs(o, pa, kb1, 1, vt_lbo, vt_sbo);
+        }
+        // O_R += P0' V0_R (P0' from shared memory), queued right behind it.
+        named_bar_sync(BAR_P0, kThreads);
+        mbar_wait(bars0 + 8, par0);  // B0 chunks 4-7
+        if (nv0 < 64) {
+          zero_tail(smem + kOffB0, nv0, 4, t128);
+          fence_proxy_async();
+          named_bar_sync(BAR_WG1, 128);
+        }
+        pv_ss(o, sPa, kb0, 1, vt_lbo, vt_sbo);
+        if (has1) {
+          wgmma_wait<1>();  // P1 V1_R retired: B1 chunks 4-7 are free
+          keep_alive(pa);
+          if (ld1.valid) load_group<kBig>(p, &kv_map, ld1, kb1, bars1 + 8, 4, 8);
+        }
+        wgmma_wait<0>();
+        reg_fence(o);
+        if (ld0.valid) load_group<kBig>(p, &kv_map, ld0, kb0, bars0 + 8, 4, 8);
+      }
+      use0++;
+      if (has1) use1++;
+      cur0 = nx0;
+      if (has1) cur1 = nx1;
+    }
+    epilogue(p, w, mb, smem, o, lsA, lsB, wg, rA, rB, cq, lead);
+  }
+#endif
+}
+
+
+// ---------------------------------------------------------------------------
+// Narrow kernel (ladder v10): m-blocks of <= 32 rows, transposed GEMMs.
+// ---------------------------------------------------------------------------
+template <int N>
+struct Lay {
+  static constexpr uint32_t kQChunk = N * 128;  // 64 dims of Q: N rows x 128 B (swizzled)
+  static constexpr uint32_t kOffQ = 0;          // 9 chunks: latent 0-7, rope 8
+  static constexpr uint32_t kOffB0 = 9 * kQChunk;  // 1024-aligned (N = 16, 32)
+  static constexpr uint32_t kOffB1 = kOffB0 + kTile;
+  static constexpr uint32_t kOffP = kOffB1 + kTile;   // P^T of WG g at kOffP + g * kQChunk
+  static constexpr uint32_t kOffScr = kOffP + 2 * kQChunk;  // merge scratch [N][kScr] fp32
+  static constexpr uint32_t kScr = 260;               // 256 dims + 4: conflict-free column writes
+  static constexpr uint32_t kOffRed = kOffScr + N * kScr * 4;  // float [2][4][N] column maxima
+  static constexpr uint32_t kOffRedL = kOffRed + 2 * 4 * N * 4;  // float [2][4][N] column sums
+  static constexpr uint32_t kOffMf = kOffRedL + 2 * 4 * N * 4;   // float [2][N] final max per WG
+  static constexpr uint32_t kOffLf = kOffMf + 2 * N * 4;         // float [N] 1 / l
+  static constexpr uint32_t kOffLim = kOffLf + N * 4;            // int [N]
+  static constexpr uint32_t kOffBar = kOffLim + N * 4;           // 18 mbarriers
+  static constexpr uint32_t kSmem = kOffBar + 18 * 8 + 1024;
+  static_assert(kOffB0 % 1024 == 0 && kOffP % 1024 == 0, "swizzled tiles must be 1024-aligned");
+  static_assert(kOffBar % 8 == 0, "mbarrier alignment");
+};
+
+// Per-warpgroup named barriers (WG g uses base + 3 g): vote, max exchange, P ready.
+constexpr int NB_VOTE = 1, NB_MAX = 2, NB_P = 3;
+
+// Rows past the piece end may hold NaN: zero V rows >= nvalid in chunks 0-7.
+__device__ __forceinline__ void zero_tail8(uint8_t *kb, int nvalid, int t128) {
+  const int nz = (64 - nvalid) * 64;  // rows x 8 chunks x 8 16-byte pieces
+  for (int i = t128; i < nz; i += 128) {
+    const int r = nvalid + (i >> 6), ch = (i >> 3) & 7, x = i & 7;
+    *reinterpret_cast<uint4 *>(kb + ch * kChunk + r * 128 + x * 16) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+__device__ __forceinline__ void stsm_x4_t(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void qk_wgmma(float (&s)[N / 2], uint64_t da, uint64_t db, int accum) {
+  if constexpr (N == 16) wgmma_nr_m64n16k16_ss(s, da, db, accum);
+  else wgmma_nr_m64n32k16_ss(s, da, db, accum);
+}
+template <int N>
+__device__ __forceinline__ void pv_wgmma(float (&o)[N / 2], uint64_t da, uint64_t db) {
+  if constexpr (N == 16) wgmma_nr_m64n16k16_ss_ta(o, da, db, 1);
+  else wgmma_nr_m64n32k16_ss_ta(o, da, db, 1);
+}
+
+template <int N, bool kBig>
+__global__ void __launch_bounds__(kThreads, 1)
+    decode_narrow_kernel(const mla_decode_params p, const __grid_constant__ CUtensorMap kv_map, uint32_t vt_lbo,
+                     uint32_t vt_sbo) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using L = Lay<N>;
+  constexpr int NR = N / 2;  // accumulator registers per m64nN tile
+  constexpr int NC = N / 4;  // columns (rows of the m-block) per thread
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t *smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const uint32_t sb = smem_u32(smem);
+  pdl_trigger();
+  const int part = blockIdx.x, mb = blockIdx.y;
+  const int *meta = p.sched_meta + part * SCHED_INTS;
+  if (meta[SCHED_NUM_REQS] == 0) return;
+  const int tid = threadIdx.x, wg = tid >> 7, t128 = tid & 127, wi = (tid >> 5) & 3, lane = tid & 31;
+  const int er = meta[SCHED_END_REQ];
+  const bool issuer = t128 == 0;
+  const float sl2 = p.scale * kLog2e;
+  float *red = reinterpret_cast<float *>(smem + L::kOffRed);
+  float *redL = reinterpret_cast<float *>(smem + L::kOffRedL);
+  float *mfin = reinterpret_cast<float *>(smem + L::kOffMf);
+  float *lfin = reinterpret_cast<float *>(smem + L::kOffLf);
+  float *scr = reinterpret_cast<float *>(smem + L::kOffScr);
+  int *lim = reinterpret_cast<int *>(smem + L::kOffLim);
+  const uint32_t bars = sb + L::kOffBar + wg * 2 * 8;  // this buffer's barriers: [chunks 0-7, rope]
+  const uint32_t kb = sb + (wg ? L::kOffB1 : L::kOffB0);
+  uint8_t *kbp = smem + (wg ? L::kOffB1 : L::kOffB0);
+  const uint32_t sP = sb + L::kOffP + wg * L::kQChunk;
+  const uint32_t sQ = sb + L::kOffQ;
+  const int nb = 1 + 3 * wg;  // this warpgroup's named barrier ids: nb + NB_* - 1
+  // Columns (m-block rows) of this thread: c_j = 8 (j / 2) + 2 (lane % 4) + j % 2.
+  int col[NC];
+#pragma unroll
+  for (int j = 0; j < NC; j++) col[j] = 8 * (j >> 1) + 2 * (lane & 3) + (j & 1);
+
+  if (tid == 0) {
+    for (int i = 0; i < 4; i++) mbar_init(sb + L::kOffBar + 8 * i, 1);
+    fence_mbar_init();
+  }
+  __syncthreads();
+
+  BufCursor cur = cursor_first(p, meta, mb, wg);
+  if (tid == 0) {
+    const BufCursor c0 = cursor_first(p, meta, mb, 0), c1 = cursor_first(p, meta, mb, 1);
+    const TileSrc s0 = tile_src(p, er, c0), s1 = tile_src(p, er, c1);
+    if (s0.valid) {
+      load_group<kBig>(p, &kv_map, s0, sb + L::kOffB0, sb + L::kOffBar + 8, 8, 9);
+      load_group<kBig>(p, &kv_map, s0, sb + L::kOffB0, sb + L::kOffBar, 0, 8);
+    }
+    if (s1.valid) {
+      load_group<kBig>(p, &kv_map, s1, sb + L::kOffB1, sb + L::kOffBar + 24, 8, 9);
+      load_group<kBig>(p, &kv_map, s1, sb + L::kOffB1, sb + L::kOffBar + 16, 0, 8);
+    }
+  }
+  uint32_t use = 0;  // loads of this warpgroup's buffer consumed (barrier parity)
+
+  for (int req = meta[SCHED_BEGIN_REQ]; req <= er; req++) {
+    const ReqWork w = req_work(p, meta, req, mb);
+    if (w.rows == 0) continue;
+    __syncthreads();  // the last request is done with Q, the scratch and the row arrays
+    {
+      // Q (latent + rope) into 9 swizzled chunks of N rows; zero rows past the m-block.
+      const int H = p.num_heads;
+      for (int ci = tid; ci < N * 72; ci += kThreads) {
+        const int r = ci / 72, pc = ci - r * 72, ch = pc >> 3;
+        const bool ok = r < w.rows;
+        const int rg = mb * 64 + r, t = ok ? rg / H : 0, h = ok ? rg % H : 0;
+        const uint16_t *src = ch < 8 ? p.q_nope + (w.q0 + t) * p.q_nope_stride_token + h * p.q_nope_stride_head + pc * 8
+                                     : p.q_rope + (w.q0 + t) * p.q_rope_stride_token + h * p.q_rope_stride_head +
+                                           (pc - 64) * 8;
+        cp_async_16(sQ + ch * L::kQChunk + sw128_off(r, (pc & 7) * 8), ok ? (const void *)src : p.kv, ok);
+      }
+      cp_async_commit();
+      if (tid < N) lim[tid] = tid < w.rows ? row_limit(p, w, mb, tid) : 0;  // padding rows see no key
+      cp_async_wait_all();
+      fence_proxy_async();
+    }
+    __syncthreads();
+    const int lim0 = lim[0];  // row 0 has the lowest limit
+    int limc[NC];
+#pragma unroll
+    for (int j = 0; j < NC; j++) limc[j] = lim[col[j]];
+
+    float o[8][NR];
+#pragma unroll
+    for (int mt = 0; mt < 8; mt++)
+#pragma unroll
+      for (int i = 0; i < NR; i++) o[mt][i] = 0.f;
+    float m[NC], lp[NC];  // running max (log2 units, warpgroup-uniform per column), partial sums
+#pragma unroll
+    for (int j = 0; j < NC; j++) {
+      m[j] = -INFINITY;
+      lp[j] = 0.f;
+    }
+
+    for (int t = wg; t < w.n_tiles; t += 2) {
+      const int kt = w.kstart + 64 * t;
+      const int nv = min(64, w.kend_blk - kt);
+      const bool full = kt + 64 <= lim0;
+      const uint32_t par = use & 1;
+      BufCursor nx = cur;
+      cursor_next(p, meta, mb, nx);
+      TileSrc ld;
+      ld.valid = 0;
+      if (issuer) ld = tile_src(p, er, nx);
+
+      // ---- S^T = K Q^T (keys x rows): rope chunk first, then 0-7 ----
+      float s[NR];
+#pragma unroll
+      for (int i = 0; i < NR; i++) s[i] = 0.f;
+#pragma unroll
+      for (int ci = 0; ci < 9; ci++) {
+        const int c = ci == 0 ? 8 : ci - 1;
+        if (ci < 2) {
+          mbar_wait(bars + (ci == 0 ? 8 : 0), par);  // rope chunk, then chunks 0-7
+          wgmma_fence();
+        }
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+          qk_wgmma<N>(s, desc_sw128(kb + c * kChunk + k * 32, 16, 1024), desc_sw128(sQ + c * L::kQChunk + k * 32, 16, 1024),
+                      ci > 0 || k > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      reg_fence(s);
+      if (ld.valid) load_group<kBig>(p, &kv_map, ld, kb, bars + 8, 8, 9);  // rope chunk: read by QK^T only
+
+      // ---- softmax down the columns ----
+      bool need = false;
+#pragma unroll
+      for (int i = 0; i < NR; i++) {
+        const int j = 2 * (i >> 2) + (i & 1);
+        float x = s[i] * sl2;
+        if (!full) {
+          const int key = kt + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
+          x = key < limc[j] ? x : -INFINITY;
+        }
+        s[i] = x;
+        need |= x > m[j] + kLazy;
+      }
+      if (wg_any(need, nb + NB_VOTE - 1)) {
+        // Exchange the column maxima across the warps; move m, rescale O^T.
+        float mx[NC];
+#pragma unroll
+        for (int j = 0; j < NC; j++) mx[j] = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < NR; i++) {
+          const int j = 2 * (i >> 2) + (i & 1);
+          mx[j] = fmaxf(mx[j], s[i]);
+        }
+#pragma unroll
+        for (int j = 0; j < NC; j++) {
+          mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 4));
+          mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 8));
+          mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 16));
+        }
+        if (lane < 4) {
+#pragma unroll
+          for (int j = 0; j < NC; j++) red[(wg * 4 + wi) * N + col[j]] = mx[j];
+        }
+        named_bar_sync(nb + NB_MAX - 1, 128);
+        float f[NC];
+        bool mv = false;
+#pragma unroll
+        for (int j = 0; j < NC; j++) {
+          const float* rj = red + wg * 4 * N + col[j];
+          const float tm = fmaxf(fmaxf(rj[0], rj[N]), fmaxf(rj[2 * N], rj[3 * N]));
+          const float mn = lazy_max(m[j], tm);
+          f[j] = lazy_scale(m[j], mn);
+          m[j] = mn;
+          lp[j] *= f[j];
+          mv |= f[j] != 1.f;
+        }
+        if (mv) {
+#pragma unroll
+          for (int mt = 0; mt < 8; mt++)
+#pragma unroll
+            for (int i = 0; i < NR; i++) o[mt][i] *= f[2 * (i >> 2) + (i & 1)];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < NR; i++) {
+        const int j = 2 * (i >> 2) + (i & 1);
+        s[i] = ex2(s[i] - (m[j] == -INFINITY ? 0.f : m[j]));
+        lp[j] += s[i];
+      }
+      // ---- P^T -> shared memory (rows x keys), stmatrix.trans ----
+      {
+        const int mi = lane >> 3;
+#pragma unroll
+        for (int q = 0; q < N / 16; q++) {
+          const int cb = 2 * q + (mi >> 1), kh = mi & 1;
+          stsm_x4_t(sP + sw128_off(8 * cb + (lane & 7), 16 * wi + 8 * kh), pack_bf16(s[8 * q], s[8 * q + 1]),
+                    pack_bf16(s[8 * q + 2], s[8 * q + 3]), pack_bf16(s[8 * q + 4], s[8 * q + 5]),
+                    pack_bf16(s[8 * q + 6], s[8 * q + 7]));
+        }
+      }
+      if (nv < 64) zero_tail8(kbp, nv, t128);
+      fence_proxy_async();
+      named_bar_sync(nb + NB_P - 1, 128);
+
+      // ---- O^T += V^T P^T: 8 m-tiles of 64 dims x 4 key steps ----
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < 4; ks++)
+#pragma unroll
+        for (int mt = 0; mt < 8; mt++)
+          pv_wgmma<N>(o[mt], desc_sw128(kb + mt * kChunk + ks * 2048, vt_lbo, vt_sbo), desc_sw128(sP + ks * 32, 16, 1024));
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int mt = 0; mt < 8; mt++) reg_fence(o[mt]);
+      if (ld.valid) load_group<kBig>(p, &kv_map, ld, kb, bars, 0, 8);
+      use++;
+      cur = nx;
+    }
+
+    // ---- merge the two warpgroups' states, write the request's rows ----
+#pragma unroll
+    for (int j = 0; j < NC; j++) {
+      float v = lp[j];
+      v += __shfl_xor_sync(0xffffffffu, v, 4);
+      v += __shfl_xor_sync(0xffffffffu, v, 8);
+      v += __shfl_xor_sync(0xffffffffu, v, 16);
+      if (lane < 4) redL[(wg * 4 + wi) * N + col[j]] = v;
+      if (wi == 0 && lane < 4) mfin[wg * N + col[j]] = m[j];
+    }
+    __syncthreads();
+    float fg[NC];
+#pragma unroll
+    for (int j = 0; j < NC; j++) {
+      const int c = col[j];
+      const float m0 = mfin[c], m1 = mfin[N + c], mf = fmaxf(m0, m1);
+      const float f0 = m0 == -INFINITY ? 0.f : ex2(m0 - mf), f1 = m1 == -INFINITY ? 0.f : ex2(m1 - mf);
+      fg[j] = wg ? f1 : f0;
+      if (wg == 0 && wi == 0 && lane < 4) {
+        float l0 = 0.f, l1 = 0.f;
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+          l0 += redL[x * N + c];
+          l1 += redL[(4 + x) * N + c];
+        }
+        const float l = l0 * f0 + l1 * f1;
+        lfin[c] = l > 0.f ? 1.f / l : 0.f;
+        if (c < w.rows) store_lse(p, w, mb, c, l > 0.f ? mf + log2f(l) : -INFINITY);
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+      if (wg == 1) {
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+#pragma unroll
+          for (int i = 0; i < NR; i++) {
+            const int j = 2 * (i >> 2) + (i & 1);
+            const int d = 64 * q + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
+            scr[col[j] * L::kScr + d] = o[4 * half + q][i] * fg[j];
+          }
+      }
+      __syncthreads();
+      if (wg == 0) {
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+#pragma unroll
+          for (int i = 0; i < NR; i++) {
+            const int j = 2 * (i >> 2) + (i & 1);
+            const int d = 64 * q + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
+            scr[col[j] * L::kScr + d] += o[4 * half + q][i] * fg[j];
+          }
+      }
+      __syncthreads();
+      for (int idx = tid; idx < N * 128; idx += kThreads) {
+        const int c = idx >> 7, d = (idx & 127) * 2;
+        if (c < w.rows)
+          store_out_pair(p, w, mb, c, 256 * half + d, scr[c * L::kScr + d], scr[c * L::kScr + d + 1], lfin[c]);
+      }
+      __syncthreads();
+    }
+  }
+#endif
+}
+
+
+template <bool kBig>
+cudaError_t launch_wide(const mla_decode_params *p, const CUtensorMap &map, cudaStream_t stream) {
+  // Set on every call (cheap): a static "done" flag would be wrong per device.
+  DEV_CUDA_OK(cudaFuncSetAttribute(decode_wide_kernel<kBig>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)kSmemBytes));
+  dim3 grid(p->num_sm_parts, mla_decode_m_blocks(p));
+  decode_wide_kernel<kBig><<<grid, kThreads, kSmemBytes, stream>>>(*p, map, kVtLbo, kVtSbo);
+  return cudaGetLastError();
+}
+
+template <int N, bool kBig>
+cudaError_t launch_narrow(const mla_decode_params *p, const CUtensorMap &map, cudaStream_t stream) {
+  DEV_CUDA_OK(cudaFuncSetAttribute(decode_narrow_kernel<N, kBig>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)Lay<N>::kSmem));
+  dim3 grid(p->num_sm_parts, mla_decode_m_blocks(p));
+  decode_narrow_kernel<N, kBig><<<grid, kThreads, Lay<N>::kSmem, stream>>>(*p, map, kVtLbo, kVtSbo);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" int mla_cuda_decode_supported_page_size(int page_size) {
+  return page_size >= 8 && page_size <= 256 && (page_size & (page_size - 1)) == 0;
+}
+
+extern "C" int mla_cuda_decode(const mla_decode_params *p, void *stream_) {
+  cudaStream_t stream = (cudaStream_t)stream_;
+  if (p->kv_dtype != MLA_DTYPE_BF16 || p->row_bytes != 1152 ||
+      !mla_cuda_decode_supported_page_size(p->page_size))
+    return (int)cudaErrorNotSupported;
+  if (p->batch_size == 0 || p->num_sm_parts == 0) return (int)cudaSuccess;
+  // Built without sm_90a code (CMAKE_CUDA_ARCHITECTURES without 90a) the
+  // kernel bodies are compiled out: refuse instead of returning garbage.
+  cudaFuncAttributes fa;
+  cudaError_t e = cudaFuncGetAttributes(&fa, decode_wide_kernel<true>);
+  if (e != cudaSuccess) return (int)e;
+  if (fa.binaryVersion < 90) return (int)cudaErrorNotSupported;
+  CUtensorMap map;
+  e = make_kv_tmap(p, &map);
+  if (e != cudaSuccess) return (int)e;
+  const int rows = mla_decode_rows(p);
+  const bool big = p->page_size >= 64;
+  if (rows <= 16) e = big ? launch_narrow<16, true>(p, map, stream) : launch_narrow<16, false>(p, map, stream);
+  else if (rows <= 32) e = big ? launch_narrow<32, true>(p, map, stream) : launch_narrow<32, false>(p, map, stream);
+  else e = big ? launch_wide<true>(p, map, stream) : launch_wide<false>(p, map, stream);
+  if (e != cudaSuccess) return (int)e;
+  return (int)combine_launch_pdl(p, stream);
+}

@@ -1,0 +1,25 @@
+/* Host entry points of the sm_90a decode kernels (decode_sm90.cu). Plain C. */
+#ifndef MLA_CUDA_DECODE_SM90_H
+#define MLA_CUDA_DECODE_SM90_H
+
+#include "decode.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* 1 when the kernels take this page size: powers of two 8..256 (the K tiles
+ * come through TMA; the ladder's cp.async kernel for P < 8 is not ported). */
+int mla_cuda_decode_supported_page_size(int page_size);
+
+/* Launches the split-KV kernel (narrow for max_q_len * H <= 32 rows, wide
+ * above) and the combine on `stream` (a cudaStream_t). Every pointer in p is
+ * device memory; p->kv is a bf16 cache layer. Returns 0 or a CUDA error code
+ * (cudaErrorNotSupported for a dtype or page size the kernels do not take).
+ * Asynchronous: nothing is waited for. */
+int mla_cuda_decode(const mla_decode_params *p, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MLA_CUDA_DECODE_SM90_H */
