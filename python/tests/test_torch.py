@@ -2,8 +2,8 @@
 
 CPU: torch tensors give the same bits as numpy arrays. CUDA (a CUDA build of
 libmla and a GPU): the KV cache write/read on device memory on torch's
-current stream, and attention reporting MLA_ERR_UNSUPPORTED until the CUDA
-kernels exist.
+current stream, and the CUDA attention refusing what its kernels do not
+take (page sizes below 8).
 """
 
 import numpy as np
@@ -124,7 +124,9 @@ def test_cuda_kv_cache_on_torch_stream():
     assert e.value.status == libmla.Status.ERR_OUT_OF_RANGE
 
 
-def test_cuda_attention_not_built_yet():
+def test_cuda_attention_refuses_small_pages():
+    # The sm_90a kernels take page sizes 8..256 (TMA); page size 4 is refused
+    # with UNSUPPORTED rather than run.
     cctx = _cuda_ctx()
     cache = libmla.KVCache(cctx, 1, 8, 4, "bf16")
     rt = libmla.RequestTable(cctx, 2, 16, cache=cache)
