@@ -90,8 +90,14 @@ int main(void) {
   /* ---- before any plan ---- */
   const mla_plan *plan = NULL;
   TU_STATUS(mla_backend_get_plan(be, &plan), MLA_ERR_BAD_STATE);
+  TU_CHECK(strstr(mla_backend_last_error(be), "mla_backend_plan") != NULL, "get_plan says why: %s",
+           mla_backend_last_error(be));
+  TU_STATUS(mla_backend_get_plan(be, NULL), MLA_ERR_INVALID_ARGUMENT);
+  TU_CHECK(strstr(mla_backend_last_error(be), "plan") != NULL, "names the argument: %s",
+           mla_backend_last_error(be));
   int uses = -1;
   TU_STATUS(mla_backend_uses_mha(be, &uses), MLA_ERR_BAD_STATE);
+  TU_STATUS(mla_backend_uses_mha(be, NULL), MLA_ERR_INVALID_ARGUMENT);
   mla_forward_args a;
   memset(&a, 0, sizeof a);
   TU_STATUS(mla_backend_forward(be, &a), MLA_ERR_BAD_STATE);

@@ -229,16 +229,22 @@ mla_status mla_backend_plan(mla_backend *be, const mla_batch *batch) {
   return MLA_OK;
 }
 
+/* The last-error text is not logical state: queries on a const handle may
+ * still record why they failed. */
+static mla_errbuf *query_err(const mla_backend *be) { return (mla_errbuf *)&be->err; }
+
 mla_status mla_backend_get_plan(const mla_backend *be, const mla_plan **plan) {
-  if (!be || !plan) return MLA_ERR_INVALID_ARGUMENT;
-  if (!be->planned) return MLA_ERR_BAD_STATE;
+  if (!be) return MLA_ERR_INVALID_ARGUMENT;
+  MLA_REQUIRE_PTR(query_err(be), plan);
+  MLA_REQUIRE(query_err(be), be->planned, MLA_ERR_BAD_STATE, "no plan: call mla_backend_plan first");
   *plan = &be->plan;
   return MLA_OK;
 }
 
 mla_status mla_backend_uses_mha(const mla_backend *be, int *uses_mha) {
-  if (!be || !uses_mha) return MLA_ERR_INVALID_ARGUMENT;
-  if (!be->planned) return MLA_ERR_BAD_STATE;
+  if (!be) return MLA_ERR_INVALID_ARGUMENT;
+  MLA_REQUIRE_PTR(query_err(be), uses_mha);
+  MLA_REQUIRE(query_err(be), be->planned, MLA_ERR_BAD_STATE, "no plan: call mla_backend_plan first");
   *uses_mha = be->plan.mode == MLA_MODE_EXTEND &&
               (!be->has_prefix || be->desc.extend_impl == MLA_EXTEND_MHA_CHUNKED);
   return MLA_OK;
