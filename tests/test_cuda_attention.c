@@ -31,16 +31,7 @@ int main(void) {
   return tu_finish("test_cuda_attention");
 }
 #else
-#include <cuda_runtime.h>
-
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
-      fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      exit(1);                                                                                  \
-    }                                                                                           \
-  } while (0)
+#include "cuda_util.h"
 
 #define O_ATOL 8e-4
 #define O_RTOL (2.0 / 128.0)
@@ -258,17 +249,11 @@ typedef struct dbufs {
   size_t o_bytes, lse_bytes, ws_bytes;
 } dbufs;
 
-static void *dmalloc(size_t n) {
-  void *p = NULL;
-  CK(cudaMalloc(&p, n ? n : 16));
-  return p;
-}
-
 static dbufs dbufs_new(const world *w) {
   dbufs d;
   const int64_t nq = (int64_t)w->Tq * w->H;
-  d.qn = dmalloc(2 * (size_t)nq * MLA_LATENT);
-  d.qr = dmalloc(2 * (size_t)nq * MLA_ROPE);
+  d.qn = tu_dev_alloc(2 * (size_t)nq * MLA_LATENT);
+  d.qr = tu_dev_alloc(2 * (size_t)nq * MLA_ROPE);
   CK(cudaMemcpy(d.qn, w->qn, 2 * (size_t)nq * MLA_LATENT, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d.qr, w->qr, 2 * (size_t)nq * MLA_ROPE, cudaMemcpyHostToDevice));
   /* packed [T, H, 576]: nope then rope of each (token, head) */
@@ -277,16 +262,16 @@ static dbufs dbufs_new(const world *w) {
     memcpy(pk + r * MLA_ROW, w->qn + r * MLA_LATENT, 2 * MLA_LATENT);
     memcpy(pk + r * MLA_ROW + MLA_LATENT, w->qr + r * MLA_ROPE, 2 * MLA_ROPE);
   }
-  d.qpk = dmalloc(2 * (size_t)nq * MLA_ROW);
+  d.qpk = tu_dev_alloc(2 * (size_t)nq * MLA_ROW);
   CK(cudaMemcpy(d.qpk, pk, 2 * (size_t)nq * MLA_ROW, cudaMemcpyHostToDevice));
   free(pk);
   d.o_bytes = 2 * (size_t)nq * MLA_LATENT;
   d.lse_bytes = sizeof(float) * (size_t)nq;
-  d.o = dmalloc(d.o_bytes + GUARD * 4);
-  d.lse = dmalloc(d.lse_bytes + GUARD * 4);
+  d.o = tu_dev_alloc(d.o_bytes + GUARD * 4);
+  d.lse = tu_dev_alloc(d.lse_bytes + GUARD * 4);
   d.ws_bytes = 0;
   TU_STATUS(mla_attention_absorbed_workspace_size(gpu, &w->plan, w->H, &d.ws_bytes), MLA_OK);
-  d.ws = dmalloc(d.ws_bytes);
+  d.ws = tu_dev_alloc(d.ws_bytes);
   return d;
 }
 

@@ -16,23 +16,7 @@ int main(void) {
   return tu_finish("test_cuda_cache");
 }
 #else
-#include <cuda_runtime.h>
-
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
-      fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      exit(1);                                                                                  \
-    }                                                                                           \
-  } while (0)
-
-static void *dev_copy(const void *host, size_t bytes) {
-  void *d = NULL;
-  CK(cudaMalloc(&d, bytes ? bytes : 1));
-  if (bytes) CK(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice));
-  return d;
-}
+#include "cuda_util.h"
 
 static size_t act_bytes(mla_dtype t) { return t == MLA_DTYPE_F32 ? 4 : 2; }
 
@@ -94,8 +78,8 @@ int main(void) {
         void *ca = malloc(es * T * 512), *ra = malloc(es * T * 64);
         tu_to_dtype(act, c, ca, (int64_t)T * 512);
         tu_to_dtype(act, r, ra, (int64_t)T * 64);
-        void *d_c = dev_copy(ca, es * T * 512), *d_r = dev_copy(ra, es * T * 64);
-        int32_t *d_slots = dev_copy(slots, sizeof(int32_t) * T);
+        void *d_c = tu_dev_copy(ca, es * T * 512), *d_r = tu_dev_copy(ra, es * T * 64);
+        int32_t *d_slots = tu_dev_copy(slots, sizeof(int32_t) * T);
         for (int layer = 0; layer < 2; layer++) {
           TU_STATUS(mla_kv_cache_write(hc, layer, T, slots, ca, ra, act), MLA_OK);
           TU_STATUS(mla_kv_cache_write(dc, layer, T, d_slots, d_c, d_r, act), MLA_OK);
@@ -168,8 +152,8 @@ int main(void) {
     tu_fill_bf16_normal(&rng, c, 3 * 512, 1.0);
     tu_fill_bf16_normal(&rng, r, 3 * 64, 1.0);
     int32_t slots[3] = {5, 16 * 16, 7}; /* the middle one is past the end */
-    void *d_c = dev_copy(c, sizeof c), *d_r = dev_copy(r, sizeof r);
-    int32_t *d_slots = dev_copy(slots, sizeof slots);
+    void *d_c = tu_dev_copy(c, sizeof c), *d_r = tu_dev_copy(r, sizeof r);
+    int32_t *d_slots = tu_dev_copy(slots, sizeof slots);
     TU_STATUS(mla_kv_cache_write(dc, 0, 3, d_slots, d_c, d_r, MLA_DTYPE_F32), MLA_OK);
     TU_STATUS(mla_ctx_synchronize(gpu), MLA_ERR_OUT_OF_RANGE);
     TU_CHECK(strstr(mla_ctx_last_error(gpu), "skipped") != NULL, "message: %s", mla_ctx_last_error(gpu));
@@ -177,7 +161,7 @@ int main(void) {
     float back[512];
     void *d_back = NULL;
     CK(cudaMalloc(&d_back, sizeof back));
-    int32_t *d_one = dev_copy(&slots[2], sizeof(int32_t));
+    int32_t *d_one = tu_dev_copy(&slots[2], sizeof(int32_t));
     TU_STATUS(mla_kv_cache_read(dc, 0, 1, d_one, d_back, NULL, MLA_DTYPE_F32), MLA_OK);
     TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
     CK(cudaMemcpy(back, d_back, sizeof back, cudaMemcpyDeviceToHost));
@@ -197,8 +181,8 @@ int main(void) {
     float pc[20 * 512], pr[20 * 64];
     tu_fill_bf16_normal(&rng, pc, 20 * 512, 1.0);
     tu_fill_bf16_normal(&rng, pr, 20 * 64, 1.0);
-    void *d_pc = dev_copy(pc, sizeof pc), *d_pr = dev_copy(pr, sizeof pr);
-    int32_t *d_sa = dev_copy(s_a, sizeof s_a);
+    void *d_pc = tu_dev_copy(pc, sizeof pc), *d_pr = tu_dev_copy(pr, sizeof pr);
+    int32_t *d_sa = tu_dev_copy(s_a, sizeof s_a);
     TU_STATUS(mla_kv_cache_write(dc, 0, 20, d_sa, d_pc, d_pr, MLA_DTYPE_F32), MLA_OK);
     TU_STATUS(mla_req_fork(rt, a, 18, &b), MLA_OK);
     TU_STATUS(mla_req_extend(rt, b, 5, s_b), MLA_OK); /* writes into the shared page: CoW */
@@ -207,7 +191,7 @@ int main(void) {
     int32_t child[18];
     memcpy(child, r2t + (size_t)b * 64, sizeof child);
     TU_CHECK(child[17] != s_a[17], "the shared partial page was copied (slot %d)", child[17]);
-    int32_t *d_child = dev_copy(child, sizeof child);
+    int32_t *d_child = tu_dev_copy(child, sizeof child);
     float cb[18 * 512];
     void *d_cb = NULL;
     CK(cudaMalloc(&d_cb, sizeof cb));

@@ -141,7 +141,42 @@ def _cache_dtype(dtype):
 # ---- context -------------------------------------------------------------------------
 
 
-class Context:
+class _Handle:
+    """What every wrapped C handle shares: context-manager and finaliser
+    lifetime, the live-handle accessor, and turning a status into MLAError
+    with the handle's own last-error text. Subclasses define close() and name
+    their C last-error function in _LAST_ERROR."""
+
+    _LAST_ERROR = None  # name of the mla_*_last_error function
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def handle(self):
+        if not getattr(self, "_h", None):
+            raise ValueError(f"the {type(self).__name__} is closed")
+        return self._h
+
+    def _check(self, st, function):
+        if st:
+            _raise(st, function, _text(getattr(_c, self._LAST_ERROR)(self._h)))
+
+    @property
+    def last_error(self):
+        return _text(getattr(_c, self._LAST_ERROR)(self.handle))
+
+
+class Context(_Handle):
     """mla_ctx: a device (CPU or CUDA), CPU worker threads and the last error.
 
     device: "cpu" (default), "cuda" or "cuda:N". num_threads: CPU workers
@@ -149,6 +184,8 @@ class Context:
     each call run on torch's current CUDA stream of the tensors' device, an
     int is a cudaStream_t, None the legacy default stream.
     """
+
+    _LAST_ERROR = "mla_ctx_last_error"
 
     def __init__(self, device="cpu", num_threads=0, device_id=None, stream="torch"):
         dev, idx = _parse_device(device)
@@ -186,32 +223,8 @@ class Context:
         if h:
             _c.mla_ctx_destroy(h)
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    @property
-    def handle(self):
-        if not self._h:
-            raise ValueError("the Context is closed")
-        return self._h
-
-    def _check(self, st, function):
-        if st:
-            _raise(st, function, _text(_c.mla_ctx_last_error(self._h)))
 
     # -- queries
-    @property
-    def last_error(self):
-        return _text(_c.mla_ctx_last_error(self.handle))
 
     @property
     def num_threads(self):
@@ -291,7 +304,7 @@ class Context:
 # ---- KV cache -------------------------------------------------------------------------
 
 
-class KVCache:
+class KVCache(_Handle):
     """mla_kv_cache: the paged latent cache, num_layers x [num_pages * page_size, row] .
 
     dtype: "bf16", "f16", "fp8" (e4m3 with one fp32 scale per layer, fp8_scales)
@@ -299,6 +312,8 @@ class KVCache:
     scales, bf16 rope). Slot s lives in page s // page_size; page 0 is the
     reserved dummy page.
     """
+
+    _LAST_ERROR = "mla_kv_cache_last_error"
 
     def __init__(self, ctx, num_layers, num_pages, page_size, dtype="bf16", fp8_scales=None):
         self.ctx = ctx
@@ -349,31 +364,7 @@ class KVCache:
         if h and self._owner is None:
             _c.mla_kv_cache_destroy(h)
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    @property
-    def handle(self):
-        if not self._h:
-            raise ValueError("the KVCache is closed")
-        return self._h
-
-    def _check(self, st, function):
-        if st:
-            _raise(st, function, _text(_c.mla_kv_cache_last_error(self._h)))
-
-    @property
-    def last_error(self):
-        return _text(_c.mla_kv_cache_last_error(self.handle))
 
     @property
     def fp8_scales(self):
@@ -483,12 +474,14 @@ class KVCache:
 # ---- request table --------------------------------------------------------------------
 
 
-class RequestTable:
+class RequestTable(_Handle):
     """mla_req_table: req_to_token [max_reqs, max_context] and the page allocator.
 
     With a cache attached, copy-on-write moves rows in every layer; num_pages
     and page_size default to the cache's.
     """
+
+    _LAST_ERROR = "mla_req_table_last_error"
 
     def __init__(self, ctx, max_reqs, max_context, num_pages=None, page_size=None, cache=None):
         self.ctx = ctx
@@ -533,31 +526,7 @@ class RequestTable:
         if h and self._owner is None:
             _c.mla_req_table_destroy(h)
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    @property
-    def handle(self):
-        if not self._h:
-            raise ValueError("the RequestTable is closed")
-        return self._h
-
-    def _check(self, st, function):
-        if st:
-            _raise(st, function, _text(_c.mla_req_table_last_error(self._h)))
-
-    @property
-    def last_error(self):
-        return _text(_c.mla_req_table_last_error(self.handle))
 
     def add(self):
         """A new empty request; returns its id (the lowest free one)."""
@@ -1314,13 +1283,15 @@ def f32_to_bf16(a):
 # ---- backend --------------------------------------------------------------------------------
 
 
-class Backend:
+class Backend(_Handle):
     """mla_backend: cache + request table + plan + workspaces, one forward call per layer.
 
     Flow per step: extend the requests in `req_table` (the slots returned are
     this step's out_cache_loc), plan() once, then forward() per layer (it
     writes this step's latent rows, then runs attention for the planned mode).
     """
+
+    _LAST_ERROR = "mla_backend_last_error"
 
     def __init__(self, ctx, *, num_layers, num_pages, page_size, num_heads, scale, max_reqs,
                  max_context, max_bs, max_q_tokens, cache_dtype="bf16", act_dtype="bf16",
@@ -1381,34 +1352,6 @@ class Backend:
                     o._h = None
             _c.mla_backend_destroy(h)
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    @property
-    def handle(self):
-        if not self._h:
-            raise ValueError("the Backend is closed")
-        return self._h
-
-    def _check(self, st, function):
-        if st:
-            msg = _text(_c.mla_backend_last_error(self._h))
-            if not msg and st == Status.ERR_BAD_STATE:
-                msg = "no plan: call plan() first"
-            _raise(st, function, msg)
-
-    @property
-    def last_error(self):
-        return _text(_c.mla_backend_last_error(self.handle))
 
     def plan(self, mode, req_ids=None, seq_lens=None, extend_lens=None, prefix_lens=None,
              num_draft_tokens=0, *, batch_args=None):

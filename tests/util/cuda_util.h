@@ -1,0 +1,34 @@
+/* Helpers of the GPU tests (only built when MLA_TEST_CUDA): a checked CUDA
+ * call and device buffers. A test's own CUDA calls may exit on failure; the
+ * library's never do. */
+#ifndef MLA_TEST_CUDA_UTIL_H
+#define MLA_TEST_CUDA_UTIL_H
+
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#define CK(x)                                                                                   \
+  do {                                                                                          \
+    cudaError_t e_ = (x);                                                                       \
+    if (e_ != cudaSuccess) {                                                                    \
+      fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
+      exit(1);                                                                                  \
+    }                                                                                           \
+  } while (0)
+
+/* Device buffer of n bytes (at least 16, so zero-size arrays still get a
+ * valid device pointer). */
+static inline void *tu_dev_alloc(size_t n) {
+  void *p = NULL;
+  CK(cudaMalloc(&p, n ? n : 16));
+  return p;
+}
+
+/* Device copy of n host bytes. */
+static inline void *tu_dev_copy(const void *host, size_t n) {
+  void *d = tu_dev_alloc(n);
+  if (n) CK(cudaMemcpy(d, host, n, cudaMemcpyHostToDevice));
+  return d;
+}
+#endif
