@@ -502,6 +502,75 @@ MLA_API mla_status mla_expand_kv(mla_ctx *ctx, int num_tokens, int num_heads, in
                                  void *v_out /* [T, H, v_dim] */);
 
 /* ------------------------------------------------------------------------ */
+/* Device-built steps (CUDA graphs)                                          */
+/* ------------------------------------------------------------------------ */
+/* A decode-type step whose metadata is built where the kernels run, from
+ * fixed-address inputs: mla_step_prepare turns (req_to_token, req_ids,
+ * seq_lens) into the block table, kv lengths and split schedule inside the
+ * step workspace, then mla_step_attention runs each layer from them. On a
+ * CUDA context every pointer is device memory and both calls only enqueue
+ * kernels on the context's stream (no host sync, no allocation, no copy), so
+ * a whole step can be captured in a CUDA graph and replayed after the engine
+ * rewrites the inputs in place. On a CPU context the same calls run on host
+ * memory (the reference the device path is tested against).
+ *
+ * Row i reads req_to_token[req_ids[i], 0 : kv_len] where kv_len follows the
+ * mode as in mla_batch (DECODE seq_len, TARGET_VERIFY seq_len + ndt,
+ * DRAFT_EXTEND seq_len with a fixed window of ndt queries). Only the slot at
+ * the start of each page is read (slot / page_size is the page), as the
+ * allocator places positions page-aligned. A row with req_ids[i] ==
+ * MLA_REQ_PAD reads page 0 only. A row whose request id, length or page ids
+ * are out of range is not attended (o = 0, lse = -inf) and counted: the next
+ * mla_ctx_synchronize returns MLA_ERR_OUT_OF_RANGE (CPU: mla_step_prepare
+ * returns it directly). The metadata equals mla_plan_build's for the same
+ * batch and num_sm. */
+typedef struct mla_step_desc {
+  mla_mode mode;             /* DECODE, TARGET_VERIFY, or DRAFT_EXTEND (fixed window) */
+  int32_t batch_size;        /* rows of the step (e.g. a graph's batch bucket), >= 1 */
+  int32_t num_draft_tokens;  /* TARGET_VERIFY ndt / DRAFT_EXTEND window 1..64; DECODE: 0 */
+  int32_t max_kv_len;        /* bound on each row's kv length, >= 1 */
+  int32_t num_heads;         /* 1..MLA_MAX_HEADS */
+  int32_t page_size;         /* the cache's page size */
+  int32_t num_sm;            /* split-schedule target; 0 = the device's SMs (CPU: workers) */
+} mla_step_desc;
+
+typedef struct mla_step_inputs {
+  const int32_t *req_to_token; /* [max_reqs, req_to_token_stride] slot of each position */
+  int64_t req_to_token_stride; /* elements per row, >= max_kv_len */
+  int32_t max_reqs;            /* rows of req_to_token */
+  const int32_t *req_ids;      /* [bs] row of req_to_token or MLA_REQ_PAD */
+  const int32_t *seq_lens;     /* [bs] see mla_mode */
+} mla_step_inputs;
+
+/* What mla_step_prepare writes, as pointers into the workspace (device
+ * memory on a CUDA context), e.g. to hand the block table to other kernels. */
+typedef struct mla_step_metadata {
+  int32_t batch_size, q_len, block_table_width, num_sm_parts, max_splits;
+  const int32_t *qo_indptr;   /* [bs+1] i * q_len */
+  const int32_t *kv_lens;     /* [bs] (0 for a row found out of range) */
+  const int32_t *block_table; /* [bs, block_table_width], MLA_BLOCK_TABLE_PAD past */
+  const int32_t *sched_meta;  /* [num_sm_parts, MLA_SCHED_META_INTS] */
+  const int32_t *num_splits;  /* [bs+1] */
+} mla_step_metadata;
+
+/* Workspace for one step shape (the same for every layer and replay). */
+MLA_API mla_status mla_step_workspace_size(mla_ctx *ctx, const mla_step_desc *desc,
+                                           size_t *bytes);
+/* Build the step's metadata (once per step, before the layers). cache gives
+ * the page count the page ids are checked against. */
+MLA_API mla_status mla_step_prepare(mla_ctx *ctx, const mla_step_desc *desc,
+                                    const mla_kv_cache *cache, const mla_step_inputs *in,
+                                    void *workspace, size_t workspace_bytes);
+/* One layer's attention over the prepared step: args as for
+ * mla_attention_absorbed with bs * q_len query rows. */
+MLA_API mla_status mla_step_attention(mla_ctx *ctx, const mla_step_desc *desc,
+                                      const mla_kv_cache *cache, int layer,
+                                      const mla_absorbed_args *args, void *workspace,
+                                      size_t workspace_bytes);
+MLA_API mla_status mla_step_get_metadata(mla_ctx *ctx, const mla_step_desc *desc, void *workspace,
+                                         size_t workspace_bytes, mla_step_metadata *out);
+
+/* ------------------------------------------------------------------------ */
 /* Backend: cache + request table + workspace, one call per forward mode      */
 /* ------------------------------------------------------------------------ */
 typedef struct mla_backend_s mla_backend;

@@ -14,6 +14,7 @@
  * the causal mask lets a query see); bytes are what the operation must move
  * at least once: the KV rows (or k / v), q and o. */
 #include "bench.h"
+#include "bench_cuda.h"
 
 #include <errno.h>
 #include <math.h>
@@ -537,7 +538,7 @@ done:
 static void bench_usage(FILE *f) {
   fprintf(f,
           "usage: mla bench [options]\n"
-          "  --device D     cpu (default); cuda is not available in this build\n"
+          "  --device D     cpu (default) or cuda (`mla bench --device cuda --help`)\n"
           "  --threads N    CPU threads, 0 = all online CPUs (default 0)\n"
           "  --quick        small shapes, few runs (a few seconds; for CI)\n"
           "  --case S       only the cases whose name contains S\n"
@@ -649,6 +650,8 @@ static void cpu_model(char *buf, size_t n) {
 }
 
 int bench_main(int argc, char **argv) {
+  for (int i = 0; i + 1 < argc; i++)
+    if (!strcmp(argv[i], "--device") && !strcmp(argv[i + 1], "cuda")) return bench_cuda_main(argc, argv);
   int threads = 0, quick = 0, csv = 0, runs = 0;
   const char *filter = NULL, *plot_file = NULL, *isa_req = NULL;
   for (int i = 0; i < argc; i++) {
@@ -668,10 +671,6 @@ int bench_main(int argc, char **argv) {
     }
     if (!strcmp(k, "--device")) {
       if (!v) return bench_bad("--device", v);
-      if (!strcmp(v, "cuda")) {
-        fprintf(stderr, "mla bench: --device cuda: not built / not available in this build\n");
-        return 2;
-      }
       if (strcmp(v, "cpu")) return bench_bad("--device", v);
     } else if (!strcmp(k, "--threads")) {
       if (!parse_long(v, 0, 1024, &x)) return bench_bad("--threads", v);

@@ -282,6 +282,43 @@ class ForwardArgs(ctypes.Structure):
     ]
 
 
+class StepDesc(ctypes.Structure):
+    _fields_ = [
+        ("mode", _enum),
+        ("batch_size", _i32),
+        ("num_draft_tokens", _i32),
+        ("max_kv_len", _i32),
+        ("num_heads", _i32),
+        ("page_size", _i32),
+        ("num_sm", _i32),
+    ]
+
+
+class StepInputs(ctypes.Structure):
+    _fields_ = [
+        ("req_to_token", _ptr),  # [max_reqs, req_to_token_stride]
+        ("req_to_token_stride", ctypes.c_int64),
+        ("max_reqs", _i32),
+        ("req_ids", _ptr),  # [bs]
+        ("seq_lens", _ptr),  # [bs]
+    ]
+
+
+class StepMetadata(ctypes.Structure):
+    _fields_ = [
+        ("batch_size", _i32),
+        ("q_len", _i32),
+        ("block_table_width", _i32),
+        ("num_sm_parts", _i32),
+        ("max_splits", _i32),
+        ("qo_indptr", _ptr),  # [bs+1]
+        ("kv_lens", _ptr),  # [bs]
+        ("block_table", _ptr),  # [bs, block_table_width]
+        ("sched_meta", _ptr),  # [num_sm_parts, 8]
+        ("num_splits", _ptr),  # [bs+1]
+    ]
+
+
 # Every struct the layout test checks against the C compiler, by C name.
 STRUCTS = {
     "mla_ctx_desc": CtxDesc,
@@ -297,6 +334,9 @@ STRUCTS = {
     "mla_ragged_args": RaggedArgs,
     "mla_backend_desc": BackendDesc,
     "mla_forward_args": ForwardArgs,
+    "mla_step_desc": StepDesc,
+    "mla_step_inputs": StepInputs,
+    "mla_step_metadata": StepMetadata,
 }
 
 # ---- function prototypes -------------------------------------------------------
@@ -377,6 +417,14 @@ PROTOTYPES = {
     "mla_merge_states": (_S, [_P, _int, _int, _int, _int, _enum, ctypes.c_uint, _P, _P, _P, _P]),
     "mla_gather_latent": (_S, [_P, _P, _int, _int, _P, _enum, _P, _P]),
     "mla_expand_kv": (_S, [_P, _int, _int, _int, _int, _enum, _enum, _P, _P, _P, _P, _P]),
+    # device-built steps
+    "mla_step_workspace_size": (_S, [_P, ctypes.POINTER(StepDesc), _SZ]),
+    "mla_step_prepare": (
+        _S, [_P, ctypes.POINTER(StepDesc), _P, ctypes.POINTER(StepInputs), _P, ctypes.c_size_t]),
+    "mla_step_attention": (
+        _S, [_P, ctypes.POINTER(StepDesc), _P, _int, ctypes.POINTER(AbsorbedArgs), _P, ctypes.c_size_t]),
+    "mla_step_get_metadata": (
+        _S, [_P, ctypes.POINTER(StepDesc), _P, ctypes.c_size_t, ctypes.POINTER(StepMetadata)]),
     # backend
     "mla_backend_create": (_S, [_P, ctypes.POINTER(BackendDesc), _PP]),
     "mla_backend_destroy": (None, [_P]),

@@ -170,6 +170,34 @@ int main(void) {
   printf("enum mla_mode %zu\n", sizeof(mla_mode));
   printf("enum mla_extend_impl %zu\n", sizeof(mla_extend_impl));
 
+  S(mla_step_desc);
+  F(mla_step_desc, mode);
+  F(mla_step_desc, batch_size);
+  F(mla_step_desc, num_draft_tokens);
+  F(mla_step_desc, max_kv_len);
+  F(mla_step_desc, num_heads);
+  F(mla_step_desc, page_size);
+  F(mla_step_desc, num_sm);
+
+  S(mla_step_inputs);
+  F(mla_step_inputs, req_to_token);
+  F(mla_step_inputs, req_to_token_stride);
+  F(mla_step_inputs, max_reqs);
+  F(mla_step_inputs, req_ids);
+  F(mla_step_inputs, seq_lens);
+
+  S(mla_step_metadata);
+  F(mla_step_metadata, batch_size);
+  F(mla_step_metadata, q_len);
+  F(mla_step_metadata, block_table_width);
+  F(mla_step_metadata, num_sm_parts);
+  F(mla_step_metadata, max_splits);
+  F(mla_step_metadata, qo_indptr);
+  F(mla_step_metadata, kv_lens);
+  F(mla_step_metadata, block_table);
+  F(mla_step_metadata, sched_meta);
+  F(mla_step_metadata, num_splits);
+
   K(MLA_VERSION_MAJOR);
   K(MLA_VERSION_MINOR);
   K(MLA_LATENT);

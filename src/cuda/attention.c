@@ -105,13 +105,6 @@ static mla_status check_plan(mla_errbuf *eb, const mla_kv_cache *cache, const ml
       (int)p->num_q_tokens);
   REQ(eb, p->kv_indptr[p->batch_size] == 0 || p->kv_indices, MLA_ERR_INVALID_ARGUMENT,
       "plan->kv_indices is NULL");
-  for (int i = 0; i < p->batch_size; i++) {
-    const int32_t *idx = p->kv_indices + p->kv_indptr[i];
-    for (int j = 0; j < p->kv_lens[i]; j++)
-      REQ(eb, idx[j] >= 0 && idx[j] < cache->num_slots, MLA_ERR_OUT_OF_RANGE,
-          "plan: key %d of request %d is slot %d, outside the cache's [0, %lld)", j, i, (int)idx[j],
-          (long long)cache->num_slots);
-  }
   /* The kernels read the block table and the split schedule. */
   REQ(eb, p->block_table && p->sched_meta && p->num_splits, MLA_ERR_INVALID_ARGUMENT,
       "plan->block_table, sched_meta and num_splits must be non-NULL");
@@ -127,15 +120,19 @@ static mla_status check_plan(mla_errbuf *eb, const mla_kv_cache *cache, const ml
     REQ(eb, pages <= p->block_table_width, MLA_ERR_INVALID_ARGUMENT,
         "plan: request %d needs %lld pages, block_table_width = %d", i, (long long)pages,
         (int)p->block_table_width);
+    /* The kernels read pages, the CPU path kv_indices: both must name the
+     * same slots. Checked at page starts (O(pages), not O(keys), on this
+     * per-layer path; mla_plan_build derives both from one page list). */
     const int32_t *bt = p->block_table + (size_t)i * (size_t)p->block_table_width;
     const int32_t *idx = p->kv_indices + p->kv_indptr[i];
-    for (int j = 0; j < p->kv_lens[i]; j++) {
-      const int32_t pg = bt[j / P];
+    for (int64_t j = 0; j < pages; j++) {
+      const int32_t pg = bt[j];
       REQ(eb, pg >= 0 && pg < cache->num_pages, MLA_ERR_OUT_OF_RANGE,
-          "plan->block_table[%d][%d] = %d, outside the cache's %d pages", i, j / P, (int)pg, cache->num_pages);
-      REQ(eb, (int64_t)pg * P + j % P == idx[j], MLA_ERR_INVALID_ARGUMENT,
-          "plan: key %d of request %d is slot %d in kv_indices but page %d in the block table", j, i,
-          (int)idx[j], (int)pg);
+          "plan->block_table[%d][%lld] = %d, outside the cache's %d pages", i, (long long)j, (int)pg,
+          cache->num_pages);
+      REQ(eb, (int64_t)pg * P == idx[j * P], MLA_ERR_INVALID_ARGUMENT,
+          "plan: key %lld of request %d is slot %d in kv_indices but page %d in the block table",
+          (long long)(j * P), i, (int)idx[j * P], (int)pg);
     }
   }
   for (int k = 0; k < p->num_sm_parts; k++) {
@@ -149,19 +146,24 @@ static mla_status check_plan(mla_errbuf *eb, const mla_kv_cache *cache, const ml
   return MLA_OK;
 }
 
-static mla_status require_device(mla_errbuf *eb, const char *name, const void *p) {
-  REQ(eb, !p || mla_cuda_is_device_ptr(p), MLA_ERR_INVALID_ARGUMENT,
-      "%s is host memory; a CUDA context takes device pointers", name);
+static mla_status require_device(mla_errbuf *eb, const char *fn, const char *name, const void *p) {
+  if (p && !mla_cuda_is_device_ptr(p))
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "%s is host memory; a CUDA context takes device pointers",
+                    name);
   return MLA_OK;
 }
 
-mla_status mla_cuda_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, int layer,
-                                       const mla_plan *plan, const mla_absorbed_args *args,
-                                       void *workspace, size_t workspace_bytes) {
-  mla_errbuf *eb = &ctx->err;
-  mla_clear_error(eb);
+#undef REQ
+#define REQ(EB, cond, st, ...)                        \
+  do {                                                \
+    if (!(cond)) return mla_fail((EB), (st), fn, __VA_ARGS__); \
+  } while (0)
+
+/* Everything about the cache, the layer and args that the kernels rely on
+ * (the plan aside); fills the params fields they determine. */
+static mla_status check_args(mla_errbuf *eb, const char *fn, const mla_kv_cache *cache, int layer,
+                             const mla_absorbed_args *args, mla_decode_params *p) {
   REQ(eb, cache, MLA_ERR_INVALID_ARGUMENT, "cache is NULL");
-  REQ(eb, plan, MLA_ERR_INVALID_ARGUMENT, "plan is NULL");
   REQ(eb, args, MLA_ERR_INVALID_ARGUMENT, "args is NULL");
   REQ(eb, layer >= 0 && layer < cache->num_layers, MLA_ERR_OUT_OF_RANGE, "layer = %d, the cache has %d layers",
       layer, cache->num_layers);
@@ -172,44 +174,18 @@ mla_status mla_cuda_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, 
       MLA_MAX_HEADS);
   REQ(eb, (int)args->act_dtype >= MLA_DTYPE_F32 && (int)args->act_dtype <= MLA_DTYPE_F64,
       MLA_ERR_INVALID_ARGUMENT, "args->act_dtype = %d is not an mla_dtype", (int)args->act_dtype);
-  REQ(eb, args->act_dtype == MLA_DTYPE_BF16, MLA_ERR_UNSUPPORTED,
-      "args->act_dtype = %s: the CUDA kernels take bf16 activations only", mla_dtype_name(args->act_dtype));
-  REQ(eb, cache->dtype == MLA_DTYPE_BF16, MLA_ERR_UNSUPPORTED,
-      "cache dtype %s: the CUDA kernels read bf16 caches only", mla_dtype_name(cache->dtype));
-  REQ(eb, H <= 128, MLA_ERR_UNSUPPORTED, "args->num_heads = %d: the CUDA kernels take 1..128 heads", H);
+  const char *why = mla_cuda_decode_unsupported((int)cache->dtype, (int)args->act_dtype, cache->page_size);
+  REQ(eb, !why, MLA_ERR_UNSUPPORTED, "cache dtype %s, act_dtype %s, page size %d: %s",
+      mla_dtype_name(cache->dtype), mla_dtype_name(args->act_dtype), cache->page_size, why);
   REQ(eb, isfinite(args->scale) && args->scale > 0.0f, MLA_ERR_INVALID_ARGUMENT,
       "args->scale = %g, expected finite and > 0", (double)args->scale);
   REQ(eb, (args->flags & ~MLA_FLAG_LSE_BASE2) == 0, MLA_ERR_INVALID_ARGUMENT, "args->flags = 0x%x has unknown bits",
       args->flags);
   REQ(eb, args->q_stride_token >= 0 && args->q_stride_head >= 0, MLA_ERR_INVALID_ARGUMENT,
       "args->q_stride_token / q_stride_head are negative");
-  REQ(eb, plan->batch_size >= 0 && plan->num_q_tokens >= 0, MLA_ERR_INVALID_ARGUMENT,
-      "plan->batch_size = %d / num_q_tokens = %d is negative", (int)plan->batch_size, (int)plan->num_q_tokens);
-  if (plan->mode == MLA_MODE_IDLE || plan->batch_size == 0 || plan->num_q_tokens == 0)
-    return MLA_OK; /* nothing to compute, nothing written */
-  REQ(eb, mla_cuda_decode_supported_page_size(cache->page_size), MLA_ERR_UNSUPPORTED,
-      "page size %d: the CUDA kernels take powers of two 8..256", cache->page_size);
-  mla_status st = check_plan(eb, cache, plan);
-  if (st != MLA_OK) return st;
   REQ(eb, args->q_nope, MLA_ERR_INVALID_ARGUMENT, "args->q_nope is NULL");
   REQ(eb, args->q_rope, MLA_ERR_INVALID_ARGUMENT, "args->q_rope is NULL");
   REQ(eb, args->out, MLA_ERR_INVALID_ARGUMENT, "args->out is NULL");
-  size_t need;
-  {
-    mla_ws w = mla_ws_counter();
-    dev_ws d;
-    carve(&w, plan, H, &d);
-    need = mla_ws_total(&w);
-  }
-  REQ(eb, workspace_bytes >= need, MLA_ERR_WORKSPACE_TOO_SMALL,
-      "workspace_bytes = %zu, need %zu (mla_attention_absorbed_workspace_size)", workspace_bytes, need);
-  REQ(eb, workspace, MLA_ERR_INVALID_ARGUMENT, "workspace is NULL");
-  if ((st = require_device(eb, "args->q_nope", args->q_nope)) != MLA_OK) return st;
-  if ((st = require_device(eb, "args->q_rope", args->q_rope)) != MLA_OK) return st;
-  if ((st = require_device(eb, "args->out", args->out)) != MLA_OK) return st;
-  if ((st = require_device(eb, "args->lse", args->lse)) != MLA_OK) return st;
-  if ((st = require_device(eb, "workspace", workspace)) != MLA_OK) return st;
-
   const int64_t nope_st = args->q_stride_token ? args->q_stride_token : (int64_t)H * MLA_LATENT;
   const int64_t nope_sh = args->q_stride_head ? args->q_stride_head : MLA_LATENT;
   const int64_t rope_st = args->q_stride_token ? args->q_stride_token : (int64_t)H * MLA_ROPE;
@@ -221,6 +197,62 @@ mla_status mla_cuda_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, 
       "args->q_stride_token / q_stride_head must be multiples of 8 elements for the CUDA kernels");
   REQ(eb, ((uintptr_t)args->out & 15) == 0 && ((uintptr_t)args->lse & 3) == 0, MLA_ERR_UNSUPPORTED,
       "args->out must be 16-byte and args->lse 4-byte aligned for the CUDA kernels");
+  mla_status st;
+  if ((st = require_device(eb, fn, "args->q_nope", args->q_nope)) != MLA_OK) return st;
+  if ((st = require_device(eb, fn, "args->q_rope", args->q_rope)) != MLA_OK) return st;
+  if ((st = require_device(eb, fn, "args->out", args->out)) != MLA_OK) return st;
+  if ((st = require_device(eb, fn, "args->lse", args->lse)) != MLA_OK) return st;
+
+  memset(p, 0, sizeof *p);
+  p->num_heads = H;
+  p->page_size = cache->page_size;
+  p->num_pages = cache->num_pages;
+  p->scale = args->scale;
+  p->lse_base2 = (args->flags & MLA_FLAG_LSE_BASE2) != 0;
+  p->q_nope = (const uint16_t *)args->q_nope;
+  p->q_rope = (const uint16_t *)args->q_rope;
+  p->q_nope_stride_token = nope_st;
+  p->q_nope_stride_head = nope_sh;
+  p->q_rope_stride_token = rope_st;
+  p->q_rope_stride_head = rope_sh;
+  p->kv = cache->layers[layer];
+  p->row_bytes = (int64_t)cache->row_bytes;
+  p->kv_dtype = (int)cache->dtype;
+  p->act_dtype = (int)args->act_dtype;
+  p->kv_scale = cache->fp8_scales ? cache->fp8_scales[layer] : 1.0f;
+  p->out = (uint16_t *)args->out;
+  p->lse = args->lse;
+  return MLA_OK;
+}
+
+mla_status mla_cuda_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, int layer,
+                                       const mla_plan *plan, const mla_absorbed_args *args,
+                                       void *workspace, size_t workspace_bytes) {
+  const char *const fn = FN;
+  mla_errbuf *eb = &ctx->err;
+  mla_clear_error(eb);
+  REQ(eb, plan, MLA_ERR_INVALID_ARGUMENT, "plan is NULL");
+  mla_decode_params p;
+  mla_status st = check_args(eb, FN, cache, layer, args, &p);
+  if (st != MLA_OK) return st;
+  const int H = args->num_heads;
+  REQ(eb, plan->batch_size >= 0 && plan->num_q_tokens >= 0, MLA_ERR_INVALID_ARGUMENT,
+      "plan->batch_size = %d / num_q_tokens = %d is negative", (int)plan->batch_size, (int)plan->num_q_tokens);
+  if (plan->mode == MLA_MODE_IDLE || plan->batch_size == 0 || plan->num_q_tokens == 0)
+    return MLA_OK; /* nothing to compute, nothing written */
+  st = check_plan(eb, cache, plan);
+  if (st != MLA_OK) return st;
+  size_t need;
+  {
+    mla_ws w = mla_ws_counter();
+    dev_ws d;
+    carve(&w, plan, H, &d);
+    need = mla_ws_total(&w);
+  }
+  REQ(eb, workspace_bytes >= need, MLA_ERR_WORKSPACE_TOO_SMALL,
+      "workspace_bytes = %zu, need %zu (mla_attention_absorbed_workspace_size)", workspace_bytes, need);
+  REQ(eb, workspace, MLA_ERR_INVALID_ARGUMENT, "workspace is NULL");
+  if ((st = require_device(eb, FN, "workspace", workspace)) != MLA_OK) return st;
 
   mla_ws w = mla_ws_over(workspace, workspace_bytes);
   dev_ws d;
@@ -229,7 +261,8 @@ mla_status mla_cuda_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, 
   const size_t bs = (size_t)plan->batch_size;
   void *stream = ctx->stream;
   /* Pageable host sources: each copy has read its source when it returns, so
-   * the plan may change right after this call. */
+   * the plan may change right after this call. (The device-built step,
+   * mla_step_*, needs no upload at all.) */
   int e = mla_cuda_memcpy_async(d.qo_indptr, plan->qo_indptr, sizeof(int32_t) * (bs + 1), stream);
   if (!e) e = mla_cuda_memcpy_async(d.kv_lens, plan->kv_lens, sizeof(int32_t) * bs, stream);
   if (!e && plan->block_table_width > 0)
@@ -241,37 +274,43 @@ mla_status mla_cuda_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, 
   if (!e) e = mla_cuda_memcpy_async(d.num_splits, plan->num_splits, sizeof(int32_t) * (bs + 1), stream);
   if (e) return mla_cuda_fail(eb, FN, "plan upload", e);
 
-  mla_decode_params p;
-  memset(&p, 0, sizeof p);
   p.batch_size = plan->batch_size;
-  p.num_heads = H;
   p.max_q_len = plan->max_q_len;
   p.causal = plan->causal;
-  p.page_size = cache->page_size;
   p.block_table_width = plan->block_table_width;
-  p.num_pages = cache->num_pages;
-  p.scale = args->scale;
-  p.lse_base2 = (args->flags & MLA_FLAG_LSE_BASE2) != 0;
-  p.q_nope = (const uint16_t *)args->q_nope;
-  p.q_rope = (const uint16_t *)args->q_rope;
-  p.q_nope_stride_token = nope_st;
-  p.q_nope_stride_head = nope_sh;
-  p.q_rope_stride_token = rope_st;
-  p.q_rope_stride_head = rope_sh;
-  p.kv = cache->layers[layer];
-  p.row_bytes = (int64_t)cache->row_bytes;
-  p.kv_dtype = (int)cache->dtype;
   p.qo_indptr = d.qo_indptr;
   p.kv_lens = d.kv_lens;
   p.block_table = d.block_table;
   p.num_sm_parts = plan->num_sm_parts;
   p.sched_meta = d.sched_meta;
   p.num_splits = d.num_splits;
-  p.out = (uint16_t *)args->out;
-  p.lse = args->lse;
   p.o_accum = d.o_accum;
   p.lse_accum = d.lse_accum;
   e = mla_cuda_decode(&p, stream);
   if (e) return mla_cuda_fail(eb, FN, "decode kernel launch", e);
+  return MLA_OK;
+}
+
+mla_status mla_cuda_step_attention(mla_ctx *ctx, const mla_kv_cache *cache, int layer,
+                                   const mla_absorbed_args *args, const mla_cuda_step_meta *m) {
+  static const char *const fn = "mla_step_attention";
+  mla_errbuf *eb = &ctx->err;
+  mla_decode_params p;
+  mla_status st = check_args(eb, fn, cache, layer, args, &p);
+  if (st != MLA_OK) return st;
+  p.batch_size = m->batch_size;
+  p.max_q_len = m->q_len;
+  p.causal = m->causal;
+  p.block_table_width = m->block_table_width;
+  p.qo_indptr = m->qo_indptr;
+  p.kv_lens = m->kv_lens;
+  p.block_table = m->block_table;
+  p.num_sm_parts = m->num_sm_parts;
+  p.sched_meta = m->sched_meta;
+  p.num_splits = m->num_splits;
+  p.o_accum = m->o_accum;
+  p.lse_accum = m->lse_accum;
+  const int e = mla_cuda_decode(&p, ctx->stream);
+  if (e) return mla_cuda_fail(eb, fn, "decode kernel launch", e);
   return MLA_OK;
 }

@@ -4,6 +4,8 @@
 #ifndef MLA_CUDA_ATTENTION_H
 #define MLA_CUDA_ATTENTION_H
 
+#include <stdint.h>
+
 #include "mla.h"
 
 /* Device workspace bytes: the plan arrays the kernels read (uploaded per
@@ -16,5 +18,23 @@ mla_status mla_cuda_attention_absorbed_workspace_size(mla_ctx *ctx, const mla_pl
 mla_status mla_cuda_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, int layer,
                                        const mla_plan *plan, const mla_absorbed_args *args,
                                        void *workspace, size_t workspace_bytes);
+
+/* Device metadata of a prepared step (src/plan/step.c carves it from the
+ * step workspace; src/cuda/step.cu writes it). */
+typedef struct mla_cuda_step_meta {
+  int batch_size, q_len, causal, block_table_width, num_sm_parts;
+  const int32_t *qo_indptr;   /* [bs+1] */
+  const int32_t *kv_lens;     /* [bs] */
+  const int32_t *block_table; /* [bs, block_table_width] */
+  const int32_t *sched_meta;  /* [num_sm_parts, 8] */
+  const int32_t *num_splits;  /* [bs+1] */
+  float *o_accum;             /* [bs + num_sm_parts, q_len * H, 512] */
+  float *lse_accum;           /* [bs + num_sm_parts, q_len * H] */
+} mla_cuda_step_meta;
+
+/* mla_step_attention on a CUDA context: the args checks of
+ * mla_attention_absorbed, then the kernels over device metadata. */
+mla_status mla_cuda_step_attention(mla_ctx *ctx, const mla_kv_cache *cache, int layer,
+                                   const mla_absorbed_args *args, const mla_cuda_step_meta *m);
 
 #endif /* MLA_CUDA_ATTENTION_H */

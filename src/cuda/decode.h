@@ -35,8 +35,10 @@ typedef struct mla_decode_params {
   int64_t q_nope_stride_token, q_nope_stride_head; /* elements */
   int64_t q_rope_stride_token, q_rope_stride_head;
   const void *kv;         /* [num_pages * page_size, row_bytes] cache layer, rows [c (512) | r (64)] */
-  int64_t row_bytes;      /* 1152 for bf16/f16 */
-  int kv_dtype;           /* mla_dtype of the cache (BF16 first) */
+  int64_t row_bytes;      /* 1152 for bf16/f16, 576 fp8 per-tensor, 656 fp8 block-scaled */
+  int kv_dtype;           /* mla_dtype of the cache */
+  int act_dtype;          /* mla_dtype of q and out */
+  float kv_scale;         /* fp8 per-tensor cache: stored = value / kv_scale (1 otherwise) */
 
   const int32_t *qo_indptr;   /* [bs+1] */
   const int32_t *kv_lens;     /* [bs] */

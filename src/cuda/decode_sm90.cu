@@ -729,14 +729,20 @@ cudaError_t launch_narrow(const mla_decode_params *p, const CUtensorMap &map, cu
 
 }  // namespace
 
-extern "C" int mla_cuda_decode_supported_page_size(int page_size) {
+static int supported_page_size(int page_size) {
   return page_size >= 8 && page_size <= 256 && (page_size & (page_size - 1)) == 0;
+}
+
+extern "C" const char *mla_cuda_decode_unsupported(int kv_dtype, int act_dtype, int page_size) {
+  if (kv_dtype != MLA_DTYPE_BF16 || act_dtype != MLA_DTYPE_BF16)
+    return "the CUDA decode kernels take a bf16 cache with bf16 activations";
+  if (!supported_page_size(page_size)) return "the CUDA decode kernels take page sizes that are powers of two 8..256";
+  return NULL;
 }
 
 extern "C" int mla_cuda_decode(const mla_decode_params *p, void *stream_) {
   cudaStream_t stream = (cudaStream_t)stream_;
-  if (p->kv_dtype != MLA_DTYPE_BF16 || p->row_bytes != 1152 ||
-      !mla_cuda_decode_supported_page_size(p->page_size))
+  if (mla_cuda_decode_unsupported(p->kv_dtype, p->act_dtype, p->page_size) || p->row_bytes != 1152)
     return (int)cudaErrorNotSupported;
   if (p->batch_size == 0 || p->num_sm_parts == 0) return (int)cudaSuccess;
   // Built without sm_90a code (CMAKE_CUDA_ARCHITECTURES without 90a) the

@@ -8,9 +8,10 @@
 extern "C" {
 #endif
 
-/* 1 when the kernels take this page size: powers of two 8..256 (the K tiles
- * come through TMA; the ladder's cp.async kernel for P < 8 is not ported). */
-int mla_cuda_decode_supported_page_size(int page_size);
+/* NULL when the kernels take this combination of cache dtype, activation
+ * dtype (mla_dtype values) and page size; otherwise a sentence saying what
+ * they take, for the caller's UNSUPPORTED message. */
+const char *mla_cuda_decode_unsupported(int kv_dtype, int act_dtype, int page_size);
 
 /* Launches the split-KV kernel (narrow for max_q_len * H <= 32 rows, wide
  * above) and the combine on `stream` (a cudaStream_t). Every pointer in p is

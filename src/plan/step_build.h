@@ -1,0 +1,124 @@
+/* The metadata of a device-built step (mla_step_*), as inline functions that
+ * compile both as host C and as CUDA device code, so the CPU path, the CUDA
+ * kernels (src/cuda/step.cu) and mla_plan_build's split schedule run the very
+ * same arithmetic. Plain C; no libc. */
+#ifndef MLA_PLAN_STEP_BUILD_H
+#define MLA_PLAN_STEP_BUILD_H
+
+#include <stdint.h>
+
+#include "mla.h"
+
+#ifdef __CUDACC__
+#define MLA_SB_HD __host__ __device__
+#else
+#define MLA_SB_HD
+#endif
+
+static inline MLA_SB_HD int64_t mla_sb_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* Split-KV schedule (the rule documented at MLA_SCHED_BLOCK in mla.h).
+ * Returns 0, or -1 when the parts did not cover the batch (cannot happen for
+ * bs >= 1: every part takes at least one block of payload). */
+static inline MLA_SB_HD int mla_split_schedule_body(const int32_t *kv_lens /* [bs] */, int bs,
+                                                    int num_parts,
+                                                    int32_t *sched_meta /* [parts, 8] */,
+                                                    int32_t *num_splits /* [bs+1] */) {
+  const int64_t ov = MLA_SCHED_FIXED_OVERHEAD;
+  int64_t total = 0;
+  for (int i = 0; i < bs; i++) total += mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK) + ov;
+  const int64_t payload = mla_sb_cdiv(total, num_parts) + ov;
+
+  int req = 0;       /* request the walk is in */
+  int64_t blk = 0;   /* first block of `req` not yet given to a part */
+  int32_t piece = 0; /* pieces of `req` already given out */
+  int32_t cum = 0;   /* pieces of the finished requests */
+  num_splits[0] = 0;
+  for (int p = 0; p < num_parts; p++) {
+    int32_t *m = sched_meta + (int64_t)p * MLA_SCHED_META_INTS;
+    for (int j = 0; j < MLA_SCHED_META_INTS; j++) m[j] = 0;
+    if (req >= bs) {
+      m[MLA_SCHED_BEGIN_REQ] = bs;
+      m[MLA_SCHED_END_REQ] = bs;
+      continue;
+    }
+    m[MLA_SCHED_BEGIN_REQ] = req;
+    m[MLA_SCHED_BEGIN_TOK] = (int32_t)(blk * MLA_SCHED_BLOCK);
+    m[MLA_SCHED_BEGIN_SPLIT] = piece;
+    int64_t remain = payload;
+    while (req < bs) {
+      int64_t rest = mla_sb_cdiv(kv_lens[req], MLA_SCHED_BLOCK) - blk;
+      if (remain >= rest + ov) {
+        /* The rest of this request fits: it is finished here. */
+        cum += piece + 1;
+        num_splits[req + 1] = cum;
+        remain -= rest + ov;
+        req++;
+        blk = 0;
+        piece = 0;
+      } else {
+        /* Cut it: take what the budget allows (rest > remain - ov here, so
+         * the cut is strictly inside the request) and close the part. */
+        if (remain > ov) {
+          blk += remain - ov;
+          piece++;
+        }
+        break;
+      }
+    }
+    int32_t end_req, end_tok;
+    if (blk > 0) { /* ended inside `req` */
+      end_req = req;
+      int64_t t = blk * MLA_SCHED_BLOCK;
+      end_tok = (int32_t)(t < kv_lens[req] ? t : kv_lens[req]);
+    } else { /* ended at a request boundary */
+      end_req = req - 1;
+      end_tok = end_req >= 0 ? kv_lens[end_req] : 0;
+    }
+    if (end_req < m[MLA_SCHED_BEGIN_REQ]) return -1; /* a part took nothing */
+    m[MLA_SCHED_END_REQ] = end_req;
+    m[MLA_SCHED_END_TOK] = end_tok;
+    m[MLA_SCHED_NUM_REQS] = end_req - m[MLA_SCHED_BEGIN_REQ] + 1;
+  }
+  return req < bs ? -1 : 0;
+}
+
+/* Fixed shape of a step, resolved from mla_step_desc and the cache. */
+typedef struct mla_step_geom {
+  int32_t mode;         /* mla_mode */
+  int32_t batch_size;
+  int32_t q_len;        /* queries per row */
+  int32_t kv_extra;     /* kv_len = seq_len + kv_extra (TARGET_VERIFY: ndt) */
+  int32_t max_kv_len;
+  int32_t page_shift;   /* log2(page_size) */
+  int32_t width;        /* block-table width = ceil(max_kv_len / page_size) */
+  int32_t num_parts;    /* split-schedule parts */
+  int32_t max_splits;   /* batch_size + num_parts: a part cuts at most one request */
+  int32_t max_reqs;
+  int64_t stride;       /* req_to_token row stride */
+  int64_t num_pages;    /* pages of the cache */
+} mla_step_geom;
+
+/* kv length of row i, or -1 when its request id or length is out of range. */
+static inline MLA_SB_HD int32_t mla_step_row_kv(const mla_step_geom *g, int32_t req_id, int32_t seq_len) {
+  if (req_id != MLA_REQ_PAD && (req_id < 0 || req_id >= g->max_reqs)) return -1;
+  if (seq_len < 0) return -1;
+  const int64_t kv = (int64_t)seq_len + g->kv_extra;
+  if (kv > g->max_kv_len) return -1;
+  return (int32_t)kv;
+}
+
+/* Block-table entry j of a row with kv_len keys: the page holding positions
+ * [j*P, (j+1)*P), MLA_BLOCK_TABLE_PAD past the row's pages, or -2 when the
+ * slot at the page start is not the first slot of a page inside the cache. */
+static inline MLA_SB_HD int32_t mla_step_page(const mla_step_geom *g, const int32_t *req_to_token,
+                                              int32_t req_id, int32_t kv_len, int32_t j) {
+  if ((int64_t)j << g->page_shift >= kv_len) return MLA_BLOCK_TABLE_PAD;
+  if (req_id == MLA_REQ_PAD) return 0;
+  const int32_t slot = req_to_token[(int64_t)req_id * g->stride + ((int64_t)j << g->page_shift)];
+  const int32_t page = slot >> g->page_shift;
+  if (slot < 0 || (slot & ((1 << g->page_shift) - 1)) != 0 || page >= g->num_pages) return -2;
+  return page;
+}
+
+#endif /* MLA_PLAN_STEP_BUILD_H */

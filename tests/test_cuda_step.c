@@ -1,0 +1,367 @@
+/* mla_step_* on a CUDA context: the device-built metadata (index kernel +
+ * schedule kernel) equals mla_plan_build's for the same batch; the step's
+ * attention equals mla_attention_absorbed over the uploaded host plan bit for
+ * bit, and the CPU step's result within bf16 tolerance; a row with an
+ * out-of-range request id is emptied (o = 0, lse = -inf), reported by
+ * mla_ctx_synchronize, and leaves the other rows as they were up to rounding
+ * (the schedule changes with the row's length); and one step (prepare + attention) captured in a CUDA
+ * graph on a non-blocking stream, then replayed 100 times after rewriting the
+ * fixed-address inputs (request ids, lengths, padding rows), matches the
+ * eager calls bit for bit. The captured graph holds kernel nodes only (no
+ * memcpy: nothing comes back to the host). Skips without CUDA or a GPU. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mla.h"
+#include "test_step_world.h"
+#include "test_util.h"
+
+#ifndef MLA_TEST_CUDA
+int main(void) {
+  printf("test_cuda_step: skipped: built without CUDA\n");
+  return tu_finish("test_cuda_step");
+}
+#else
+#include "cuda_util.h"
+
+static tu_rng rng;
+static mla_ctx *cpu, *gpu;
+
+typedef struct dev_step {
+  mla_kv_cache *dcache;
+  int32_t *r2t, *ids, *seq; /* device inputs at fixed addresses */
+  void *qn, *qr, *o, *ws;
+  float *lse;
+  size_t o_bytes, lse_bytes, ws_bytes;
+} dev_step;
+
+static int dev_make(dev_step *d, const sw_world *w, int max_bs, int max_tq) {
+  memset(d, 0, sizeof *d);
+  mla_kv_cache_desc cd;
+  mla_kv_cache_get_desc(w->cache, &cd);
+  if (mla_kv_cache_create(gpu, &cd, &d->dcache) != MLA_OK) return -1;
+  void *hp = NULL, *dp = NULL;
+  size_t rb = 0;
+  mla_kv_cache_layer_data(w->cache, 0, &hp);
+  mla_kv_cache_layer_data(d->dcache, 0, &dp);
+  mla_kv_cache_row_bytes(w->cache, &rb);
+  CK(cudaMemcpy(dp, hp, rb * (size_t)cd.num_pages * cd.page_size, cudaMemcpyHostToDevice));
+  d->r2t = tu_dev_copy(w->r2t, sizeof(int32_t) * (size_t)w->max_reqs * w->max_context);
+  d->ids = tu_dev_alloc(sizeof(int32_t) * max_bs);
+  d->seq = tu_dev_alloc(sizeof(int32_t) * max_bs);
+  d->qn = tu_dev_alloc(2 * (size_t)max_tq * w->H * MLA_LATENT);
+  d->qr = tu_dev_alloc(2 * (size_t)max_tq * w->H * MLA_ROPE);
+  d->o_bytes = 2 * (size_t)max_tq * w->H * MLA_LATENT;
+  d->lse_bytes = sizeof(float) * (size_t)max_tq * w->H;
+  d->o = tu_dev_alloc(d->o_bytes);
+  d->lse = tu_dev_alloc(d->lse_bytes);
+  return 0;
+}
+
+static void dev_free(dev_step *d) {
+  mla_kv_cache_destroy(d->dcache);
+  cudaFree(d->r2t);
+  cudaFree(d->ids);
+  cudaFree(d->seq);
+  cudaFree(d->qn);
+  cudaFree(d->qr);
+  cudaFree(d->o);
+  cudaFree(d->lse);
+  cudaFree(d->ws);
+}
+
+/* The batch's inputs and queries into the fixed device buffers. */
+static void dev_load(dev_step *d, const sw_world *w) {
+  CK(cudaMemcpy(d->ids, w->req_ids, sizeof(int32_t) * w->bs, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d->seq, w->seq, sizeof(int32_t) * w->bs, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d->qn, w->qn, 2 * (size_t)w->Tq * w->H * MLA_LATENT, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d->qr, w->qr, 2 * (size_t)w->Tq * w->H * MLA_ROPE, cudaMemcpyHostToDevice));
+}
+
+static mla_absorbed_args dev_args(const sw_world *w, dev_step *d) {
+  mla_absorbed_args a;
+  memset(&a, 0, sizeof a);
+  a.num_heads = w->H;
+  a.scale = SW_SCALE;
+  a.act_dtype = MLA_DTYPE_BF16;
+  a.q_nope = d->qn;
+  a.q_rope = d->qr;
+  a.out = d->o;
+  a.lse = d->lse;
+  return a;
+}
+
+static void poison_out(dev_step *d) {
+  CK(cudaMemset(d->o, 0xFF, d->o_bytes));
+  CK(cudaMemset(d->lse, 0xFF, d->lse_bytes));
+  CK(cudaDeviceSynchronize());
+}
+
+/* One eager step: prepare + attention, results copied to o / lse (host). */
+static mla_status eager_step(const sw_world *w, dev_step *d, const mla_step_desc *desc, void *o, float *lse) {
+  mla_step_inputs in = {d->r2t, w->max_context, w->max_reqs, d->ids, d->seq};
+  mla_absorbed_args a = dev_args(w, d);
+  mla_status st = mla_step_prepare(gpu, desc, d->dcache, &in, d->ws, d->ws_bytes);
+  if (st == MLA_OK) st = mla_step_attention(gpu, desc, d->dcache, 0, &a, d->ws, d->ws_bytes);
+  mla_status sy = mla_ctx_synchronize(gpu);
+  if (st == MLA_OK) st = sy;
+  CK(cudaMemcpy(o, d->o, 2 * (size_t)w->Tq * w->H * MLA_LATENT, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(lse, d->lse, sizeof(float) * (size_t)w->Tq * w->H, cudaMemcpyDeviceToHost));
+  return st;
+}
+
+static double bf16_to_double(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static void metadata_and_attention(mla_mode mode, int ndt, int P, int H) {
+  char name[96];
+  snprintf(name, sizeof name, "mode=%d ndt=%d P=%d H=%d", (int)mode, ndt, P, H);
+  sw_world w;
+  if (sw_make(&w, cpu, &rng, mode, ndt, P, H, 16) != 0 || sw_batch(&w, cpu, &rng, 16, 3) != 0) {
+    TU_CHECK(0, "%s: world: %s", name, mla_ctx_last_error(cpu));
+    return;
+  }
+  dev_step d;
+  if (dev_make(&d, &w, 16, w.Tq) != 0) {
+    TU_CHECK(0, "%s: device setup: %s", name, mla_ctx_last_error(gpu));
+    return;
+  }
+  dev_load(&d, &w);
+  const mla_step_desc desc = sw_desc(&w);
+  TU_STATUS(mla_step_workspace_size(gpu, &desc, &d.ws_bytes), MLA_OK);
+  d.ws = tu_dev_alloc(d.ws_bytes);
+  CK(cudaMemset(d.ws, 0xA5, d.ws_bytes));
+  mla_step_inputs in = {d.r2t, w.max_context, w.max_reqs, d.ids, d.seq};
+  TU_STATUS(mla_step_prepare(gpu, &desc, d.dcache, &in, d.ws, d.ws_bytes), MLA_OK);
+  TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
+  mla_step_metadata m;
+  TU_STATUS(mla_step_get_metadata(gpu, &desc, d.ws, d.ws_bytes, &m), MLA_OK);
+  const size_t bt_n = (size_t)w.bs * m.block_table_width, sm_n = (size_t)m.num_sm_parts * MLA_SCHED_META_INTS;
+  int32_t *qo = malloc(4 * (w.bs + 1)), *kv = malloc(4 * w.bs), *bt = malloc(4 * bt_n), *sc = malloc(4 * sm_n),
+          *ns = malloc(4 * (w.bs + 1));
+  CK(cudaMemcpy(qo, m.qo_indptr, 4 * (w.bs + 1), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(kv, m.kv_lens, 4 * w.bs, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(bt, m.block_table, 4 * bt_n, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(sc, m.sched_meta, 4 * sm_n, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(ns, m.num_splits, 4 * (w.bs + 1), cudaMemcpyDeviceToHost));
+  const int bad = sw_compare_meta(&w, &m, qo, kv, bt, sc, ns);
+  TU_CHECK(bad == 0, "%s: %d device metadata fields differ from mla_plan_build", name, bad);
+  TU_CHECK(w.plan.total_splits > w.bs, "%s: the batch should have a split request (total_splits %d)", name,
+           (int)w.plan.total_splits);
+
+  /* step attention vs the host-plan attention on the same GPU, bit for bit */
+  const size_t ob = 2 * (size_t)w.Tq * H * MLA_LATENT, lb = sizeof(float) * (size_t)w.Tq * H;
+  uint16_t *o1 = malloc(ob), *o2 = malloc(ob), *oc = malloc(ob);
+  float *l1 = malloc(lb), *l2 = malloc(lb), *lc = malloc(lb);
+  poison_out(&d);
+  TU_STATUS(eager_step(&w, &d, &desc, o1, l1), MLA_OK);
+  poison_out(&d);
+  size_t pwb = 0;
+  TU_STATUS(mla_attention_absorbed_workspace_size(gpu, &w.plan, H, &pwb), MLA_OK);
+  void *pw = tu_dev_alloc(pwb);
+  mla_absorbed_args a = dev_args(&w, &d);
+  TU_STATUS(mla_attention_absorbed(gpu, d.dcache, 0, &w.plan, &a, pw, pwb), MLA_OK);
+  TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
+  CK(cudaMemcpy(o2, d.o, ob, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(l2, d.lse, lb, cudaMemcpyDeviceToHost));
+  TU_CHECK(memcmp(o1, o2, ob) == 0 && memcmp(l1, l2, lb) == 0,
+           "%s: step attention differs from the host-plan attention on the GPU", name);
+
+  /* against the CPU step (the reference): cosine distance and lse, live rows */
+  {
+    size_t cwb = 0;
+    TU_STATUS(mla_step_workspace_size(cpu, &desc, &cwb), MLA_OK);
+    void *cws = malloc(cwb);
+    mla_step_inputs cin = {w.r2t, w.max_context, w.max_reqs, w.req_ids, w.seq};
+    mla_absorbed_args ca;
+    memset(&ca, 0, sizeof ca);
+    ca.num_heads = H;
+    ca.scale = SW_SCALE;
+    ca.act_dtype = MLA_DTYPE_BF16;
+    ca.q_nope = w.qn;
+    ca.q_rope = w.qr;
+    ca.out = oc;
+    ca.lse = lc;
+    TU_STATUS(mla_step_prepare(cpu, &desc, w.cache, &cin, cws, cwb), MLA_OK);
+    TU_STATUS(mla_step_attention(cpu, &desc, w.cache, 0, &ca, cws, cwb), MLA_OK);
+    double dot = 0, n1 = 0, n2 = 0, lerr = 0;
+    const int ql = sw_q_len(&w);
+    for (int i = 0; i < w.bs; i++) {
+      if (w.req_ids[i] == MLA_REQ_PAD) continue;
+      for (int64_t e = (int64_t)i * ql * H * MLA_LATENT; e < (int64_t)(i + 1) * ql * H * MLA_LATENT; e++) {
+        const double x = bf16_to_double(o1[e]), y = bf16_to_double(oc[e]);
+        dot += x * y;
+        n1 += x * x;
+        n2 += y * y;
+      }
+      for (int64_t e = (int64_t)i * ql * H; e < (int64_t)(i + 1) * ql * H; e++)
+        if (isfinite(lc[e]) || isfinite(l1[e])) {
+          const double de = fabs((double)l1[e] - lc[e]);
+          if (!(de <= lerr)) lerr = de;
+        }
+    }
+    const double cosd = 1.0 - dot / sqrt(n1 * n2);
+    TU_CHECK(cosd < 5e-5 && lerr < 1e-3, "%s: GPU step vs CPU step: cosine distance %.3g, lse err %.3g", name, cosd,
+             lerr);
+    free(cws);
+  }
+
+  /* an out-of-range request id: that row is emptied and counted, the others unchanged */
+  {
+    int row = 0;
+    while (w.req_ids[row] == MLA_REQ_PAD) row++;
+    int32_t bad_id = w.max_reqs + 3;
+    CK(cudaMemcpy(d.ids + row, &bad_id, 4, cudaMemcpyHostToDevice));
+    poison_out(&d);
+    TU_STATUS(eager_step(&w, &d, &desc, o2, l2), MLA_ERR_OUT_OF_RANGE);
+    TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK); /* reported once, then cleared */
+    const int ql = sw_q_len(&w);
+    const size_t r0 = (size_t)row * ql * H, rn = (size_t)ql * H;
+    int zero = 1, ninf = 1;
+    for (size_t e = r0 * MLA_LATENT; e < (r0 + rn) * MLA_LATENT; e++) zero &= o2[e] == 0;
+    for (size_t e = r0; e < r0 + rn; e++) ninf &= isinf(l2[e]) && l2[e] < 0;
+    TU_CHECK(zero && ninf, "%s: the out-of-range row is not o = 0, lse = -inf", name);
+    /* The emptied row changes the split schedule, so the other rows may
+     * differ in rounding only (partials summed in other pieces). */
+    int far = 0;
+    for (size_t e = 0; e < ob / 2; e++) {
+      if (e >= r0 * MLA_LATENT && e < (r0 + rn) * MLA_LATENT) continue;
+      const double x = bf16_to_double(o1[e]), y = bf16_to_double(o2[e]);
+      far += !(fabs(x - y) <= 1e-2 + 1e-2 * fabs(x));
+    }
+    TU_CHECK(far == 0, "%s: an out-of-range row changed %d elements of the other rows", name, far);
+  }
+  free(qo);
+  free(kv);
+  free(bt);
+  free(sc);
+  free(ns);
+  free(o1);
+  free(o2);
+  free(oc);
+  free(l1);
+  free(l2);
+  free(lc);
+  cudaFree(pw);
+  dev_free(&d);
+  sw_free(&w);
+}
+
+/* Capture one step in a graph, replay with new inputs, compare with eager. */
+static void graph_replay(mla_mode mode, int ndt, int P, int H, int replays) {
+  char name[96];
+  snprintf(name, sizeof name, "graph mode=%d ndt=%d P=%d H=%d", (int)mode, ndt, P, H);
+  const int BS = 12;
+  sw_world w;
+  if (sw_make(&w, cpu, &rng, mode, ndt, P, H, 20) != 0 || sw_batch(&w, cpu, &rng, BS, 2) != 0) {
+    TU_CHECK(0, "%s: world: %s", name, mla_ctx_last_error(cpu));
+    return;
+  }
+  dev_step d;
+  if (dev_make(&d, &w, BS, w.Tq) != 0) {
+    TU_CHECK(0, "%s: device setup", name);
+    return;
+  }
+  const mla_step_desc desc = sw_desc(&w);
+  TU_STATUS(mla_step_workspace_size(gpu, &desc, &d.ws_bytes), MLA_OK);
+  d.ws = tu_dev_alloc(d.ws_bytes);
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  TU_STATUS(mla_ctx_set_stream(gpu, s), MLA_OK);
+  dev_load(&d, &w);
+
+  mla_step_inputs in = {d.r2t, w.max_context, w.max_reqs, d.ids, d.seq};
+  mla_absorbed_args a = dev_args(&w, &d);
+  cudaGraph_t graph;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  mla_status st1 = mla_step_prepare(gpu, &desc, d.dcache, &in, d.ws, d.ws_bytes);
+  mla_status st2 = mla_step_attention(gpu, &desc, d.dcache, 0, &a, d.ws, d.ws_bytes);
+  cudaError_t ce = cudaStreamEndCapture(s, &graph);
+  TU_CHECK(st1 == MLA_OK && st2 == MLA_OK && ce == cudaSuccess, "%s: capture: %d %d %s (%s)", name, (int)st1,
+           (int)st2, cudaGetErrorString(ce), mla_ctx_last_error(gpu));
+  if (ce != cudaSuccess) {
+    dev_free(&d);
+    sw_free(&w);
+    return;
+  }
+  size_t n = 0;
+  CK(cudaGraphGetNodes(graph, NULL, &n));
+  cudaGraphNode_t *nodes = malloc(sizeof(cudaGraphNode_t) * (n ? n : 1));
+  CK(cudaGraphGetNodes(graph, nodes, &n));
+  int kernels = 0, others = 0;
+  for (size_t i = 0; i < n; i++) {
+    enum cudaGraphNodeType t;
+    CK(cudaGraphNodeGetType(nodes[i], &t));
+    if (t == cudaGraphNodeTypeKernel) kernels++;
+    else others++;
+  }
+  free(nodes);
+  TU_CHECK(kernels >= 3 && others == 0, "%s: graph has %d kernel and %d other nodes (want kernels only)", name,
+           kernels, others);
+  cudaGraphExec_t exec;
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+
+  const size_t ob = 2 * (size_t)w.Tq * H * MLA_LATENT, lb = sizeof(float) * (size_t)w.Tq * H;
+  uint16_t *oe = malloc(ob), *og = malloc(ob);
+  float *le = malloc(lb), *lg = malloc(lb);
+  int mismatches = 0, errors = 0;
+  for (int it = 0; it < replays; it++) {
+    /* new request ids, lengths and padding (0..BS-1 padded rows) */
+    const int npad = tu_randint(&rng, 0, BS - 1);
+    if (sw_batch(&w, cpu, &rng, BS, npad) != 0) {
+      errors++;
+      break;
+    }
+    dev_load(&d, &w);
+    poison_out(&d);
+    if (eager_step(&w, &d, &desc, oe, le) != MLA_OK) errors++;
+    poison_out(&d);
+    CK(cudaGraphLaunch(exec, s));
+    CK(cudaStreamSynchronize(s));
+    if (mla_ctx_synchronize(gpu) != MLA_OK) errors++;
+    CK(cudaMemcpy(og, d.o, ob, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(lg, d.lse, lb, cudaMemcpyDeviceToHost));
+    mismatches += memcmp(oe, og, ob) != 0 || memcmp(le, lg, lb) != 0;
+  }
+  TU_CHECK(errors == 0, "%s: %d eager/replay errors", name, errors);
+  TU_CHECK(mismatches == 0, "%s: %d of %d replays differ from eager", name, mismatches, replays);
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  TU_STATUS(mla_ctx_set_stream(gpu, NULL), MLA_OK);
+  CK(cudaStreamDestroy(s));
+  free(oe);
+  free(og);
+  free(le);
+  free(lg);
+  dev_free(&d);
+  sw_free(&w);
+}
+
+int main(void) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    printf("test_cuda_step: skipped: no GPU\n");
+    return tu_finish("test_cuda_step");
+  }
+  rng.s = tu_seed("test_cuda_step", 20261130);
+  mla_ctx_desc cd = {MLA_DEVICE_CPU, 2, 0}, gd = {MLA_DEVICE_CUDA, 0, 0};
+  if (mla_ctx_create(&cd, &cpu) != MLA_OK || mla_ctx_create(&gd, &gpu) != MLA_OK) {
+    TU_CHECK(0, "context creation failed");
+    return tu_finish("test_cuda_step");
+  }
+  metadata_and_attention(MLA_MODE_DECODE, 0, 64, 128);
+  metadata_and_attention(MLA_MODE_DECODE, 0, 64, 16);
+  metadata_and_attention(MLA_MODE_TARGET_VERIFY, 2, 16, 16);
+  metadata_and_attention(MLA_MODE_DRAFT_EXTEND, 3, 64, 3);
+  graph_replay(MLA_MODE_DECODE, 0, 64, 16, 100);
+  graph_replay(MLA_MODE_TARGET_VERIFY, 2, 64, 128, 20);
+  mla_ctx_destroy(cpu);
+  mla_ctx_destroy(gpu);
+  return tu_finish("test_cuda_step");
+}
+#endif

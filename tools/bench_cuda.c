@@ -1,0 +1,432 @@
+/* `mla bench --device cuda`: the CUDA decode path through the public API
+ * (mla_step_prepare once, then mla_step_attention timed), on the shapes of
+ * the decode issue: b = 128, s_k in {4096, 8192, 16384}, H in {16, 128}, s_q in
+ * {1, 2} (DECODE / TARGET_VERIFY), page 64, every cache dtype the library
+ * takes on the GPU (refused ones are listed with the library's reason).
+ *
+ * Time: CUDA events around one attention call, L2 flushed before each
+ * (a 256 MiB memset), median of --runs after warm-ups. TFLOP/s =
+ * b s_q H s_k 1088 2 / t; GB/s = (KV rows + q + o bytes) / t. The device's
+ * copy rate (cudaMemcpy device to device, read + write bytes) is measured in
+ * the same run. Compiled to a stub without CUDA. */
+#include "bench_cuda.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mla.h"
+
+#ifndef MLA_CLI_CUDA
+int bench_cuda_main(int argc, char **argv) {
+  (void)argc;
+  (void)argv;
+  fprintf(stderr, "mla bench: --device cuda: this build has no CUDA\n");
+  return 2;
+}
+#else
+#include <cuda_runtime.h>
+
+#define BC_CK(x)                                                                               \
+  do {                                                                                         \
+    cudaError_t e_ = (x);                                                                      \
+    if (e_ != cudaSuccess) {                                                                   \
+      fprintf(stderr, "mla bench: CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, \
+              __LINE__);                                                                       \
+      return 1;                                                                                \
+    }                                                                                          \
+  } while (0)
+
+static uint64_t bc_rng(uint64_t *s) {
+  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+static float bc_val(uint64_t *s) { return (float)((double)(bc_rng(s) >> 11) * 0x1.0p-53 * 2.0 - 1.0); }
+
+static int cmp_f(const void *a, const void *b) {
+  const float x = *(const float *)a, y = *(const float *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* Device buffer of n random bf16 values (converted through mla_convert). */
+static void *rand_bf16(uint64_t *seed, size_t n) {
+  float *f = malloc(sizeof(float) * n);
+  uint16_t *h = malloc(2 * n);
+  void *d = NULL;
+  if (f && h) {
+    for (size_t i = 0; i < n; i++) f[i] = bc_val(seed);
+    mla_convert(f, MLA_DTYPE_F32, h, MLA_DTYPE_BF16, (int64_t)n);
+    if (cudaMalloc(&d, 2 * n) == cudaSuccess) cudaMemcpy(d, h, 2 * n, cudaMemcpyHostToDevice);
+  }
+  free(f);
+  free(h);
+  return d;
+}
+
+typedef struct bc_opts {
+  int b, runs, csv, quick, P;
+  int sk[8], nsk, H[4], nh, sq[4], nsq;
+  mla_dtype dt[4];
+  int ndt;
+} bc_opts;
+
+/* One cache (all requests' pages, shuffled) and its req_to_token, shared by
+ * every H and s_q of one (s_k, dtype). */
+typedef struct bc_world {
+  mla_kv_cache *cache;
+  int32_t *r2t; /* device [b, s_k] */
+  int pages;
+} bc_world;
+
+static int world_make(mla_ctx *ctx, const bc_opts *o, int sk, mla_dtype dt, uint64_t *seed, bc_world *w,
+                      char *why, size_t why_n) {
+  memset(w, 0, sizeof *w);
+  const int P = o->P, per = (sk + P - 1) / P;
+  w->pages = o->b * per + 1;
+  mla_kv_cache_desc cd = {1, w->pages, P, dt, NULL};
+  mla_status st = mla_kv_cache_create(ctx, &cd, &w->cache);
+  if (st != MLA_OK) {
+    snprintf(why, why_n, "mla_kv_cache_create: %s", mla_ctx_last_error(ctx));
+    return 1;
+  }
+  /* pages 1..pages-1 shuffled over the requests */
+  int32_t *perm = malloc(sizeof(int32_t) * (size_t)w->pages);
+  int32_t *r2t = malloc(sizeof(int32_t) * (size_t)o->b * sk);
+  for (int i = 0; i < w->pages - 1; i++) perm[i] = i + 1;
+  for (int i = w->pages - 2; i > 0; i--) {
+    int j = (int)(bc_rng(seed) % (uint64_t)(i + 1));
+    int32_t t = perm[i];
+    perm[i] = perm[j];
+    perm[j] = t;
+  }
+  for (int r = 0; r < o->b; r++)
+    for (int j = 0; j < sk; j++) r2t[(size_t)r * sk + j] = perm[r * per + j / P] * P + j % P;
+  BC_CK(cudaMalloc((void **)&w->r2t, sizeof(int32_t) * (size_t)o->b * sk));
+  BC_CK(cudaMemcpy(w->r2t, r2t, sizeof(int32_t) * (size_t)o->b * sk, cudaMemcpyHostToDevice));
+  /* rows: one random chunk written over all slots (values repeat; timing only) */
+  enum { CH = 65536 };
+  void *c = rand_bf16(seed, (size_t)CH * MLA_LATENT), *rr = rand_bf16(seed, (size_t)CH * MLA_ROPE);
+  int32_t *slots_h = malloc(sizeof(int32_t) * CH), *slots_d = NULL;
+  BC_CK(cudaMalloc((void **)&slots_d, sizeof(int32_t) * CH));
+  const int64_t total = (int64_t)w->pages * P;
+  for (int64_t s0 = 0; s0 < total && c && rr; s0 += CH) {
+    const int n = total - s0 < CH ? (int)(total - s0) : CH;
+    for (int i = 0; i < n; i++) slots_h[i] = (int32_t)(s0 + i);
+    BC_CK(cudaMemcpy(slots_d, slots_h, sizeof(int32_t) * n, cudaMemcpyHostToDevice));
+    st = mla_kv_cache_write(w->cache, 0, n, slots_d, c, rr, MLA_DTYPE_BF16);
+    if (st != MLA_OK) {
+      snprintf(why, why_n, "mla_kv_cache_write: %s", mla_kv_cache_last_error(w->cache));
+      break;
+    }
+  }
+  cudaFree(c);
+  cudaFree(rr);
+  cudaFree(slots_d);
+  free(slots_h);
+  free(perm);
+  free(r2t);
+  return st == MLA_OK && mla_ctx_synchronize(ctx) == MLA_OK ? 0 : 1;
+}
+
+static void world_free(bc_world *w) {
+  mla_kv_cache_destroy(w->cache);
+  cudaFree(w->r2t);
+}
+
+typedef struct bc_result {
+  double us, tflops, gbs, prep_us;
+  char note[200];
+} bc_result;
+
+static int run_case(mla_ctx *ctx, const bc_opts *o, const bc_world *w, int sk, int H, int sq, mla_dtype dt,
+                    void *flush, size_t flush_bytes, uint64_t *seed, bc_result *res) {
+  memset(res, 0, sizeof *res);
+  const int b = o->b, Tq = b * sq;
+  mla_step_desc d;
+  memset(&d, 0, sizeof d);
+  d.mode = sq == 1 ? MLA_MODE_DECODE : MLA_MODE_TARGET_VERIFY;
+  d.batch_size = b;
+  d.num_draft_tokens = sq == 1 ? 0 : sq;
+  d.max_kv_len = sk;
+  d.num_heads = H;
+  d.page_size = o->P;
+  size_t wsb = 0;
+  mla_status st = mla_step_workspace_size(ctx, &d, &wsb);
+  if (st != MLA_OK) {
+    snprintf(res->note, sizeof res->note, "%s", mla_ctx_last_error(ctx));
+    return 0;
+  }
+  int32_t *ids_h = malloc(sizeof(int32_t) * b), *seq_h = malloc(sizeof(int32_t) * b);
+  for (int i = 0; i < b; i++) {
+    ids_h[i] = i;
+    seq_h[i] = sk - (sq == 1 ? 0 : sq); /* kv = s_k in both modes */
+  }
+  int32_t *ids = NULL, *seq = NULL;
+  void *ws = NULL, *out = NULL;
+  float *lse = NULL;
+  void *qn = rand_bf16(seed, (size_t)Tq * H * MLA_LATENT), *qr = rand_bf16(seed, (size_t)Tq * H * MLA_ROPE);
+  BC_CK(cudaMalloc((void **)&ids, sizeof(int32_t) * b));
+  BC_CK(cudaMalloc((void **)&seq, sizeof(int32_t) * b));
+  BC_CK(cudaMemcpy(ids, ids_h, sizeof(int32_t) * b, cudaMemcpyHostToDevice));
+  BC_CK(cudaMemcpy(seq, seq_h, sizeof(int32_t) * b, cudaMemcpyHostToDevice));
+  BC_CK(cudaMalloc(&ws, wsb));
+  BC_CK(cudaMalloc(&out, 2 * (size_t)Tq * H * MLA_LATENT));
+  BC_CK(cudaMalloc((void **)&lse, sizeof(float) * (size_t)Tq * H));
+  free(ids_h);
+  free(seq_h);
+  mla_step_inputs in = {w->r2t, sk, b, ids, seq};
+  mla_absorbed_args a;
+  memset(&a, 0, sizeof a);
+  a.num_heads = H;
+  a.scale = 0.0721687836f;
+  a.act_dtype = MLA_DTYPE_BF16;
+  a.q_nope = qn;
+  a.q_rope = qr;
+  a.out = out;
+  a.lse = lse;
+  cudaStream_t s = NULL;
+  cudaEvent_t e0, e1;
+  BC_CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  BC_CK(cudaEventCreate(&e0));
+  BC_CK(cudaEventCreate(&e1));
+  mla_ctx_set_stream(ctx, s);
+  float *t = malloc(sizeof(float) * (size_t)o->runs), *tp = malloc(sizeof(float) * (size_t)o->runs);
+  int rc = 0;
+  for (int r = -2; r < o->runs && rc == 0; r++) {
+    BC_CK(cudaMemsetAsync(flush, r & 0xff, flush_bytes, s));
+    BC_CK(cudaEventRecord(e0, s));
+    st = mla_step_prepare(ctx, &d, w->cache, &in, ws, wsb);
+    BC_CK(cudaEventRecord(e1, s));
+    if (st != MLA_OK) {
+      snprintf(res->note, sizeof res->note, "%s", mla_ctx_last_error(ctx));
+      rc = -1;
+      break;
+    }
+    BC_CK(cudaEventSynchronize(e1));
+    float ms_p = 0;
+    BC_CK(cudaEventElapsedTime(&ms_p, e0, e1));
+    BC_CK(cudaMemsetAsync(flush, (r + 1) & 0xff, flush_bytes, s));
+    BC_CK(cudaEventRecord(e0, s));
+    st = mla_step_attention(ctx, &d, w->cache, 0, &a, ws, wsb);
+    BC_CK(cudaEventRecord(e1, s));
+    if (st != MLA_OK) {
+      snprintf(res->note, sizeof res->note, "%s", mla_ctx_last_error(ctx));
+      rc = -1;
+      break;
+    }
+    BC_CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    BC_CK(cudaEventElapsedTime(&ms, e0, e1));
+    if (r >= 0) {
+      t[r] = ms;
+      tp[r] = ms_p;
+    }
+  }
+  if (rc == 0 && (st = mla_ctx_synchronize(ctx)) != MLA_OK) {
+    snprintf(res->note, sizeof res->note, "%s", mla_ctx_last_error(ctx));
+    rc = -1;
+  }
+  if (rc == 0) {
+    qsort(t, (size_t)o->runs, sizeof(float), cmp_f);
+    qsort(tp, (size_t)o->runs, sizeof(float), cmp_f);
+    res->us = 1e3 * t[o->runs / 2];
+    res->prep_us = 1e3 * tp[o->runs / 2];
+    size_t rb = 0;
+    mla_kv_cache_row_bytes(w->cache, &rb);
+    const double flops = 2.0 * b * sq * H * (double)sk * 1088.0;
+    const double bytes = (double)b * sk * rb + (double)Tq * H * 2 * (MLA_ROW + MLA_LATENT);
+    res->tflops = flops / (res->us * 1e-6) / 1e12;
+    res->gbs = bytes / (res->us * 1e-6) / 1e9;
+  }
+  mla_ctx_set_stream(ctx, NULL);
+  cudaStreamDestroy(s);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(ids);
+  cudaFree(seq);
+  cudaFree(ws);
+  cudaFree(out);
+  cudaFree(lse);
+  cudaFree(qn);
+  cudaFree(qr);
+  free(t);
+  free(tp);
+  return 0;
+}
+
+/* Device-to-device copy rate (bytes read + written per second), best of 5. */
+static double copy_rate(void *a, void *b, size_t bytes) {
+  cudaEvent_t e0, e1;
+  double best = 0;
+  if (cudaEventCreate(&e0) != cudaSuccess || cudaEventCreate(&e1) != cudaSuccess) return 0;
+  for (int r = 0; r < 6; r++) {
+    cudaEventRecord(e0, NULL);
+    cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, NULL);
+    cudaEventRecord(e1, NULL);
+    cudaEventSynchronize(e1);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    const double gbs = 2.0 * bytes / (ms * 1e-3) / 1e9;
+    if (r > 0 && gbs > best) best = gbs;
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return best;
+}
+
+static int bc_usage(FILE *f) {
+  fprintf(f,
+          "usage: mla bench --device cuda [options]\n"
+          "  --b N          requests (default 128)\n"
+          "  --sk LIST      kv lengths, comma-separated (default 4096,8192,16384)\n"
+          "  --h LIST       query heads (default 16,128)\n"
+          "  --sq LIST      queries per request, 1 = DECODE, more = TARGET_VERIFY (default 1,2)\n"
+          "  --dtype LIST   cache dtypes: bf16, f16, fp8, fp8-block (default bf16,fp8)\n"
+          "  --page-size P  (default 64)\n"
+          "  --runs N       timed runs per case (default 30, quick 5)\n"
+          "  --quick        s_k 8192 only, few runs\n"
+          "  --csv          comma-separated output\n");
+  return f == stderr ? 2 : 0;
+}
+
+static int parse_list(const char *v, int *out, int max, int lo, int hi) {
+  int n = 0;
+  char buf[256];
+  if (!v || strlen(v) >= sizeof buf) return 0;
+  strcpy(buf, v);
+  for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+    char *end = NULL;
+    errno = 0;
+    long x = strtol(tok, &end, 10);
+    if (errno || *end || x < lo || x > hi || n >= max) return 0;
+    out[n++] = (int)x;
+  }
+  return n;
+}
+
+static const char *dt_name(mla_dtype t) {
+  return t == MLA_DTYPE_BF16 ? "bf16" : t == MLA_DTYPE_F16 ? "f16" : t == MLA_DTYPE_FP8_E4M3 ? "fp8" : "fp8-block";
+}
+
+int bench_cuda_main(int argc, char **argv) {
+  bc_opts o;
+  memset(&o, 0, sizeof o);
+  o.b = 128;
+  o.P = 64;
+  int sk_set = 0;
+  o.nsk = parse_list("4096,8192,16384", o.sk, 8, 1, 1 << 20);
+  o.nh = parse_list("16,128", o.H, 4, 1, MLA_MAX_HEADS);
+  o.nsq = parse_list("1,2", o.sq, 4, 1, 64);
+  o.dt[0] = MLA_DTYPE_BF16;
+  o.dt[1] = MLA_DTYPE_FP8_E4M3;
+  o.ndt = 2;
+  for (int i = 0; i < argc; i++) {
+    const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    int x[8];
+    if (!strcmp(k, "--device")) {
+      i++;
+    } else if (!strcmp(k, "--quick")) {
+      o.quick = 1;
+    } else if (!strcmp(k, "--csv")) {
+      o.csv = 1;
+    } else if (!strcmp(k, "--help") || !strcmp(k, "-h")) {
+      return bc_usage(stdout);
+    } else if (!strcmp(k, "--b") && parse_list(v, x, 1, 1, 8192) == 1) {
+      o.b = x[0];
+      i++;
+    } else if (!strcmp(k, "--runs") && parse_list(v, x, 1, 1, 1000) == 1) {
+      o.runs = x[0];
+      i++;
+    } else if (!strcmp(k, "--page-size") && parse_list(v, x, 1, 1, 256) == 1) {
+      o.P = x[0];
+      i++;
+    } else if (!strcmp(k, "--sk") && (o.nsk = parse_list(v, o.sk, 8, 1, 1 << 20)) > 0) {
+      sk_set = 1;
+      i++;
+    } else if (!strcmp(k, "--h") && (o.nh = parse_list(v, o.H, 4, 1, MLA_MAX_HEADS)) > 0) {
+      i++;
+    } else if (!strcmp(k, "--sq") && (o.nsq = parse_list(v, o.sq, 4, 1, 64)) > 0) {
+      i++;
+    } else if (!strcmp(k, "--dtype") && v) {
+      char buf[128];
+      snprintf(buf, sizeof buf, "%s", v);
+      o.ndt = 0;
+      for (char *tok = strtok(buf, ","); tok && o.ndt < 4; tok = strtok(NULL, ",")) {
+        if (!strcmp(tok, "bf16")) o.dt[o.ndt++] = MLA_DTYPE_BF16;
+        else if (!strcmp(tok, "f16")) o.dt[o.ndt++] = MLA_DTYPE_F16;
+        else if (!strcmp(tok, "fp8")) o.dt[o.ndt++] = MLA_DTYPE_FP8_E4M3;
+        else if (!strcmp(tok, "fp8-block")) o.dt[o.ndt++] = MLA_DTYPE_FP8_E4M3_BLOCK;
+        else return bc_usage(stderr);
+      }
+      i++;
+    } else {
+      fprintf(stderr, "mla bench: invalid option or value '%s'\n\n", k);
+      return bc_usage(stderr);
+    }
+  }
+  if (o.quick && !sk_set) o.nsk = parse_list("8192", o.sk, 8, 1, 1 << 20);
+  if (!o.runs) o.runs = o.quick ? 5 : 30;
+
+  mla_ctx *ctx = NULL;
+  mla_ctx_desc cd = {MLA_DEVICE_CUDA, 0, 0};
+  mla_status st = mla_ctx_create(&cd, &ctx);
+  if (st != MLA_OK) {
+    fprintf(stderr, "mla bench: no CUDA device: %s\n", mla_status_string(st));
+    return 2;
+  }
+  struct cudaDeviceProp prop;
+  int dev = 0;
+  BC_CK(cudaGetDevice(&dev));
+  BC_CK(cudaGetDeviceProperties(&prop, dev));
+  const size_t flush_bytes = (size_t)256 << 20;
+  void *flush = NULL, *flush2 = NULL;
+  BC_CK(cudaMalloc(&flush, flush_bytes));
+  BC_CK(cudaMalloc(&flush2, flush_bytes));
+  const double copy = copy_rate(flush, flush2, flush_bytes);
+  cudaFree(flush2);
+  printf("# mla bench --device cuda: %s, %d SMs; device copy %.0f GB/s (read + write, 256 MiB); "
+         "median of %d runs, L2 flushed; page %d\n",
+         prop.name, prop.multiProcessorCount, copy, o.runs, o.P);
+  if (o.csv)
+    printf("b,H,s_q,s_k,dtype,t_us,tflops,gbs,prepare_us,note\n");
+  else
+    printf("%5s %4s %4s %6s %-9s %10s %9s %8s %11s  %s\n", "b", "H", "s_q", "s_k", "dtype", "t_us", "TFLOP/s",
+           "GB/s", "prepare_us", "note");
+  uint64_t seed = 20261130;
+  int rc = 0;
+  for (int di = 0; di < o.ndt; di++)
+    for (int si = 0; si < o.nsk; si++) {
+      bc_world w;
+      char why[256] = "";
+      if (world_make(ctx, &o, o.sk[si], o.dt[di], &seed, &w, why, sizeof why) != 0) {
+        printf("%5d %4s %4s %6d %-9s %s\n", o.b, "-", "-", o.sk[si], dt_name(o.dt[di]), why);
+        world_free(&w);
+        continue;
+      }
+      for (int hi = 0; hi < o.nh; hi++)
+        for (int qi = 0; qi < o.nsq; qi++) {
+          bc_result r;
+          if (run_case(ctx, &o, &w, o.sk[si], o.H[hi], o.sq[qi], o.dt[di], flush, flush_bytes, &seed, &r) != 0)
+            rc = 1;
+          if (o.csv)
+            printf("%d,%d,%d,%d,%s,%.2f,%.1f,%.0f,%.2f,\"%s\"\n", o.b, o.H[hi], o.sq[qi], o.sk[si], dt_name(o.dt[di]),
+                   r.us, r.tflops, r.gbs, r.prep_us, r.note);
+          else if (r.note[0])
+            printf("%5d %4d %4d %6d %-9s %10s %9s %8s %11s  %s\n", o.b, o.H[hi], o.sq[qi], o.sk[si],
+                   dt_name(o.dt[di]), "-", "-", "-", "-", r.note);
+          else
+            printf("%5d %4d %4d %6d %-9s %10.1f %9.1f %8.0f %11.1f\n", o.b, o.H[hi], o.sq[qi], o.sk[si],
+                   dt_name(o.dt[di]), r.us, r.tflops, r.gbs, r.prep_us);
+          fflush(stdout);
+        }
+      world_free(&w);
+    }
+  cudaFree(flush);
+  mla_ctx_destroy(ctx);
+  return rc;
+}
+#endif
