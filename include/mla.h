@@ -634,6 +634,39 @@ MLA_API mla_status mla_backend_forward(mla_backend *be, const mla_forward_args *
  * chunked), 0 when absorbed. */
 MLA_API mla_status mla_backend_uses_mha(const mla_backend *be, int *uses_mha);
 
+/* CUDA graphs. On a CUDA context the backend keeps a device copy of its
+ * request table and plans DECODE, TARGET_VERIFY and fixed-window
+ * DRAFT_EXTEND batches on the device (mla_step_*); mla_backend_get_plan then
+ * has no host plan to return (UNSUPPORTED). A graph step goes further: its
+ * inputs live in fixed buffers, so a step can be captured once and replayed:
+ *
+ *   init:    mla_backend_graph_init(be, max_bs, max_draft_tokens);
+ *            mla_backend_graph_inputs(be, &req_ids, &seq_lens);
+ *   capture: (inputs written) mla_backend_sync(be); begin capture on the
+ *            context's stream; mla_backend_graph_step(be, mode, bs, ndt);
+ *            mla_backend_forward(...) per layer; end capture.
+ *   replay:  the engine writes req_ids [bs] / seq_lens [bs] (padding rows:
+ *            MLA_REQ_PAD, seq_len 1) and its q / new-row buffers in place;
+ *            mla_backend_sync(be) (outside the graph: it enqueues the copy
+ *            of the request-table rows changed since the last sync);
+ *            launch the graph.
+ *
+ * The metadata update inside the graph runs on the device from those
+ * inputs. The buffers are device memory on a CUDA context, host memory on a
+ * CPU context (where graph steps run the same flow eagerly, for testing).
+ * An out-of-range id or length is not attended and is reported by the next
+ * mla_ctx_synchronize (CUDA) or returned by the step (CPU). */
+MLA_API mla_status mla_backend_graph_init(mla_backend *be, int max_bs, int max_draft_tokens);
+MLA_API mla_status mla_backend_graph_inputs(mla_backend *be, int32_t **req_ids /* [max_bs] */,
+                                            int32_t **seq_lens /* [max_bs] */);
+/* Builds the step's metadata from the graph inputs (enqueued; capturable);
+ * mla_backend_forward then runs this step until the next plan or step. */
+MLA_API mla_status mla_backend_graph_step(mla_backend *be, mla_mode mode, int batch_size,
+                                          int num_draft_tokens);
+/* Brings the device copy of the request table up to date (CUDA; a no-op on
+ * the CPU). mla_backend_plan does it itself; call it before each replay. */
+MLA_API mla_status mla_backend_sync(mla_backend *be);
+
 #ifdef __cplusplus
 }
 #endif

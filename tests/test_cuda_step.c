@@ -14,7 +14,6 @@
 #include <string.h>
 
 #include "mla.h"
-#include "test_step_world.h"
 #include "test_util.h"
 
 #ifndef MLA_TEST_CUDA
@@ -24,6 +23,7 @@ int main(void) {
 }
 #else
 #include "cuda_util.h"
+#include "test_step_world.h"
 
 static tu_rng rng;
 static mla_ctx *cpu, *gpu;

@@ -435,6 +435,10 @@ PROTOTYPES = {
     "mla_backend_get_plan": (_S, [_P, ctypes.POINTER(ctypes.POINTER(Plan))]),
     "mla_backend_forward": (_S, [_P, ctypes.POINTER(ForwardArgs)]),
     "mla_backend_uses_mha": (_S, [_P, _PI]),
+    "mla_backend_graph_init": (_S, [_P, _int, _int]),
+    "mla_backend_graph_inputs": (_S, [_P, _PP, _PP]),
+    "mla_backend_graph_step": (_S, [_P, _enum, _int, _int]),
+    "mla_backend_sync": (_S, [_P]),
 }
 
 # ---- finding and loading the shared library ------------------------------------

@@ -10,6 +10,11 @@
 
 #include "../cache/cache.h"
 #include "../core/internal.h"
+#include "../plan/plan.h"
+#include "mirror.h"
+#ifdef MLA_WITH_CUDA
+#include "../cuda/runtime.h"
+#endif
 
 #define MLA_DEFAULT_CHUNK_CAPACITY 1024
 
@@ -39,6 +44,23 @@ struct mla_backend_s {
   float *part_lse;          /* [max_q_tokens, H] */
   float *main_lse;          /* [max_q_tokens, H] when the caller wants none */
 
+  /* Device-built steps (mla_step_*): every decode-type step on a CUDA
+   * context, and graph steps on any context. */
+  int on_cuda;
+  mla_mirror mirror;          /* CUDA: device copy of the request table */
+  int step_active;            /* the current plan is a step: forward runs mla_step_attention */
+  mla_step_desc step;
+  void *step_ws;              /* eager steps (device memory on CUDA), grown on demand */
+  size_t step_ws_bytes;
+  int32_t *stage_scratch;     /* [2 * max_bs] ids then seq_lens, staged together */
+  const int32_t *mha_indptr;  /* CUDA EXTEND through MHA: staged qo_indptr (device) */
+  /* Graph steps (mla_backend_graph_*): fixed buffers. */
+  int graph_max_bs, graph_max_ndt;
+  int32_t *g_ids, *g_seq;     /* [graph_max_bs] device (CUDA) or host (CPU) */
+  void *g_ws;
+  size_t g_ws_bytes;
+  int graph_step;             /* the active step uses g_ws */
+
   mla_errbuf err;
 };
 
@@ -48,8 +70,31 @@ static mla_status forward_fail(mla_backend *be, mla_status st, const char *what,
   return mla_fail(&be->err, st, what, "%s", detail && detail[0] ? detail : mla_status_string(st));
 }
 
+static void dev_free(const mla_backend *be, void *p) {
+  if (!p) return;
+#ifdef MLA_WITH_CUDA
+  if (be->on_cuda) {
+    mla_cuda_free(p);
+    return;
+  }
+#endif
+  (void)be;
+  free(p);
+}
+
 void mla_backend_destroy(mla_backend *be) {
   if (!be) return;
+  if (be->on_cuda) {
+#ifdef MLA_WITH_CUDA
+    mla_cuda_stream_sync(be->ctx->stream); /* nothing in flight may still read what is freed */
+#endif
+    mla_mirror_free(&be->mirror);
+  }
+  dev_free(be, be->step_ws);
+  dev_free(be, be->g_ws);
+  dev_free(be, be->g_ids);
+  dev_free(be, be->g_seq);
+  free(be->stage_scratch);
   mla_req_table_destroy(be->rt);
   mla_kv_cache_destroy(be->cache);
   free(be->plan_ws);
@@ -92,13 +137,15 @@ mla_status mla_backend_create(mla_ctx *ctx, const mla_backend_desc *desc, mla_ba
   if (!ctx) return MLA_ERR_INVALID_ARGUMENT;
   mla_errbuf *eb = &ctx->err;
   MLA_REQUIRE_PTR(eb, desc);
-  MLA_REQUIRE(eb, ctx->device == MLA_DEVICE_CPU, MLA_ERR_UNSUPPORTED,
-              "the backend has no CUDA attention yet: use a CPU context");
+  const int on_cuda = ctx->device == MLA_DEVICE_CUDA;
+  MLA_REQUIRE(eb, !on_cuda || desc->extend_impl != MLA_EXTEND_MHA_CHUNKED, MLA_ERR_UNSUPPORTED,
+              "extend_impl MHA_CHUNKED: the CUDA backend has no chunked-prefix path yet (its latent "
+              "gather and k/v expansion run on the CPU only)");
   mla_backend_desc d = *desc;
   if (d.qk_nope_dim == 0) d.qk_nope_dim = 128;
   if (d.v_dim == 0) d.v_dim = 128;
   if (d.chunk_capacity == 0) d.chunk_capacity = MLA_DEFAULT_CHUNK_CAPACITY;
-  if (d.num_sm == 0) d.num_sm = mla_ctx_workers(ctx);
+  if (d.num_sm == 0) d.num_sm = on_cuda ? ctx->sm_count : mla_ctx_workers(ctx);
   MLA_REQUIRE(eb, d.max_bs >= 1, MLA_ERR_INVALID_ARGUMENT, "max_bs = %d, expected >= 1", d.max_bs);
   MLA_REQUIRE(eb, d.max_q_tokens >= 1, MLA_ERR_INVALID_ARGUMENT, "max_q_tokens = %d, expected >= 1",
               d.max_q_tokens);
@@ -129,6 +176,7 @@ mla_status mla_backend_create(mla_ctx *ctx, const mla_backend_desc *desc, mla_ba
   if (!be) return mla_fail(eb, MLA_ERR_OUT_OF_MEMORY, __func__, "backend struct");
   be->ctx = ctx;
   be->desc = d;
+  be->on_cuda = on_cuda;
   mla_status st = mla_kv_cache_create(ctx, &d.cache, &be->cache);
   if (st != MLA_OK) {
     mla_backend_destroy(be);
@@ -146,7 +194,10 @@ mla_status mla_backend_create(mla_ctx *ctx, const mla_backend_desc *desc, mla_ba
   be->lim = lim;
   st = mla_plan_workspace_size(ctx, &lim, &be->plan_ws_bytes);
   if (st == MLA_OK && !(be->plan_ws = malloc(be->plan_ws_bytes))) st = MLA_ERR_OUT_OF_MEMORY;
-  if (st == MLA_OK) {
+  if (st == MLA_OK && !(be->stage_scratch = malloc(sizeof(int32_t) * 2 * (size_t)d.max_bs)))
+    st = mla_fail(eb, MLA_ERR_OUT_OF_MEMORY, __func__, "staging scratch");
+  if (st == MLA_OK && on_cuda) st = mla_mirror_init(&be->mirror, be->rt, eb);
+  if (st == MLA_OK && !on_cuda) {
     /* The largest plan the limits allow sizes the attention workspace. */
     mla_plan worst;
     memset(&worst, 0, sizeof worst);
@@ -204,10 +255,133 @@ mla_status mla_backend_req_table(mla_backend *be, mla_req_table **rt) {
   return MLA_OK;
 }
 
+/* A decode-type batch every row of which has the same query count: the
+ * modes a device-built step (mla_step_*) covers. */
+static int is_step_mode(const mla_batch *b) {
+  return b->mode == MLA_MODE_DECODE || b->mode == MLA_MODE_TARGET_VERIFY ||
+         (b->mode == MLA_MODE_DRAFT_EXTEND && !b->extend_lens);
+}
+
+static mla_step_desc step_desc_of(const mla_backend *be, mla_mode mode, int bs, int ndt) {
+  mla_step_desc d;
+  memset(&d, 0, sizeof d);
+  d.mode = mode;
+  d.batch_size = bs;
+  d.num_draft_tokens = mode == MLA_MODE_DECODE ? 0 : ndt;
+  d.max_kv_len = be->desc.max_context;
+  d.num_heads = be->desc.num_heads;
+  d.page_size = be->desc.cache.page_size;
+  d.num_sm = be->desc.num_sm;
+  return d;
+}
+
+/* Workspace memory of the backend's device (CUDA or host). */
+static void *dev_alloc(const mla_backend *be, size_t bytes) {
+#ifdef MLA_WITH_CUDA
+  if (be->on_cuda) {
+    void *p = NULL;
+    return mla_cuda_malloc(&p, bytes ? bytes : 16) ? NULL : p;
+  }
+#endif
+  (void)be;
+  return malloc(bytes ? bytes : 16);
+}
+
+/* Host checks of a step batch (what mla_plan_build checks for these modes,
+ * without building host metadata). */
+static mla_status check_step_batch(mla_backend *be, const mla_batch *b) {
+  const char *fn = "mla_backend_plan";
+  mla_errbuf *eb = &be->err;
+  const int ndt = b->mode == MLA_MODE_DECODE ? 1 : b->num_draft_tokens;
+  MLA_PLAN_REQUIRE(eb, fn, b->batch_size >= 1 && b->batch_size <= be->desc.max_bs, MLA_ERR_CAPACITY,
+                   "batch_size = %d, the backend takes 1..max_bs = %d", (int)b->batch_size, be->desc.max_bs);
+  MLA_PLAN_REQUIRE(eb, fn, b->req_ids && b->seq_lens, MLA_ERR_INVALID_ARGUMENT, "req_ids / seq_lens is NULL");
+  MLA_PLAN_REQUIRE(eb, fn, b->mode == MLA_MODE_DECODE || (ndt >= 1 && ndt <= 64), MLA_ERR_INVALID_ARGUMENT,
+                   "num_draft_tokens = %d, expected 1..64", (int)b->num_draft_tokens);
+  MLA_PLAN_REQUIRE(eb, fn, (int64_t)b->batch_size * ndt <= be->desc.max_q_tokens, MLA_ERR_CAPACITY,
+                   "batch has %lld query tokens, max_q_tokens = %d", (long long)b->batch_size * ndt,
+                   be->desc.max_q_tokens);
+  const int extra = b->mode == MLA_MODE_TARGET_VERIFY ? b->num_draft_tokens : 0;
+  for (int i = 0; i < b->batch_size; i++) {
+    MLA_PLAN_REQUIRE(eb, fn, b->seq_lens[i] >= 0, MLA_ERR_INVALID_ARGUMENT, "seq_lens[%d] = %d", i,
+                     (int)b->seq_lens[i]);
+    const int64_t k = (int64_t)b->seq_lens[i] + extra;
+    MLA_PLAN_REQUIRE(eb, fn, k <= be->desc.max_context, MLA_ERR_CAPACITY,
+                     "request %d has %lld keys, max_context = %d", i, (long long)k, be->desc.max_context);
+    if (b->req_ids[i] == MLA_REQ_PAD) continue;
+    mla_status st = mla_plan_check_req(eb, fn, be->rt, "req_ids", i, b->req_ids[i], k);
+    if (st != MLA_OK) return st;
+  }
+  return MLA_OK;
+}
+
+/* Plan a step on the CUDA backend: sync the table mirror, stage the ids and
+ * lengths, build the metadata on the device. */
+static mla_status plan_cuda_step(mla_backend *be, const mla_batch *b) {
+  mla_status st = check_step_batch(be, b);
+  if (st != MLA_OK) return st;
+  const int bs = b->batch_size;
+  mla_step_desc d = step_desc_of(be, b->mode, bs, b->num_draft_tokens);
+  size_t need = 0;
+  st = mla_step_workspace_size(be->ctx, &d, &need);
+  if (st != MLA_OK) return forward_fail(be, st, "mla_backend_plan", mla_ctx_last_error(be->ctx));
+  if (need > be->step_ws_bytes) {
+    /* Grows to the largest step seen (a freed buffer may still be read by
+     * enqueued work: wait for it first). */
+#ifdef MLA_WITH_CUDA
+    int e = mla_cuda_stream_sync(be->ctx->stream);
+    if (e) return mla_cuda_fail(&be->err, "mla_backend_plan", "stream", e);
+#endif
+    dev_free(be, be->step_ws);
+    be->step_ws_bytes = 0;
+    if (!(be->step_ws = dev_alloc(be, need)))
+      return mla_fail(&be->err, MLA_ERR_OUT_OF_MEMORY, "mla_backend_plan", "step workspace of %zu bytes", need);
+    be->step_ws_bytes = need;
+  }
+  st = mla_mirror_sync(&be->mirror, be->rt, be->ctx->stream, &be->err);
+  if (st != MLA_OK) return st;
+  memcpy(be->stage_scratch, b->req_ids, sizeof(int32_t) * (size_t)bs);
+  memcpy(be->stage_scratch + bs, b->seq_lens, sizeof(int32_t) * (size_t)bs);
+  const int32_t *staged = NULL;
+  st = mla_mirror_stage(&be->mirror, be->stage_scratch, 2 * bs, be->ctx->stream, &staged, &be->err);
+  if (st != MLA_OK) return st;
+  mla_step_inputs in = {be->mirror.d_r2t, be->desc.max_context, be->desc.max_reqs, staged, staged + bs};
+  st = mla_step_prepare(be->ctx, &d, be->cache, &in, be->step_ws, be->step_ws_bytes);
+  if (st != MLA_OK) return forward_fail(be, st, "mla_backend_plan", mla_ctx_last_error(be->ctx));
+  be->step = d;
+  be->step_active = 1;
+  be->graph_step = 0;
+  return MLA_OK;
+}
+
+/* The query-row view of a step that forward needs (rows, mode). */
+static void plan_from_step(mla_backend *be, const mla_step_desc *d) {
+  memset(&be->plan, 0, sizeof be->plan);
+  const int q = d->mode == MLA_MODE_DECODE ? 1 : d->num_draft_tokens;
+  be->plan.mode = d->mode;
+  be->plan.batch_size = d->batch_size;
+  be->plan.num_q_tokens = d->batch_size * q;
+  be->plan.max_q_len = q;
+  be->plan.causal = d->mode != MLA_MODE_DECODE;
+  be->plan.page_size = d->page_size;
+  be->plan.num_heads = d->num_heads;
+  be->has_prefix = 0;
+}
+
 mla_status mla_backend_plan(mla_backend *be, const mla_batch *batch) {
   if (!be) return MLA_ERR_INVALID_ARGUMENT;
   MLA_REQUIRE_PTR(&be->err, batch);
   be->planned = 0;
+  be->step_active = 0;
+  be->graph_step = 0;
+  if (be->on_cuda && batch->mode != MLA_MODE_IDLE && batch->batch_size > 0 && is_step_mode(batch)) {
+    mla_status st = plan_cuda_step(be, batch);
+    if (st != MLA_OK) return st;
+    plan_from_step(be, &be->step);
+    be->planned = 1;
+    mla_clear_error(&be->err);
+    return MLA_OK;
+  }
   mla_plan plan;
   mla_status st = mla_plan_build(be->ctx, be->rt, batch, &be->lim, be->desc.num_heads, be->plan_ws,
                                  be->plan_ws_bytes, &plan);
@@ -215,18 +389,142 @@ mla_status mla_backend_plan(mla_backend *be, const mla_batch *batch) {
   int has_prefix = 0;
   if (batch->mode == MLA_MODE_EXTEND && batch->prefix_lens)
     for (int i = 0; i < batch->batch_size; i++) has_prefix |= batch->prefix_lens[i] > 0;
+  if (be->on_cuda && plan.mode != MLA_MODE_IDLE && plan.batch_size > 0) {
+    /* CUDA: decode-type steps went above; what is left runs through MHA
+     * (EXTEND without prefix) or is not there yet. */
+    MLA_REQUIRE(&be->err, plan.mode == MLA_MODE_EXTEND && !has_prefix, MLA_ERR_UNSUPPORTED,
+                "%s: the CUDA backend takes DECODE, TARGET_VERIFY, DRAFT_EXTEND with a fixed window and "
+                "EXTEND without prefix (paged prefill over a prefix and varlen draft extend are CPU-only "
+                "for now)",
+                plan.mode == MLA_MODE_EXTEND ? "EXTEND with a prefix" : "DRAFT_EXTEND with extend_lens");
+    st = mla_mirror_stage(&be->mirror, plan.qo_indptr, plan.batch_size + 1, be->ctx->stream, &be->mha_indptr,
+                          &be->err);
+    if (st != MLA_OK) return st;
+  }
   if (has_prefix && be->desc.extend_impl == MLA_EXTEND_MHA_CHUNKED) {
     st = mla_chunk_plan_build(be->ctx, be->rt, batch->batch_size, batch->req_ids, batch->prefix_lens,
                               be->desc.chunk_capacity, be->chunk_ws, be->chunk_ws_bytes, &be->chunks);
     if (st != MLA_OK) return forward_fail(be, st, __func__, mla_ctx_last_error(be->ctx));
   }
-  st = size_attention_workspace(be, &plan);
-  if (st != MLA_OK) return st;
+  if (!be->on_cuda) {
+    st = size_attention_workspace(be, &plan);
+    if (st != MLA_OK) return st;
+  }
   be->plan = plan;
   be->has_prefix = has_prefix;
   be->planned = 1;
   mla_clear_error(&be->err);
   return MLA_OK;
+}
+
+/* ---- CUDA-graph steps ------------------------------------------------------- */
+
+mla_status mla_backend_graph_init(mla_backend *be, int max_bs, int max_draft_tokens) {
+  if (!be) return MLA_ERR_INVALID_ARGUMENT;
+  mla_errbuf *eb = &be->err;
+  MLA_REQUIRE(eb, max_bs >= 1 && max_bs <= be->desc.max_bs, MLA_ERR_INVALID_ARGUMENT,
+              "max_bs = %d, expected 1..%d (the backend's max_bs)", max_bs, be->desc.max_bs);
+  MLA_REQUIRE(eb, max_draft_tokens >= 0 && max_draft_tokens <= 64, MLA_ERR_INVALID_ARGUMENT,
+              "max_draft_tokens = %d, expected 0..64", max_draft_tokens);
+  MLA_REQUIRE(eb, !be->g_ws, MLA_ERR_BAD_STATE, "graph buffers exist already (mla_backend_graph_init twice)");
+  /* The largest step: every query count up to the window (the split count
+   * depends on it), at max_bs. */
+  size_t need = 0;
+  for (int q = 1; q <= (max_draft_tokens > 0 ? max_draft_tokens : 1); q++) {
+    mla_step_desc d = step_desc_of(be, q == 1 && max_draft_tokens == 0 ? MLA_MODE_DECODE : MLA_MODE_TARGET_VERIFY,
+                                   max_bs, q);
+    size_t n = 0;
+    mla_status st = mla_step_workspace_size(be->ctx, &d, &n);
+    if (st != MLA_OK) return forward_fail(be, st, __func__, mla_ctx_last_error(be->ctx));
+    if (n > need) need = n;
+  }
+  be->g_ids = dev_alloc(be, sizeof(int32_t) * (size_t)max_bs);
+  be->g_seq = dev_alloc(be, sizeof(int32_t) * (size_t)max_bs);
+  be->g_ws = dev_alloc(be, need);
+  if (!be->g_ids || !be->g_seq || !be->g_ws) {
+    dev_free(be, be->g_ids);
+    dev_free(be, be->g_seq);
+    dev_free(be, be->g_ws);
+    be->g_ids = be->g_seq = NULL;
+    be->g_ws = NULL;
+    return mla_fail(eb, MLA_ERR_OUT_OF_MEMORY, __func__, "graph buffers (%zu bytes of workspace)", need);
+  }
+  /* Padding until the engine writes real rows. */
+  int32_t *tmp = malloc(sizeof(int32_t) * 2 * (size_t)max_bs);
+  if (!tmp) return mla_fail(eb, MLA_ERR_OUT_OF_MEMORY, __func__, "scratch");
+  for (int i = 0; i < max_bs; i++) {
+    tmp[i] = MLA_REQ_PAD;
+    tmp[max_bs + i] = 1;
+  }
+  int e = 0;
+#ifdef MLA_WITH_CUDA
+  if (be->on_cuda) {
+    e = mla_cuda_memcpy_async(be->g_ids, tmp, sizeof(int32_t) * (size_t)max_bs, be->ctx->stream);
+    if (!e) e = mla_cuda_memcpy_async(be->g_seq, tmp + max_bs, sizeof(int32_t) * (size_t)max_bs, be->ctx->stream);
+    if (!e) e = mla_cuda_stream_sync(be->ctx->stream);
+  }
+#endif
+  if (!be->on_cuda) {
+    memcpy(be->g_ids, tmp, sizeof(int32_t) * (size_t)max_bs);
+    memcpy(be->g_seq, tmp + max_bs, sizeof(int32_t) * (size_t)max_bs);
+  }
+  free(tmp);
+  if (e) return mla_cuda_fail(eb, __func__, "graph input init", e);
+  be->g_ws_bytes = need;
+  be->graph_max_bs = max_bs;
+  be->graph_max_ndt = max_draft_tokens;
+  mla_clear_error(eb);
+  return MLA_OK;
+}
+
+mla_status mla_backend_graph_inputs(mla_backend *be, int32_t **req_ids, int32_t **seq_lens) {
+  if (!be) return MLA_ERR_INVALID_ARGUMENT;
+  MLA_REQUIRE(&be->err, req_ids && seq_lens, MLA_ERR_INVALID_ARGUMENT, "req_ids / seq_lens is NULL");
+  MLA_REQUIRE(&be->err, be->g_ws, MLA_ERR_BAD_STATE, "no graph buffers: call mla_backend_graph_init first");
+  *req_ids = be->g_ids;
+  *seq_lens = be->g_seq;
+  return MLA_OK;
+}
+
+mla_status mla_backend_graph_step(mla_backend *be, mla_mode mode, int batch_size, int num_draft_tokens) {
+  if (!be) return MLA_ERR_INVALID_ARGUMENT;
+  mla_errbuf *eb = &be->err;
+  be->planned = 0;
+  be->step_active = 0;
+  be->graph_step = 0;
+  MLA_REQUIRE(eb, be->g_ws, MLA_ERR_BAD_STATE, "no graph buffers: call mla_backend_graph_init first");
+  MLA_REQUIRE(eb, mode == MLA_MODE_DECODE || mode == MLA_MODE_TARGET_VERIFY || mode == MLA_MODE_DRAFT_EXTEND,
+              MLA_ERR_INVALID_ARGUMENT, "mode = %d: graph steps are DECODE, TARGET_VERIFY or DRAFT_EXTEND",
+              (int)mode);
+  MLA_REQUIRE(eb, batch_size >= 1 && batch_size <= be->graph_max_bs, MLA_ERR_INVALID_ARGUMENT,
+              "batch_size = %d, expected 1..%d (mla_backend_graph_init)", batch_size, be->graph_max_bs);
+  const int ndt = mode == MLA_MODE_DECODE ? 0 : num_draft_tokens;
+  MLA_REQUIRE(eb, mode == MLA_MODE_DECODE ? num_draft_tokens == 0
+                                          : (ndt >= 1 && ndt <= be->graph_max_ndt),
+              MLA_ERR_INVALID_ARGUMENT, "num_draft_tokens = %d, expected %s", num_draft_tokens,
+              mode == MLA_MODE_DECODE ? "0 for DECODE" : "1..max_draft_tokens of mla_backend_graph_init");
+  MLA_REQUIRE(eb, (int64_t)batch_size * (ndt ? ndt : 1) <= be->desc.max_q_tokens, MLA_ERR_CAPACITY,
+              "%d query tokens exceed max_q_tokens = %d", batch_size * (ndt ? ndt : 1), be->desc.max_q_tokens);
+  mla_step_desc d = step_desc_of(be, mode, batch_size, ndt);
+  const int32_t *r2t = be->on_cuda ? be->mirror.d_r2t : be->rt->req_to_token;
+  mla_step_inputs in = {r2t, be->desc.max_context, be->desc.max_reqs, be->g_ids, be->g_seq};
+  mla_status st = mla_step_prepare(be->ctx, &d, be->cache, &in, be->g_ws, be->g_ws_bytes);
+  if (st != MLA_OK) return forward_fail(be, st, __func__, mla_ctx_last_error(be->ctx));
+  be->step = d;
+  be->step_active = 1;
+  be->graph_step = 1;
+  plan_from_step(be, &d);
+  be->planned = 1;
+  mla_clear_error(eb);
+  return MLA_OK;
+}
+
+mla_status mla_backend_sync(mla_backend *be) {
+  if (!be) return MLA_ERR_INVALID_ARGUMENT;
+  if (!be->on_cuda) return MLA_OK;
+  mla_status st = mla_mirror_sync(&be->mirror, be->rt, be->ctx->stream, &be->err);
+  if (st == MLA_OK) mla_clear_error(&be->err);
+  return st;
 }
 
 /* The last-error text is not logical state: queries on a const handle may
@@ -237,6 +535,9 @@ mla_status mla_backend_get_plan(const mla_backend *be, const mla_plan **plan) {
   if (!be) return MLA_ERR_INVALID_ARGUMENT;
   MLA_REQUIRE_PTR(query_err(be), plan);
   MLA_REQUIRE(query_err(be), be->planned, MLA_ERR_BAD_STATE, "no plan: call mla_backend_plan first");
+  MLA_REQUIRE(query_err(be), !be->step_active, MLA_ERR_UNSUPPORTED,
+              "this step's metadata was built on the device (CUDA decode-type or graph step): it has no "
+              "host plan");
   *plan = &be->plan;
   return MLA_OK;
 }
@@ -261,8 +562,12 @@ static mla_status run_absorbed(mla_backend *be, const mla_forward_args *a) {
   aa.q_rope = a->q_rope;
   aa.out = a->out;
   aa.lse = a->lse;
-  mla_status st = mla_attention_absorbed(be->ctx, be->cache, a->layer, &be->plan, &aa, be->attn_ws,
-                                         be->attn_ws_bytes);
+  mla_status st;
+  if (be->step_active)
+    st = mla_step_attention(be->ctx, &be->step, be->cache, a->layer, &aa, be->graph_step ? be->g_ws : be->step_ws,
+                            be->graph_step ? be->g_ws_bytes : be->step_ws_bytes);
+  else
+    st = mla_attention_absorbed(be->ctx, be->cache, a->layer, &be->plan, &aa, be->attn_ws, be->attn_ws_bytes);
   if (st != MLA_OK) return forward_fail(be, st, "mla_backend_forward", mla_ctx_last_error(be->ctx));
   return MLA_OK;
 }
@@ -278,8 +583,8 @@ static mla_ragged_args extend_ragged(const mla_backend *be, const mla_forward_ar
   r.scale = be->desc.scale;
   r.causal = 1;
   r.act_dtype = be->desc.act_dtype;
-  r.qo_indptr = be->plan.qo_indptr;
-  r.kv_indptr = be->plan.qo_indptr;
+  r.qo_indptr = be->on_cuda ? be->mha_indptr : be->plan.qo_indptr;
+  r.kv_indptr = r.qo_indptr;
   r.q = a->q;
   r.k = a->k;
   r.v = a->v;

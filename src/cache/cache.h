@@ -51,7 +51,17 @@ struct mla_req_table_s {
   int32_t *page_refs;     /* [num_pages] */
   int32_t *free_list;     /* stack of free pages */
   int num_free;
+  /* Rows changed since the last mla_req_table_take_dirty (a device copy of
+   * req_to_token is brought up to date from them): positions
+   * [dirty_lo, dirty_hi) of each request listed in dirty_ids. */
+  int32_t *dirty_lo, *dirty_hi; /* [max_reqs]; lo = INT32_MAX when clean */
+  int32_t *dirty_ids;           /* [max_reqs] */
+  int num_dirty;
   mla_errbuf err;
 };
+
+/* Hands out the changed rows and marks the table clean: ids[k], lo[k],
+ * hi[k] for k < *n (arrays of max_reqs entries). */
+void mla_req_table_take_dirty(mla_req_table *rt, int32_t *ids, int32_t *lo, int32_t *hi, int *n);
 
 #endif /* MLA_CACHE_CACHE_H */

@@ -52,6 +52,31 @@ static int32_t page_pop(mla_req_table *rt) {
   return page;
 }
 
+/* Positions [lo, hi) of request id changed. */
+static void mark_dirty(mla_req_table *rt, int32_t id, int32_t lo, int32_t hi) {
+  if (lo >= hi) return;
+  if (rt->dirty_lo[id] == INT32_MAX) {
+    rt->dirty_ids[rt->num_dirty++] = id;
+    rt->dirty_lo[id] = lo;
+    rt->dirty_hi[id] = hi;
+    return;
+  }
+  if (lo < rt->dirty_lo[id]) rt->dirty_lo[id] = lo;
+  if (hi > rt->dirty_hi[id]) rt->dirty_hi[id] = hi;
+}
+
+void mla_req_table_take_dirty(mla_req_table *rt, int32_t *ids, int32_t *lo, int32_t *hi, int *n) {
+  for (int k = 0; k < rt->num_dirty; k++) {
+    const int32_t id = rt->dirty_ids[k];
+    ids[k] = id;
+    lo[k] = rt->dirty_lo[id];
+    hi[k] = rt->dirty_hi[id];
+    rt->dirty_lo[id] = INT32_MAX;
+  }
+  *n = rt->num_dirty;
+  rt->num_dirty = 0;
+}
+
 static void page_release(mla_req_table *rt, int32_t page) {
   if (--rt->page_refs[page] == 0) rt->free_list[rt->num_free++] = page;
 }
@@ -81,6 +106,9 @@ void mla_req_table_destroy(mla_req_table *rt) {
   free(rt->live);
   free(rt->page_refs);
   free(rt->free_list);
+  free(rt->dirty_lo);
+  free(rt->dirty_hi);
+  free(rt->dirty_ids);
   free(rt);
 }
 
@@ -141,8 +169,11 @@ mla_status mla_req_table_create(mla_ctx *ctx, const mla_req_table_desc *desc, ml
   rt->live = calloc((size_t)desc->max_reqs, 1);
   rt->page_refs = calloc((size_t)desc->num_pages, sizeof *rt->page_refs);
   rt->free_list = malloc((size_t)desc->num_pages * sizeof *rt->free_list);
+  rt->dirty_lo = malloc((size_t)desc->max_reqs * sizeof *rt->dirty_lo);
+  rt->dirty_hi = malloc((size_t)desc->max_reqs * sizeof *rt->dirty_hi);
+  rt->dirty_ids = malloc((size_t)desc->max_reqs * sizeof *rt->dirty_ids);
   if (!rt->req_to_token || !rt->req_pages || !rt->req_len || !rt->live || !rt->page_refs ||
-      !rt->free_list) {
+      !rt->free_list || !rt->dirty_lo || !rt->dirty_hi || !rt->dirty_ids) {
     mla_req_table_destroy(rt);
     return mla_fail(eb, MLA_ERR_OUT_OF_MEMORY, __func__,
                     "cannot allocate the table (%zu bytes of req_to_token)", tok_bytes);
@@ -151,6 +182,8 @@ mla_status mla_req_table_create(mla_ctx *ctx, const mla_req_table_desc *desc, ml
   rt->num_free = 0;
   for (int32_t p = desc->num_pages - 1; p >= 1; p--) rt->free_list[rt->num_free++] = p;
   rt->page_refs[0] = 1; /* reserved dummy page, never on the free stack */
+  for (int i = 0; i < desc->max_reqs; i++) rt->dirty_lo[i] = INT32_MAX;
+  rt->num_dirty = 0;
   *out = rt;
   return MLA_OK;
 }
@@ -262,6 +295,7 @@ mla_status mla_req_extend(mla_req_table *rt, int32_t req_id, int n,
     page_release(rt, old); /* stays > 0: it was shared */
     pages[have - 1] = fresh;
     for (int p = page_start; p < len; p++) tok[p] = fresh * P + (p - page_start);
+    mark_dirty(rt, req_id, page_start, len);
   }
   for (int k = have; k < want; k++) pages[k] = page_pop(rt);
   for (int i = 0; i < n; i++) {
@@ -271,6 +305,7 @@ mla_status mla_req_extend(mla_req_table *rt, int32_t req_id, int n,
     if (slots_out) slots_out[i] = slot;
   }
   rt->req_len[req_id] = len + n;
+  mark_dirty(rt, req_id, len, len + n);
   return MLA_OK;
 }
 
@@ -307,6 +342,7 @@ mla_status mla_req_fork(mla_req_table *rt, int32_t src_id, int prefix_len, int32
   memcpy(row_tokens(rt, id), row_tokens(rt, src_id), (size_t)prefix_len * sizeof(int32_t));
   rt->live[id] = 1;
   rt->req_len[id] = prefix_len;
+  mark_dirty(rt, id, 0, prefix_len);
   *new_id = id;
   return MLA_OK;
 }

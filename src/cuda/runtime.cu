@@ -42,3 +42,38 @@ extern "C" int mla_cuda_is_device_ptr(const void *p) {
   }
   return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
 }
+
+extern "C" int mla_cuda_host_alloc(void **p, size_t bytes) {
+  return (int)cudaHostAlloc(p, bytes, cudaHostAllocDefault);
+}
+
+extern "C" int mla_cuda_host_free(void *p) { return (int)cudaFreeHost(p); }
+
+extern "C" int mla_cuda_event_create(void **ev) {
+  return (int)cudaEventCreateWithFlags((cudaEvent_t *)ev, cudaEventDisableTiming);
+}
+
+extern "C" int mla_cuda_event_destroy(void *ev) { return (int)cudaEventDestroy((cudaEvent_t)ev); }
+
+extern "C" int mla_cuda_event_record(void *ev, void *stream) {
+  return (int)cudaEventRecord((cudaEvent_t)ev, (cudaStream_t)stream);
+}
+
+extern "C" int mla_cuda_event_sync(void *ev) { return (int)cudaEventSynchronize((cudaEvent_t)ev); }
+
+// One block per segment; the segments of a table sync are request rows.
+__global__ void scatter_segments_kernel(int32_t *__restrict__ dst, const int64_t *__restrict__ dst_off,
+                                        const int32_t *__restrict__ src_off, const int32_t *__restrict__ count,
+                                        const int32_t *__restrict__ src) {
+  const int s = blockIdx.x;
+  int32_t *d = dst + dst_off[s];
+  const int32_t *v = src + src_off[s];
+  for (int i = threadIdx.x; i < count[s]; i += blockDim.x) d[i] = v[i];
+}
+
+extern "C" int mla_cuda_scatter_segments(int32_t *dst, const int64_t *dst_off, const int32_t *src_off,
+                                         const int32_t *count, const int32_t *src, int n, void *stream) {
+  if (n <= 0) return 0;
+  scatter_segments_kernel<<<n, 256, 0, (cudaStream_t)stream>>>(dst, dst_off, src_off, count, src);
+  return (int)cudaGetLastError();
+}

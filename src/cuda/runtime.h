@@ -23,6 +23,18 @@ int mla_cuda_free(void *p);
 int mla_cuda_memset_async(void *p, int value, size_t bytes, void *stream);
 int mla_cuda_memcpy_async(void *dst, const void *src, size_t bytes, void *stream); /* any direction */
 int mla_cuda_stream_sync(void *stream);
+/* Page-locked host memory (async copies from it are true DMA). */
+int mla_cuda_host_alloc(void **p, size_t bytes);
+int mla_cuda_host_free(void *p);
+/* Events (cudaEvent_t as void *), timing disabled. */
+int mla_cuda_event_create(void **ev);
+int mla_cuda_event_destroy(void *ev);
+int mla_cuda_event_record(void *ev, void *stream);
+int mla_cuda_event_sync(void *ev);
+/* Scatter of n segments (all arrays device memory): segment i copies
+ * counts[i] int32 values from src + src_offsets[i] to dst + dst_offsets[i]. */
+int mla_cuda_scatter_segments(int32_t *dst, const int64_t *dst_offsets, const int32_t *src_offsets,
+                              const int32_t *counts, const int32_t *src, int n, void *stream);
 /* 1 when p is device (or managed) memory, 0 for host memory. */
 int mla_cuda_is_device_ptr(const void *p);
 

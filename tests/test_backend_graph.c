@@ -1,0 +1,336 @@
+/* The backend's graph steps (mla_backend_graph_*) against its eager steps,
+ * through a decode loop with continuous batching: two backends with the same
+ * descriptor get the same request-table operations (so the same slots); one
+ * runs each step eagerly (mla_backend_plan + forward), the other as a graph
+ * step (inputs written into the fixed buffers, mla_backend_sync,
+ * mla_backend_graph_step + forward). Each step writes this step's latent
+ * rows (KV write inside forward) then attends, over 2 layers; requests join
+ * and finish, and the batch is padded to a bucket. Outputs must be equal bit
+ * for bit, at every step.
+ *
+ * CPU context (always): graph steps run eagerly from host buffers. CUDA
+ * context (when a GPU is present): the graph step and the layers are
+ * captured once per bucket in a CUDA graph on a non-blocking stream and
+ * replayed; the eager backend plans on the device too; and a CUDA step is
+ * compared with the CPU backend on the same inputs (bf16 tolerance). Also the
+ * refusals of the graph calls. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mla.h"
+#include "test_util.h"
+
+#ifdef MLA_TEST_CUDA
+#include "cuda_util.h"
+#endif
+
+#define LAYERS 2
+#define H 16
+#define MAXB 8
+#define STEPS 40
+static const float SCALE = 0.0721687836f;
+static tu_rng rng;
+
+typedef struct twin {
+  mla_ctx *ctx;
+  int cuda;
+  mla_backend *eager, *graph;
+  mla_req_table *rt_e, *rt_g;
+} twin;
+
+static mla_backend_desc desc_of(void) {
+  mla_backend_desc d;
+  memset(&d, 0, sizeof d);
+  d.cache.num_layers = LAYERS;
+  d.cache.num_pages = 160;
+  d.cache.page_size = 16;
+  d.cache.dtype = MLA_DTYPE_BF16;
+  d.max_reqs = 16;
+  d.max_context = 600;
+  d.max_bs = MAXB;
+  d.max_q_tokens = 64;
+  d.num_heads = H;
+  d.scale = SCALE;
+  d.act_dtype = MLA_DTYPE_BF16;
+  d.num_sm = 10;
+  return d;
+}
+
+/* ---- buffers on the context's device --------------------------------------- */
+static void *buf_new(const twin *t, size_t n) {
+#ifdef MLA_TEST_CUDA
+  if (t->cuda) return tu_dev_alloc(n);
+#endif
+  (void)t;
+  return calloc(1, n ? n : 16);
+}
+static void buf_free(const twin *t, void *p) {
+#ifdef MLA_TEST_CUDA
+  if (t->cuda) {
+    cudaFree(p);
+    return;
+  }
+#endif
+  (void)t;
+  free(p);
+}
+static void buf_put(const twin *t, void *dst, const void *src, size_t n) {
+#ifdef MLA_TEST_CUDA
+  if (t->cuda) {
+    CK(cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice));
+    return;
+  }
+#endif
+  (void)t;
+  memcpy(dst, src, n);
+}
+static void buf_get(const twin *t, void *dst, const void *src, size_t n) {
+#ifdef MLA_TEST_CUDA
+  if (t->cuda) {
+    CK(cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost));
+    return;
+  }
+#endif
+  (void)t;
+  memcpy(dst, src, n);
+}
+
+static void rand_bf16(uint16_t *dst, int64_t n) {
+  float *f = malloc(sizeof(float) * (size_t)n);
+  tu_fill_bf16_normal(&rng, f, n, 1.0);
+  tu_to_dtype(MLA_DTYPE_BF16, f, dst, n);
+  free(f);
+}
+
+/* One decode loop; returns the number of steps whose outputs differed. */
+static void decode_loop(twin *t) {
+  const char *dev = t->cuda ? "cuda" : "cpu";
+  mla_backend_desc d = desc_of();
+  TU_STATUS(mla_backend_create(t->ctx, &d, &t->eager), MLA_OK);
+  TU_STATUS(mla_backend_create(t->ctx, &d, &t->graph), MLA_OK);
+  if (!t->eager || !t->graph) return;
+  mla_backend_req_table(t->eager, &t->rt_e);
+  mla_backend_req_table(t->graph, &t->rt_g);
+  TU_STATUS(mla_backend_graph_init(t->graph, MAXB, 3), MLA_OK);
+  int32_t *g_ids = NULL, *g_seq = NULL;
+  TU_STATUS(mla_backend_graph_inputs(t->graph, &g_ids, &g_seq), MLA_OK);
+
+  /* fixed-address per-step buffers (what a captured graph reads) */
+  const int TQ = MAXB; /* one query per row (DECODE) */
+  uint16_t *hq_n = malloc(2 * (size_t)TQ * H * MLA_LATENT), *hq_r = malloc(2 * (size_t)TQ * H * MLA_ROPE);
+  uint16_t *hc = malloc(2 * (size_t)TQ * MLA_LATENT), *hr = malloc(2 * (size_t)TQ * MLA_ROPE);
+  uint16_t *oe = malloc(2 * (size_t)TQ * H * MLA_LATENT), *og = malloc(2 * (size_t)TQ * H * MLA_LATENT);
+  void *q_n = buf_new(t, 2 * (size_t)TQ * H * MLA_LATENT), *q_r = buf_new(t, 2 * (size_t)TQ * H * MLA_ROPE);
+  void *c = buf_new(t, 2 * (size_t)TQ * MLA_LATENT), *r = buf_new(t, 2 * (size_t)TQ * MLA_ROPE);
+  int32_t *slots = buf_new(t, sizeof(int32_t) * TQ);
+  void *out[LAYERS];
+  for (int l = 0; l < LAYERS; l++) out[l] = buf_new(t, 2 * (size_t)TQ * H * MLA_LATENT);
+
+#ifdef MLA_TEST_CUDA
+  cudaStream_t s = NULL;
+  cudaGraphExec_t exec[MAXB + 1];
+  memset(exec, 0, sizeof exec);
+  if (t->cuda) {
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    TU_STATUS(mla_ctx_set_stream(t->ctx, s), MLA_OK);
+  }
+#endif
+  /* live requests: id -> length; both tables see the same calls */
+  int live[16] = {0}, nlive = 0;
+  int32_t ids[16];
+  int mismatch = 0, errors = 0, replays = 0;
+  for (int step = 0; step < STEPS; step++) {
+    /* continuous batching: requests join (with a prompt) and finish */
+    while (nlive < 6 || (nlive < MAXB && tu_uniform(&rng) < 0.3)) {
+      int32_t a = -1, b = -1;
+      const int prompt = tu_randint(&rng, 1, 300);
+      if (mla_req_add(t->rt_e, &a) != MLA_OK || mla_req_add(t->rt_g, &b) != MLA_OK || a != b) errors++;
+      if (mla_req_extend(t->rt_e, a, prompt, NULL) != MLA_OK || mla_req_extend(t->rt_g, b, prompt, NULL) != MLA_OK)
+        errors++;
+      ids[nlive] = a;
+      live[nlive++] = prompt;
+    }
+    if (nlive > 3 && tu_uniform(&rng) < 0.25) {
+      const int k = tu_randint(&rng, 0, nlive - 1);
+      if (mla_req_free(t->rt_e, ids[k]) != MLA_OK || mla_req_free(t->rt_g, ids[k]) != MLA_OK) errors++;
+      ids[k] = ids[nlive - 1];
+      live[k] = live[nlive - 1];
+      nlive--;
+    }
+    /* this step: every live request decodes one token; bucket = next even size */
+    const int bs = nlive + (nlive & 1) > MAXB ? MAXB : nlive + (nlive & 1);
+    int32_t rid[MAXB], seq[MAXB], slot[MAXB], slot_g[MAXB];
+    for (int i = 0; i < bs; i++) {
+      if (i < nlive) {
+        if (mla_req_extend(t->rt_e, ids[i], 1, &slot[i]) != MLA_OK ||
+            mla_req_extend(t->rt_g, ids[i], 1, &slot_g[i]) != MLA_OK || slot[i] != slot_g[i])
+          errors++;
+        live[i]++;
+        rid[i] = ids[i];
+        seq[i] = live[i];
+      } else {
+        rid[i] = MLA_REQ_PAD;
+        seq[i] = 1;
+        slot[i] = 0; /* the dummy slot */
+      }
+    }
+    rand_bf16(hq_n, (int64_t)bs * H * MLA_LATENT);
+    rand_bf16(hq_r, (int64_t)bs * H * MLA_ROPE);
+    rand_bf16(hc, (int64_t)bs * MLA_LATENT);
+    rand_bf16(hr, (int64_t)bs * MLA_ROPE);
+    buf_put(t, q_n, hq_n, 2 * (size_t)bs * H * MLA_LATENT);
+    buf_put(t, q_r, hq_r, 2 * (size_t)bs * H * MLA_ROPE);
+    buf_put(t, c, hc, 2 * (size_t)bs * MLA_LATENT);
+    buf_put(t, r, hr, 2 * (size_t)bs * MLA_ROPE);
+    buf_put(t, slots, slot, sizeof(int32_t) * bs);
+
+    /* the layers of one step on backend `be` (new rows of padding rows go
+     * to the dummy slot 0, as engines do) */
+#define RUN_LAYERS(be)                                                                   \
+  do {                                                                                   \
+    for (int l = 0; l < LAYERS; l++) {                                                   \
+      mla_forward_args fa;                                                               \
+      memset(&fa, 0, sizeof fa);                                                         \
+      fa.layer = l;                                                                      \
+      fa.num_new = bs;                                                                   \
+      fa.new_slots = slots;                                                              \
+      fa.new_c = c;                                                                      \
+      fa.new_r = r;                                                                      \
+      fa.q_nope = q_n;                                                                   \
+      fa.q_rope = q_r;                                                                   \
+      fa.out = out[l];                                                                   \
+      if (mla_backend_forward((be), &fa) != MLA_OK) {                                    \
+        errors++;                                                                        \
+        printf("forward (%s): %s\n", dev, mla_backend_last_error(be));                    \
+      }                                                                                  \
+    }                                                                                    \
+  } while (0)
+
+    /* eager */
+    mla_batch b;
+    memset(&b, 0, sizeof b);
+    b.mode = MLA_MODE_DECODE;
+    b.batch_size = bs;
+    b.req_ids = rid;
+    b.seq_lens = seq;
+    if (mla_backend_plan(t->eager, &b) != MLA_OK) {
+      errors++;
+      printf("plan (%s): %s\n", dev, mla_backend_last_error(t->eager));
+    }
+    RUN_LAYERS(t->eager);
+    if (mla_ctx_synchronize(t->ctx) != MLA_OK) errors++;
+    buf_get(t, oe, out[LAYERS - 1], 2 * (size_t)bs * H * MLA_LATENT);
+
+    /* graph */
+    buf_put(t, g_ids, rid, sizeof(int32_t) * bs);
+    buf_put(t, g_seq, seq, sizeof(int32_t) * bs);
+    if (mla_backend_sync(t->graph) != MLA_OK) errors++;
+    if (!t->cuda) {
+      if (mla_backend_graph_step(t->graph, MLA_MODE_DECODE, bs, 0) != MLA_OK) {
+        errors++;
+        printf("graph_step: %s\n", mla_backend_last_error(t->graph));
+      }
+      RUN_LAYERS(t->graph);
+    }
+#ifdef MLA_TEST_CUDA
+    else {
+      if (!exec[bs]) { /* capture this bucket once */
+        cudaGraph_t gr;
+        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+        mla_status st = mla_backend_graph_step(t->graph, MLA_MODE_DECODE, bs, 0);
+        RUN_LAYERS(t->graph);
+        CK(cudaStreamEndCapture(s, &gr));
+        if (st != MLA_OK) errors++;
+        CK(cudaGraphInstantiate(&exec[bs], gr, 0));
+        CK(cudaGraphDestroy(gr));
+      }
+      CK(cudaGraphLaunch(exec[bs], s));
+      replays++;
+    }
+#endif
+    if (mla_ctx_synchronize(t->ctx) != MLA_OK) errors++;
+    buf_get(t, og, out[LAYERS - 1], 2 * (size_t)bs * H * MLA_LATENT);
+    /* live rows only: padding rows are to be ignored */
+    mismatch += memcmp(oe, og, 2 * (size_t)nlive * H * MLA_LATENT) != 0;
+  }
+  TU_CHECK(errors == 0, "%s: %d failed calls in the decode loop", dev, errors);
+  TU_CHECK(mismatch == 0, "%s: %d of %d graph steps differ from the eager steps", dev, mismatch, STEPS);
+  if (t->cuda) TU_CHECK(replays == STEPS, "cuda: %d replays", replays);
+
+  /* refusals */
+  TU_STATUS(mla_backend_graph_step(t->graph, MLA_MODE_DECODE, MAXB + 1, 0), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_backend_graph_step(t->graph, MLA_MODE_TARGET_VERIFY, 2, 4), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_backend_graph_step(t->graph, MLA_MODE_EXTEND, 2, 0), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_backend_graph_step(t->graph, MLA_MODE_DECODE, 2, 1), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_backend_graph_init(t->graph, MAXB, 3), MLA_ERR_BAD_STATE);
+  TU_STATUS(mla_backend_graph_init(t->eager, MAXB + 1, 0), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_backend_graph_init(t->eager, MAXB, 65), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_backend_graph_inputs(t->eager, &g_ids, &g_seq), MLA_ERR_BAD_STATE);
+  TU_STATUS(mla_backend_graph_step(t->eager, MLA_MODE_DECODE, 1, 0), MLA_ERR_BAD_STATE);
+  TU_STATUS(mla_backend_graph_inputs(t->graph, NULL, &g_seq), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_backend_graph_init(NULL, 1, 0), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_backend_sync(NULL), MLA_ERR_INVALID_ARGUMENT);
+  /* TARGET_VERIFY through the graph buffers: a live request of enough length */
+  {
+    int32_t rid1 = ids[0], seq1 = live[0] - 3;
+    buf_put(t, g_ids, &rid1, sizeof rid1);
+    buf_put(t, g_seq, &seq1, sizeof seq1);
+    TU_STATUS(mla_backend_sync(t->graph), MLA_OK);
+    TU_STATUS(mla_backend_graph_step(t->graph, MLA_MODE_TARGET_VERIFY, 1, 3), MLA_OK);
+    const mla_plan *p = NULL;
+    TU_STATUS(mla_backend_get_plan(t->graph, &p), MLA_ERR_UNSUPPORTED);
+  }
+#ifdef MLA_TEST_CUDA
+  if (t->cuda) {
+    for (int i = 0; i <= MAXB; i++)
+      if (exec[i]) CK(cudaGraphExecDestroy(exec[i]));
+    TU_STATUS(mla_ctx_set_stream(t->ctx, NULL), MLA_OK);
+    CK(cudaStreamDestroy(s));
+  }
+#endif
+  free(hq_n);
+  free(hq_r);
+  free(hc);
+  free(hr);
+  free(oe);
+  free(og);
+  buf_free(t, q_n);
+  buf_free(t, q_r);
+  buf_free(t, c);
+  buf_free(t, r);
+  buf_free(t, slots);
+  for (int l = 0; l < LAYERS; l++) buf_free(t, out[l]);
+  mla_backend_destroy(t->eager);
+  mla_backend_destroy(t->graph);
+}
+
+int main(void) {
+  rng.s = tu_seed("test_backend_graph", 20261130);
+  twin t;
+  memset(&t, 0, sizeof t);
+  mla_ctx_desc cd = {MLA_DEVICE_CPU, 2, 0};
+  TU_STATUS(mla_ctx_create(&cd, &t.ctx), MLA_OK);
+  if (t.ctx) {
+    decode_loop(&t);
+    mla_ctx_destroy(t.ctx);
+  }
+#ifdef MLA_TEST_CUDA
+  int n = 0;
+  if (cudaGetDeviceCount(&n) == cudaSuccess && n > 0) {
+    memset(&t, 0, sizeof t);
+    mla_ctx_desc gd = {MLA_DEVICE_CUDA, 0, 0};
+    TU_STATUS(mla_ctx_create(&gd, &t.ctx), MLA_OK);
+    t.cuda = 1;
+    if (t.ctx) {
+      decode_loop(&t);
+      mla_ctx_destroy(t.ctx);
+    }
+  } else {
+    printf("test_backend_graph: cuda part skipped: no GPU\n");
+  }
+#else
+  printf("test_backend_graph: cuda part skipped: built without CUDA\n");
+#endif
+  return tu_finish("test_backend_graph");
+}
