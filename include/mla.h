@@ -522,16 +522,25 @@ MLA_API mla_status mla_expand_kv(mla_ctx *ctx, int num_tokens, int num_heads, in
  * MLA_REQ_PAD reads page 0 only. A row whose request id, length or page ids
  * are out of range is not attended (o = 0, lse = -inf) and counted: the next
  * mla_ctx_synchronize returns MLA_ERR_OUT_OF_RANGE (CPU: mla_step_prepare
- * returns it directly). The metadata equals mla_plan_build's for the same
- * batch and num_sm. */
+ * returns it and writes nothing). Liveness and request lengths are host
+ * state the device cannot see: positions past a request's end hold
+ * MLA_SLOT_UNUSED and read page 0. The metadata equals mla_plan_build's for
+ * the same batch and num_sm (the block table is max_kv_len / page_size wide). */
 typedef struct mla_step_desc {
   mla_mode mode;             /* DECODE, TARGET_VERIFY, or DRAFT_EXTEND (fixed window) */
-  int32_t batch_size;        /* rows of the step (e.g. a graph's batch bucket), >= 1 */
+  int32_t batch_size;        /* rows of the step (e.g. a graph's batch bucket), 1..8192 */
   int32_t num_draft_tokens;  /* TARGET_VERIFY ndt / DRAFT_EXTEND window 1..64; DECODE: 0 */
   int32_t max_kv_len;        /* bound on each row's kv length, >= 1 */
   int32_t num_heads;         /* 1..MLA_MAX_HEADS */
   int32_t page_size;         /* the cache's page size */
-  int32_t num_sm;            /* split-schedule target; 0 = the device's SMs (CPU: workers) */
+  int32_t num_sm;            /* split-schedule target 0..1024; 0 = the device's SMs (CPU: workers) */
+  /* Multi-step draft decode (EAGLE/MTP, topk = 1): num_steps >= 1 makes the
+   * workspace hold num_steps DECODE steps built by one mla_step_prepare,
+   * step i with kv length seq_len + i + 1 (mode must be DECODE); `step`
+   * (0..num_steps-1) picks the one mla_step_attention / get_metadata use.
+   * num_steps = 0: one ordinary step (`step` must be 0). */
+  int32_t num_steps;
+  int32_t step;
 } mla_step_desc;
 
 typedef struct mla_step_inputs {

@@ -253,6 +253,64 @@ static void metadata_and_attention(mla_mode mode, int ndt, int P, int H) {
   sw_free(&w);
 }
 
+/* Multi-step draft on the GPU: every step's device metadata equals the CPU
+ * step's (which tests/test_step.c checks against mla_plan_build). */
+static void draft_steps(int P, int H, int num_steps) {
+  char name[64];
+  snprintf(name, sizeof name, "draft P=%d H=%d steps=%d", P, H, num_steps);
+  sw_world w;
+  if (sw_make(&w, cpu, &rng, MLA_MODE_DECODE, 0, P, H, 12) != 0 || sw_batch(&w, cpu, &rng, 12, 2) != 0) {
+    TU_CHECK(0, "%s: world", name);
+    return;
+  }
+  for (int i = 0; i < w.bs; i++)
+    if (w.req_ids[i] != MLA_REQ_PAD) w.seq[i] = w.seq[i] > num_steps ? w.seq[i] - num_steps : 0;
+  dev_step d;
+  if (dev_make(&d, &w, w.bs, w.Tq) != 0) {
+    TU_CHECK(0, "%s: device setup", name);
+    return;
+  }
+  dev_load(&d, &w);
+  mla_step_desc desc = sw_desc(&w);
+  desc.num_steps = num_steps;
+  size_t cwb = 0;
+  TU_STATUS(mla_step_workspace_size(gpu, &desc, &d.ws_bytes), MLA_OK);
+  TU_STATUS(mla_step_workspace_size(cpu, &desc, &cwb), MLA_OK);
+  d.ws = tu_dev_alloc(d.ws_bytes);
+  void *cws = malloc(cwb);
+  mla_step_inputs in = {d.r2t, w.max_context, w.max_reqs, d.ids, d.seq};
+  mla_step_inputs cin = {w.r2t, w.max_context, w.max_reqs, w.req_ids, w.seq};
+  TU_STATUS(mla_step_prepare(gpu, &desc, d.dcache, &in, d.ws, d.ws_bytes), MLA_OK);
+  TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
+  TU_STATUS(mla_step_prepare(cpu, &desc, w.cache, &cin, cws, cwb), MLA_OK);
+  int bad = 0;
+  for (int k = 0; k < num_steps; k++) {
+    desc.step = k;
+    mla_step_metadata g, c;
+    TU_STATUS(mla_step_get_metadata(gpu, &desc, d.ws, d.ws_bytes, &g), MLA_OK);
+    TU_STATUS(mla_step_get_metadata(cpu, &desc, cws, cwb, &c), MLA_OK);
+    const size_t n_bt = (size_t)w.bs * c.block_table_width, n_sm = (size_t)c.num_sm_parts * MLA_SCHED_META_INTS;
+    int32_t *buf = malloc(4 * (n_bt + n_sm + 3 * (size_t)(w.bs + 1)));
+    int32_t *qo = buf, *kv = qo + w.bs + 1, *ns = kv + w.bs + 1, *bt = ns + w.bs + 1, *sc = bt + n_bt;
+    CK(cudaMemcpy(qo, g.qo_indptr, 4 * (w.bs + 1), cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(kv, g.kv_lens, 4 * w.bs, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(ns, g.num_splits, 4 * (w.bs + 1), cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(bt, g.block_table, 4 * n_bt, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(sc, g.sched_meta, 4 * n_sm, cudaMemcpyDeviceToHost));
+    bad += memcmp(qo, c.qo_indptr, 4 * (w.bs + 1)) != 0;
+    bad += memcmp(kv, c.kv_lens, 4 * w.bs) != 0;
+    bad += memcmp(ns, c.num_splits, 4 * (w.bs + 1)) != 0;
+    bad += memcmp(bt, c.block_table, 4 * n_bt) != 0;
+    bad += memcmp(sc, c.sched_meta, 4 * n_sm) != 0;
+    for (int i = 0; i < w.bs; i++) bad += kv[i] != w.seq[i] + k + 1;
+    free(buf);
+  }
+  TU_CHECK(bad == 0, "%s: %d differences between device and CPU draft-step metadata", name, bad);
+  free(cws);
+  dev_free(&d);
+  sw_free(&w);
+}
+
 /* Capture one step in a graph, replay with new inputs, compare with eager. */
 static void graph_replay(mla_mode mode, int ndt, int P, int H, int replays) {
   char name[96];
@@ -359,6 +417,8 @@ int main(void) {
   metadata_and_attention(MLA_MODE_DECODE, 0, 64, 16);
   metadata_and_attention(MLA_MODE_TARGET_VERIFY, 2, 16, 16);
   metadata_and_attention(MLA_MODE_DRAFT_EXTEND, 3, 64, 3);
+  draft_steps(64, 16, 3);
+  draft_steps(16, 128, 5);
   graph_replay(MLA_MODE_DECODE, 0, 64, 16, 100);
   graph_replay(MLA_MODE_TARGET_VERIFY, 2, 64, 128, 20);
   mla_ctx_destroy(cpu);

@@ -136,6 +136,94 @@ static void one_case(mla_mode mode, int ndt, int P, int H) {
   sw_free(&w);
 }
 
+/* Multi-step draft: one prepare builds num_steps DECODE steps, step k with
+ * kv = seq_len + k + 1; each equals mla_plan_build's DECODE plan for those
+ * lengths, and its attention equals the plan path's bit for bit. */
+static void draft_case(int P, int H, int num_steps) {
+  char name[64];
+  snprintf(name, sizeof name, "draft P=%d H=%d steps=%d", P, H, num_steps);
+  sw_world w;
+  if (sw_make(&w, cpu, &rng, MLA_MODE_DECODE, 0, P, H, 10) != 0 || sw_batch(&w, cpu, &rng, 10, 2) != 0) {
+    TU_CHECK(0, "%s: world: %s", name, mla_ctx_last_error(cpu));
+    return;
+  }
+  for (int i = 0; i < w.bs; i++)
+    if (w.req_ids[i] != MLA_REQ_PAD) w.seq[i] = w.seq[i] > num_steps ? w.seq[i] - num_steps : 0;
+  mla_step_desc d = sw_desc(&w);
+  d.num_steps = num_steps;
+  size_t wsb = 0, one = 0;
+  TU_STATUS(mla_step_workspace_size(cpu, &d, &wsb), MLA_OK);
+  mla_step_desc d1 = sw_desc(&w);
+  TU_STATUS(mla_step_workspace_size(cpu, &d1, &one), MLA_OK);
+  TU_CHECK(wsb > one * (size_t)(num_steps - 1), "%s: workspace %zu for %d steps of %zu", name, wsb, num_steps, one);
+  void *ws = malloc(wsb);
+  mla_step_inputs in = {w.r2t, w.max_context, w.max_reqs, w.req_ids, w.seq};
+  TU_STATUS(mla_step_prepare(cpu, &d, w.cache, &in, ws, wsb), MLA_OK);
+  const size_t ob = 2 * (size_t)w.bs * H * MLA_LATENT;
+  run_out a = {malloc(ob), NULL}, b = {malloc(ob), NULL};
+  for (int k = 0; k < num_steps; k++) {
+    int32_t seqk[SW_MAXB];
+    for (int i = 0; i < w.bs; i++) seqk[i] = w.seq[i] + k + 1;
+    mla_batch bt;
+    memset(&bt, 0, sizeof bt);
+    bt.mode = MLA_MODE_DECODE;
+    bt.batch_size = w.bs;
+    bt.req_ids = w.req_ids;
+    bt.seq_lens = seqk;
+    mla_plan_limits lim = {w.bs, w.bs, w.bs * w.max_context, w.max_context, P, SW_NUM_SM};
+    size_t pb = 0;
+    TU_STATUS(mla_plan_workspace_size(cpu, &lim, &pb), MLA_OK);
+    void *pws = malloc(pb);
+    mla_status st = mla_plan_build(cpu, w.rt, &bt, &lim, H, pws, pb, &w.plan);
+    TU_CHECK(st == MLA_OK, "%s: plan: %s", name, mla_ctx_last_error(cpu));
+    d.step = k;
+    mla_step_metadata m;
+    TU_STATUS(mla_step_get_metadata(cpu, &d, ws, wsb, &m), MLA_OK);
+    const int bad = sw_compare_meta(&w, &m, m.qo_indptr, m.kv_lens, m.block_table, m.sched_meta, m.num_splits);
+    TU_CHECK(bad == 0, "%s: step %d: %d metadata fields differ from the DECODE plan", name, k, bad);
+    mla_absorbed_args aa = args_of(&w, &a), ab = args_of(&w, &b);
+    TU_STATUS(mla_step_attention(cpu, &d, w.cache, 0, &aa, ws, wsb), MLA_OK);
+    size_t pwb = 0;
+    TU_STATUS(mla_attention_absorbed_workspace_size(cpu, &w.plan, H, &pwb), MLA_OK);
+    void *pw = malloc(pwb);
+    TU_STATUS(mla_attention_absorbed(cpu, w.cache, 0, &w.plan, &ab, pw, pwb), MLA_OK);
+    TU_CHECK(memcmp(a.o, b.o, ob) == 0, "%s: step %d attention differs from the plan path", name, k);
+    free(pw);
+    free(pws);
+  }
+  /* refusals specific to draft steps */
+  d.step = num_steps;
+  mla_step_metadata m;
+  TU_STATUS(mla_step_get_metadata(cpu, &d, ws, wsb, &m), MLA_ERR_INVALID_ARGUMENT);
+  d.step = 0;
+  d.mode = MLA_MODE_TARGET_VERIFY;
+  d.num_draft_tokens = 2;
+  TU_STATUS(mla_step_workspace_size(cpu, &d, &wsb), MLA_ERR_INVALID_ARGUMENT);
+  d = sw_desc(&w);
+  d.num_steps = 17;
+  TU_STATUS(mla_step_workspace_size(cpu, &d, &wsb), MLA_ERR_INVALID_ARGUMENT);
+  d.num_steps = 0;
+  d.step = 1;
+  TU_STATUS(mla_step_workspace_size(cpu, &d, &wsb), MLA_ERR_INVALID_ARGUMENT);
+  /* a request too short for the last step: refused before anything is written */
+  d = sw_desc(&w);
+  d.num_steps = num_steps;
+  TU_STATUS(mla_step_workspace_size(cpu, &d, &wsb), MLA_OK);
+  int row = 0;
+  while (w.req_ids[row] == MLA_REQ_PAD) row++;
+  w.seq[row] = w.max_context - num_steps + 1;
+  tu_poison(ws, wsb);
+  void *copy = malloc(wsb);
+  memcpy(copy, ws, wsb);
+  TU_STATUS(mla_step_prepare(cpu, &d, w.cache, &in, ws, wsb), MLA_ERR_OUT_OF_RANGE);
+  TU_CHECK(memcmp(copy, ws, wsb) == 0, "%s: a refused draft prepare wrote into the workspace", name);
+  free(copy);
+  free(a.o);
+  free(b.o);
+  free(ws);
+  sw_free(&w);
+}
+
 static void refusals(void) {
   sw_world w;
   if (sw_make(&w, cpu, &rng, MLA_MODE_DECODE, 0, 16, 4, 4) != 0 || sw_batch(&w, cpu, &rng, 4, 1) != 0) {
@@ -167,6 +255,7 @@ static void refusals(void) {
   BAD_DESC(page_size, 3);
   BAD_DESC(page_size, 512);
   BAD_DESC(num_sm, -1);
+  BAD_DESC(num_sm, 1025);
   d = good;
   d.mode = MLA_MODE_TARGET_VERIFY;
   d.num_draft_tokens = 0;
@@ -231,6 +320,9 @@ int main(void) {
     one_case(MLA_MODE_TARGET_VERIFY, 3, Ps[pi], pi == 2 ? 3 : 16);
     one_case(MLA_MODE_DRAFT_EXTEND, 2, Ps[pi], 3);
   }
+  draft_case(16, 16, 3);
+  draft_case(1, 3, 4);
+  draft_case(64, 128, 2);
   refusals();
   mla_ctx_destroy(cpu);
   return tu_finish("test_step");

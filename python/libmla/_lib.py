@@ -291,6 +291,8 @@ class StepDesc(ctypes.Structure):
         ("num_heads", _i32),
         ("page_size", _i32),
         ("num_sm", _i32),
+        ("num_steps", _i32),
+        ("step", _i32),
     ]
 
 

@@ -178,6 +178,8 @@ int main(void) {
   F(mla_step_desc, num_heads);
   F(mla_step_desc, page_size);
   F(mla_step_desc, num_sm);
+  F(mla_step_desc, num_steps);
+  F(mla_step_desc, step);
 
   S(mla_step_inputs);
   F(mla_step_inputs, req_to_token);

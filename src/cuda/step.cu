@@ -41,16 +41,27 @@ __global__ void __launch_bounds__(kRowThreads)
 }
 
 // The schedule is a sequential walk (each part starts where the previous
-// one stopped); one thread runs it over lengths staged in shared memory,
-// which is what keeps it at a few microseconds for a few hundred rows.
+// one stopped); one thread runs it entirely in shared memory (lengths in,
+// schedule and split counts out: no global access and no aliasing between
+// them on the serial path), then the block copies the results out.
 __global__ void __launch_bounds__(256)
     step_schedule_kernel(const mla_step_geom g, const int32_t *__restrict__ kv_lens,
                          int32_t *__restrict__ sched_meta, int32_t *__restrict__ num_splits, int *bad) {
-  extern __shared__ int32_t lens[];
-  for (int i = threadIdx.x; i < g.batch_size; i += blockDim.x) lens[i] = kv_lens[i];
+  extern __shared__ int32_t smem[];
+  const int bs = g.batch_size, nm = g.num_parts * MLA_SCHED_META_INTS;
+  int32_t *lens = smem, *splits = smem + bs, *meta = splits + bs + 1;
+  for (int i = threadIdx.x; i < bs; i += blockDim.x) lens[i] = kv_lens[i];
   __syncthreads();
-  if (threadIdx.x == 0 && mla_split_schedule_body(lens, g.batch_size, g.num_parts, sched_meta, num_splits) != 0)
-    atomicAdd(bad, 1);  // cannot happen for bs >= 1; counted rather than hidden
+  __shared__ int ok;
+  if (threadIdx.x == 0) ok = mla_split_schedule_body(lens, bs, g.num_parts, meta, splits) == 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i <= bs; i += blockDim.x) num_splits[i] = splits[i];
+  for (int i = threadIdx.x; i < nm; i += blockDim.x) sched_meta[i] = meta[i];
+  if (threadIdx.x == 0 && !ok) atomicAdd(bad, 1);  // cannot happen for bs >= 1; counted rather than hidden
+}
+
+size_t schedule_smem(const mla_step_geom *g) {
+  return sizeof(int32_t) * ((size_t)g->batch_size * 2 + 1 + (size_t)g->num_parts * MLA_SCHED_META_INTS);
 }
 
 }  // namespace
@@ -65,7 +76,11 @@ extern "C" int mla_cuda_step_build(const mla_step_geom *g, const int32_t *req_to
                                                              kv_lens, block_table, bad);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return (int)e;
-  step_schedule_kernel<<<1, 256, sizeof(int32_t) * g->batch_size, stream>>>(*g, kv_lens, sched_meta, num_splits,
-                                                                           bad);
+  const size_t smem = schedule_smem(g);
+  if (smem > 48 * 1024) {
+    e = cudaFuncSetAttribute(step_schedule_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return (int)e;
+  }
+  step_schedule_kernel<<<1, 256, smem, stream>>>(*g, kv_lens, sched_meta, num_splits, bad);
   return (int)cudaGetLastError();
 }

@@ -25,6 +25,7 @@
  * memory); the same bound on both devices so a shape valid on one is on both. */
 #define STEP_MAX_BS 8192
 #define STEP_MAX_WINDOW 64
+#define STEP_MAX_DRAFT_STEPS 16
 
 typedef struct step_layout {
   int32_t *qo_indptr, *kv_lens, *block_table, *sched_meta, *num_splits;
@@ -66,7 +67,18 @@ static mla_status step_geom(mla_ctx *ctx, const char *fn, const mla_step_desc *d
   if (!mla_is_pow2(d->page_size) || d->page_size > 256)
     return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "desc->page_size = %d, expected a power of two 1..256",
                     (int)d->page_size);
-  if (d->num_sm < 0) return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "desc->num_sm = %d is negative", (int)d->num_sm);
+  /* Bounded so the schedule (parts x 8 ints) fits the CUDA kernel's shared memory. */
+  if (d->num_sm < 0 || d->num_sm > 1024)
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "desc->num_sm = %d, expected 0..1024", (int)d->num_sm);
+  if (d->num_steps < 0 || d->num_steps > STEP_MAX_DRAFT_STEPS)
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "desc->num_steps = %d, expected 0..%d", (int)d->num_steps,
+                    STEP_MAX_DRAFT_STEPS);
+  if (d->num_steps > 0 && d->mode != MLA_MODE_DECODE)
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "desc->num_steps = %d needs mode DECODE (draft steps)",
+                    (int)d->num_steps);
+  if (d->step < 0 || d->step >= (d->num_steps > 0 ? d->num_steps : 1))
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "desc->step = %d, expected 0..%d", (int)d->step,
+                    (d->num_steps > 0 ? d->num_steps : 1) - 1);
   memset(g, 0, sizeof *g);
   g->mode = (int32_t)d->mode;
   g->batch_size = d->batch_size;
@@ -108,12 +120,22 @@ static mla_status carve(mla_ctx *ctx, const mla_step_geom *g, int H, mla_ws *w, 
   return MLA_OK;
 }
 
-static mla_status layout_of(mla_ctx *ctx, const char *fn, const mla_step_desc *desc, void *workspace,
-                            size_t workspace_bytes, mla_step_geom *g, step_layout *L) {
+/* Steps a workspace holds: num_steps draft steps, or one. */
+static int steps_of(const mla_step_desc *d) { return d->num_steps > 0 ? d->num_steps : 1; }
+
+/* The layout of step `step` (carving the steps before it first). */
+static mla_status carve_step(mla_ctx *ctx, const mla_step_geom *g, int H, int step, mla_ws *w, step_layout *L) {
+  mla_status st = MLA_OK;
+  for (int k = 0; k <= step && st == MLA_OK; k++) st = carve(ctx, g, H, w, L);
+  return st;
+}
+
+static mla_status layout_of_step(mla_ctx *ctx, const char *fn, const mla_step_desc *desc, int step,
+                                 void *workspace, size_t workspace_bytes, mla_step_geom *g, step_layout *L) {
   mla_status st = step_geom(ctx, fn, desc, g);
   if (st != MLA_OK) return st;
   mla_ws cw = mla_ws_counter();
-  if ((st = carve(ctx, g, desc->num_heads, &cw, L)) != MLA_OK) return st;
+  if ((st = carve_step(ctx, g, desc->num_heads, steps_of(desc) - 1, &cw, L)) != MLA_OK) return st;
   const size_t need = mla_ws_total(&cw);
   if (workspace_bytes < need)
     return mla_fail(&ctx->err, MLA_ERR_WORKSPACE_TOO_SMALL, fn,
@@ -125,9 +147,16 @@ static mla_status layout_of(mla_ctx *ctx, const char *fn, const mla_step_desc *d
                     "workspace is host memory; a CUDA context takes a device workspace");
 #endif
   mla_ws w = mla_ws_over(workspace, workspace_bytes);
-  if ((st = carve(ctx, g, desc->num_heads, &w, L)) != MLA_OK) return st;
+  if ((st = carve_step(ctx, g, desc->num_heads, step, &w, L)) != MLA_OK) return st;
   if (w.overflow) return mla_fail(&ctx->err, MLA_ERR_INTERNAL, fn, "workspace carve overflow");
   return MLA_OK;
+}
+
+/* The step desc->step addresses. */
+static mla_status layout_of(mla_ctx *ctx, const char *fn, const mla_step_desc *desc, void *workspace,
+                            size_t workspace_bytes, mla_step_geom *g, step_layout *L) {
+  if (!desc) return mla_fail(&ctx->err, MLA_ERR_INVALID_ARGUMENT, fn, "desc is NULL");
+  return layout_of_step(ctx, fn, desc, desc->step, workspace, workspace_bytes, g, L);
 }
 
 mla_status mla_step_workspace_size(mla_ctx *ctx, const mla_step_desc *desc, size_t *bytes) {
@@ -139,7 +168,7 @@ mla_status mla_step_workspace_size(mla_ctx *ctx, const mla_step_desc *desc, size
   if (st != MLA_OK) return st;
   mla_ws w = mla_ws_counter();
   step_layout L;
-  if ((st = carve(ctx, &g, desc->num_heads, &w, &L)) != MLA_OK) return st;
+  if ((st = carve_step(ctx, &g, desc->num_heads, steps_of(desc) - 1, &w, &L)) != MLA_OK) return st;
   *bytes = mla_ws_total(&w);
   return MLA_OK;
 }
@@ -162,6 +191,7 @@ static mla_status prepare_cpu(mla_ctx *ctx, const mla_step_geom *g, const mla_st
                         "cache's %lld",
                         i, (int)in->req_ids[i], (long long)j * P, (long long)g->num_pages);
   }
+  if (!L) return MLA_OK; /* validation only */
   L->qo_indptr[0] = 0;
   L->kv_indptr[0] = 0;
   for (int i = 0; i < bs; i++) {
@@ -209,19 +239,39 @@ mla_status mla_step_prepare(mla_ctx *ctx, const mla_step_desc *desc, const mla_k
   g.max_reqs = in->max_reqs;
   g.stride = in->req_to_token_stride;
   g.num_pages = cache->num_pages;
-  if (ctx->device != MLA_DEVICE_CUDA) return prepare_cpu(ctx, &g, in, &L);
+  const int draft = desc->num_steps > 0;
 #ifdef MLA_WITH_CUDA
-  MLA_REQUIRE(eb, mla_cuda_is_device_ptr(in->req_to_token) && mla_cuda_is_device_ptr(in->req_ids) &&
-                      mla_cuda_is_device_ptr(in->seq_lens),
-              MLA_ERR_INVALID_ARGUMENT,
-              "in->req_to_token, req_ids and seq_lens must be device memory on a CUDA context");
-  const int e = mla_cuda_step_build(&g, in->req_to_token, in->req_ids, in->seq_lens, L.qo_indptr, L.kv_lens,
-                                    L.block_table, L.sched_meta, L.num_splits, ctx->d_bad, ctx->stream);
-  if (e) return mla_cuda_fail(eb, fn, "step metadata kernels", e);
-  return MLA_OK;
-#else
-  return mla_fail(eb, MLA_ERR_UNSUPPORTED, fn, "built without CUDA");
+  if (ctx->device == MLA_DEVICE_CUDA)
+    MLA_REQUIRE(eb, mla_cuda_is_device_ptr(in->req_to_token) && mla_cuda_is_device_ptr(in->req_ids) &&
+                        mla_cuda_is_device_ptr(in->seq_lens),
+                MLA_ERR_INVALID_ARGUMENT,
+                "in->req_to_token, req_ids and seq_lens must be device memory on a CUDA context");
 #endif
+  /* CPU: check every step before writing any (draft step i reads i + 1
+   * more positions than step 0). */
+  if (ctx->device != MLA_DEVICE_CUDA && draft) {
+    mla_step_geom last = g;
+    last.kv_extra = desc->num_steps;
+    if ((st = prepare_cpu(ctx, &last, in, NULL)) != MLA_OK) return st;
+  }
+  for (int k = 0; k < steps_of(desc); k++) {
+    mla_step_geom gk;
+    if ((st = layout_of_step(ctx, fn, desc, k, workspace, workspace_bytes, &gk, &L)) != MLA_OK) return st;
+    gk = g;
+    if (draft) gk.kv_extra = k + 1;
+    if (ctx->device != MLA_DEVICE_CUDA) {
+      if ((st = prepare_cpu(ctx, &gk, in, &L)) != MLA_OK) return st;
+      continue;
+    }
+#ifdef MLA_WITH_CUDA
+    const int e = mla_cuda_step_build(&gk, in->req_to_token, in->req_ids, in->seq_lens, L.qo_indptr, L.kv_lens,
+                                      L.block_table, L.sched_meta, L.num_splits, ctx->d_bad, ctx->stream);
+    if (e) return mla_cuda_fail(eb, fn, "step metadata kernels", e);
+#else
+    return mla_fail(eb, MLA_ERR_UNSUPPORTED, fn, "built without CUDA");
+#endif
+  }
+  return MLA_OK;
 }
 
 mla_status mla_step_attention(mla_ctx *ctx, const mla_step_desc *desc, const mla_kv_cache *cache, int layer,
