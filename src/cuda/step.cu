@@ -1,5 +1,6 @@
 // Device-built step metadata (mla_step_prepare on a CUDA context): block
-// table and kv lengths from req_to_token, then the split schedule. The
+// table and kv lengths from req_to_token, then the split schedule (every
+// part and request computed in parallel from cost prefix sums). The
 // arithmetic is src/plan/step_build.h's, shared with the CPU path and with
 // mla_plan_build, so the three agree by construction (tests/test_step.c and
 // tests/test_cuda_step.c check it anyway).
@@ -40,29 +41,93 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
-// The schedule is a sequential walk (each part starts where the previous
-// one stopped); one thread runs it entirely in shared memory (lengths in,
-// schedule and split counts out: no global access and no aliasing between
-// them on the serial path), then the block copies the results out.
-__global__ void __launch_bounds__(256)
-    step_schedule_kernel(const mla_step_geom g, const int32_t *__restrict__ kv_lens,
-                         int32_t *__restrict__ sched_meta, int32_t *__restrict__ num_splits, int *bad) {
-  extern __shared__ int32_t smem[];
-  const int bs = g.batch_size, nm = g.num_parts * MLA_SCHED_META_INTS;
-  int32_t *lens = smem, *splits = smem + bs, *meta = splits + bs + 1;
-  for (int i = threadIdx.x; i < bs; i += blockDim.x) lens[i] = kv_lens[i];
+constexpr int kSchedThreads = 256;
+
+// Exclusive scan of one value per thread over the block; *total gets the
+// sum. warp_sums: [32] shared scratch.
+template <typename T>
+__device__ T block_exclusive_scan(T v, T *warp_sums, T *total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  T x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const T y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
   __syncthreads();
-  __shared__ int ok;
-  if (threadIdx.x == 0) ok = mla_split_schedule_body(lens, bs, g.num_parts, meta, splits) == 0;
+  if (warp == 0) {
+    T w = lane < nwarps ? warp_sums[lane] : T(0);
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const T y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    warp_sums[lane] = w;
+  }
   __syncthreads();
-  for (int i = threadIdx.x; i <= bs; i += blockDim.x) num_splits[i] = splits[i];
-  for (int i = threadIdx.x; i < nm; i += blockDim.x) sched_meta[i] = meta[i];
-  if (threadIdx.x == 0 && !ok) atomicAdd(bad, 1);  // cannot happen for bs >= 1; counted rather than hidden
+  const T pre = warp > 0 ? warp_sums[warp - 1] : T(0);
+  *total = warp_sums[nwarps - 1];
+  __syncthreads();  // warp_sums is reused by the next scan
+  return pre + x - v;
 }
 
-size_t schedule_smem(const mla_step_geom *g) {
-  return sizeof(int32_t) * ((size_t)g->batch_size * 2 + 1 + (size_t)g->num_parts * MLA_SCHED_META_INTS);
+// Request r holding cost position s: C[r] <= s < C[r+1], or bs past the end.
+__device__ int locate(const int64_t *C, int bs, int64_t s) {
+  int lo = 0, hi = bs;  // answer in [0, bs]
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (C[mid + 1] <= s) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
 }
+
+// The split schedule in closed form (src/plan/step_build.h): cost prefix
+// sums by a block scan, then one thread per part (two binary searches) and
+// one per request (its piece count), the split counts by a second scan.
+__global__ void __launch_bounds__(kSchedThreads)
+    step_schedule_kernel(const mla_step_geom g, const int32_t *__restrict__ kv_lens,
+                         int32_t *__restrict__ sched_meta, int32_t *__restrict__ num_splits) {
+  extern __shared__ int64_t C[];  // [bs + 1]
+  __shared__ int64_t sums64[32];
+  __shared__ int32_t sums32[32];
+  const int bs = g.batch_size, nt = blockDim.x, t = threadIdx.x;
+  const int per = (bs + nt - 1) / nt, i0 = t * per, i1 = min(bs, i0 + per);
+  int64_t local = 0;
+  for (int i = i0; i < i1; i++) local += mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK) + MLA_SCHED_FIXED_OVERHEAD;
+  int64_t total;
+  int64_t run = block_exclusive_scan<int64_t>(local, sums64, &total);
+  for (int i = i0; i < i1; i++) {
+    C[i] = run;
+    run += mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK) + MLA_SCHED_FIXED_OVERHEAD;
+  }
+  if (t == 0) C[bs] = total;
+  __syncthreads();
+  const int parts = g.num_parts;
+  const int64_t qc = total > 0 ? mla_sb_cdiv(total, parts) : 1;
+  for (int p = t; p < parts; p += nt) {
+    const int64_t sa = (int64_t)p * qc < total ? (int64_t)p * qc : total;
+    const int64_t sb = p + 1 < parts && (int64_t)(p + 1) * qc < total ? (int64_t)(p + 1) * qc : total;
+    const int ra = locate(C, bs, sa), rb = locate(C, bs, sb);
+    const mla_sched_pos a = mla_sched_pos_at(sa, ra, C[ra], bs), b = mla_sched_pos_at(sb, rb, C[rb], bs);
+    int32_t m[MLA_SCHED_META_INTS];
+    mla_sched_write_part(a, b, kv_lens, bs, qc, p, m);
+#pragma unroll
+    for (int j = 0; j < MLA_SCHED_META_INTS; j++) sched_meta[(int64_t)p * MLA_SCHED_META_INTS + j] = m[j];
+  }
+  int32_t mine = 0;
+  for (int i = i0; i < i1; i++) mine += mla_sched_pieces(C[i], C[i + 1], qc, parts);
+  int32_t all;
+  int32_t acc = block_exclusive_scan<int32_t>(mine, sums32, &all);
+  for (int i = i0; i < i1; i++) {
+    num_splits[i] = acc;
+    acc += mla_sched_pieces(C[i], C[i + 1], qc, parts);
+  }
+  if (t == 0) num_splits[bs] = all;
+}
+
+size_t schedule_smem(const mla_step_geom *g) { return sizeof(int64_t) * ((size_t)g->batch_size + 1); }
 
 }  // namespace
 
@@ -81,6 +146,6 @@ extern "C" int mla_cuda_step_build(const mla_step_geom *g, const int32_t *req_to
     e = cudaFuncSetAttribute(step_schedule_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return (int)e;
   }
-  step_schedule_kernel<<<1, 256, smem, stream>>>(*g, kv_lens, sched_meta, num_splits, bad);
+  step_schedule_kernel<<<1, kSchedThreads, smem, stream>>>(*g, kv_lens, sched_meta, num_splits);
   return (int)cudaGetLastError();
 }
