@@ -230,6 +230,11 @@ mla_status mla_cpu_attention_absorbed_workspace_size(mla_ctx *ctx, const mla_pla
 mla_status mla_cpu_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, int layer,
                                       const mla_plan *plan, const mla_absorbed_args *args,
                                       void *workspace, size_t workspace_bytes);
+mla_status mla_cpu_attention_ragged(mla_ctx *ctx, const mla_ragged_args *args);
+mla_status mla_cpu_merge_states(mla_ctx *ctx, int num_states, int num_tokens, int num_heads,
+                                int head_dim, mla_dtype act_dtype, unsigned flags,
+                                const void *const *o_parts, const float *const *lse_parts,
+                                void *out, float *lse_out);
 
 /* Floats of per-worker scratch the CPU kernels need (ragged MHA tiles); the
  * context allocates num_threads of these when its workers start. */

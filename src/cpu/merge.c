@@ -71,11 +71,11 @@ static void merge_rows(void *arg, int64_t b, int64_t e, int worker) {
   }
 }
 
-mla_status mla_merge_states(mla_ctx *ctx, int num_states, int num_tokens, int num_heads,
-                            int head_dim, mla_dtype act_dtype, unsigned flags,
-                            const void *const *o_parts /* n x [T, H, dim] */,
-                            const float *const *lse_parts /* n x [T, H] */,
-                            void *out /* [T, H, dim] */, float *lse_out /* [T, H] or NULL */) {
+mla_status mla_cpu_merge_states(mla_ctx *ctx, int num_states, int num_tokens, int num_heads,
+                                int head_dim, mla_dtype act_dtype, unsigned flags,
+                                const void *const *o_parts /* n x [T, H, dim] */,
+                                const float *const *lse_parts /* n x [T, H] */,
+                                void *out /* [T, H, dim] */, float *lse_out /* [T, H] or NULL */) {
   if (!ctx) return MLA_ERR_INVALID_ARGUMENT;
   mla_errbuf *eb = &ctx->err;
   MLA_CPU_REQUIRE_CPU_CTX(eb, ctx);

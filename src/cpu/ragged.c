@@ -238,7 +238,7 @@ static void items_range(void *arg, int64_t b, int64_t e, int worker) {
   }
 }
 
-mla_status mla_attention_ragged(mla_ctx *ctx, const mla_ragged_args *args) {
+mla_status mla_cpu_attention_ragged(mla_ctx *ctx, const mla_ragged_args *args) {
   if (!ctx) return MLA_ERR_INVALID_ARGUMENT;
   mla_errbuf *eb = &ctx->err;
   MLA_CPU_REQUIRE_CPU_CTX(eb, ctx);

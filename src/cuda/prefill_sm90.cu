@@ -1,0 +1,786 @@
+// Ragged (varlen) MHA prefill on sm_90a and the merge of partial states,
+// behind mla_prefill_params (prefill.h). Design notes: docs/prefill-kernel.md.
+//
+// Ragged MHA, one persistent kernel (grid = SM count, 384 threads):
+//  - warpgroup 0 is the producer: it loads Q (128 query rows x qk_dim of one
+//    head), then K and V tiles of 128 keys into a 2-stage ring with 16-byte
+//    cp.async into 128B-swizzled shared memory, each thread arriving on the
+//    stage's mbarrier when its copies land (cp.async.mbarrier.arrive.noinc).
+//    cp.async rather than TMA because the host never sees the lengths (the
+//    index arrays are device memory): a TMA map needs the tensor's row count,
+//    cp.async needs nothing, zero-fills rows past a request's end and never
+//    reads another request's rows.
+//  - warpgroups 1 and 2 are consumers, 64 query rows each: S = Q K^T with
+//    wgmma (both operands from shared memory), online softmax in registers
+//    (base 2), P packed to 16-bit as the register A operand of O += P V with V
+//    the MN-major (transposed) B operand. The default (MODE 0) runs scores,
+//    softmax and P V in sequence and lets the two warpgroups overlap each
+//    other; MODE 2 ("pingpong") issues the next tile's Q K^T with this tile's
+//    P V, runs the softmax while P V runs and makes the warpgroups take turns
+//    at the tensor cores. MODE 2 is correct but measured slower on the H200
+//    (docs/prefill-kernel.md), so it stays selectable for tuning only.
+//  - work items are (request, 128-row m-block, head); every CTA builds the
+//    prefix table of the requests' m-block counts in shared memory from the
+//    device index arrays, then walks items blockIdx.x, +gridDim.x, ...; the
+//    item order is head group (8 heads: their K/V stay in L2) > request >
+//    m-block, last (heaviest, causal) first > head. Key tiles are walked
+//    from the last (the masked diagonal ones) down; fully masked tiles are
+//    never loaded.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mla.h"
+#include "prefill.h"
+
+namespace {
+
+constexpr int kBM = 128;       // query rows per item (64 per consumer warpgroup)
+constexpr int kBN = 128;       // keys per tile
+constexpr int kThreads = 384;  // producer + 2 consumer warpgroups
+constexpr int kHeadGroup = 8;  // default heads walked together (their K/V share L2)
+constexpr int kDefaultMode = 0;  // plain: measured fastest (prefill_kernel MODE; docs/prefill-kernel.md)
+constexpr int kSub = 16384;    // one [128 rows x 64 cols] 16-bit sub-tile, 128B swizzle
+constexpr uint32_t kVtLbo = 16384, kVtSbo = 1024;  // V as MN-major B: 64-col blocks, 8-key groups
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // 56 + 2 * 224 = 504 <= 65536 / 128
+
+// Shared memory: Q, K[2], V[2] (each a run of 16 KiB sub-tiles, 1024-aligned),
+// 8 mbarriers, the request prefix table.
+template <int DQK, int DV>
+struct Lay {
+  static constexpr int kQ = 0;
+  static constexpr int kK = kQ + DQK / 64 * kSub;
+  static constexpr int kKBytes = DQK / 64 * kSub;
+  static constexpr int kV = kK + 2 * kKBytes;
+  static constexpr int kVBytes = DV / 64 * kSub;
+  static constexpr int kBar = kV + 2 * kVBytes;
+  static constexpr int kTab = kBar + 128;
+  static constexpr int kSmem = kTab + 4 * (MLA_CUDA_PREFILL_MAX_BATCH + 1) + 1024;  // + alignment slack
+};
+static_assert(Lay<192, 128>::kSmem <= 232448, "192/128 tiles exceed the shared memory of an SM");
+enum { BAR_QFULL = 0, BAR_QEMPTY = 1, BAR_KFULL = 2, BAR_VFULL = 4, BAR_EMPTY = 6 };
+
+// ---------------------------------------------------------------------------
+// PTX wrappers
+// ---------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void *src, bool valid) {
+  // src-size 0: 16 zero bytes written, nothing read (rows past a request).
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+// Arrive on bar once every cp.async this thread issued so far has landed.
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// A phase bug would hang: after ~2^24 polls the trap turns it into a launch
+// error. One asm block (a C loop between wgmmas makes ptxas serialise them).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\n.reg .u32 n;\nmov.u32 n, 0;\n"
+      "PFW_LOOP:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@p bra PFW_DONE;\n"
+      "add.u32 n, n, 1;\n"
+      "setp.gt.u32 p, n, 16777216;\n"
+      "@p trap;\n"
+      "bra PFW_LOOP;\n"
+      "PFW_DONE:\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// Named barriers 1 and 2: the consumer warpgroups' turns at the tensor cores.
+__device__ __forceinline__ void named_bar_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Pins accumulator registers at this point (no reads/writes move across).
+template <int N>
+__device__ __forceinline__ void reg_fence(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; i++) asm volatile("" : "+f"(r[i])::"memory");
+}
+// 128B-swizzle matrix descriptor.
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((saddr & 0x3FFFF) >> 4) | (uint64_t)((lbo & 0x3FFFF) >> 4) << 16 |
+         (uint64_t)((sbo & 0x3FFFF) >> 4) << 32 | 1ull << 62;
+}
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+template <bool F16>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if (F16) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&v);
+  } else {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&v);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// wgmma m64n128k16 (generated by dev/cuda/prefill/gen_wgmma.py)
+// ---------------------------------------------------------------------------
+// D[64x128] (+)= A[64x16] (smem, K-major) * B[16x128] (smem, K-major), bf16.
+static __device__ __forceinline__ void wgmma_ss_bf16(float (&d)[64], uint64_t da, uint64_t db, int accum) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(accum));
+}
+// D[64x128] (+)= A[64x16] (registers) * B[16x128] (smem, MN-major), bf16.
+static __device__ __forceinline__ void wgmma_rs_bf16(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int accum) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
+}
+// D[64x128] (+)= A[64x16] (smem, K-major) * B[16x128] (smem, K-major), f16.
+static __device__ __forceinline__ void wgmma_ss_f16(float (&d)[64], uint64_t da, uint64_t db, int accum) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(accum));
+}
+// D[64x128] (+)= A[64x16] (registers) * B[16x128] (smem, MN-major), f16.
+static __device__ __forceinline__ void wgmma_rs_f16(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int accum) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
+}
+
+template <bool F16>
+__device__ __forceinline__ void mma_qk(float (&d)[64], uint64_t da, uint64_t db, int accum) {
+  if (F16) wgmma_ss_f16(d, da, db, accum);
+  else wgmma_ss_bf16(d, da, db, accum);
+}
+template <bool F16>
+__device__ __forceinline__ void mma_pv(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int accum) {
+  if (F16) wgmma_rs_f16(d, a, db, accum);
+  else wgmma_rs_bf16(d, a, db, accum);
+}
+
+// ---------------------------------------------------------------------------
+// Work items
+// ---------------------------------------------------------------------------
+struct Item {
+  int req, mb, h;   // request, m-block, query head
+  int q0, Q, k0, K; // first rows and lengths
+  int ntiles;       // key tiles visited (0: no row of the m-block sees a key)
+};
+
+// Lengths of request i, or 0 / 0 for one the kernel must skip.
+__device__ __forceinline__ void lengths(const mla_prefill_params &p, int i, int &Q, int &K) {
+  Q = p.qo_indptr[i + 1] - p.qo_indptr[i];
+  K = p.kv_indptr[i + 1] - p.kv_indptr[i];
+  if (Q < 0 || K < 0 || p.qo_indptr[0] != 0 || p.kv_indptr[0] != 0) Q = K = 0;
+}
+
+__device__ __forceinline__ Item decode_item(const mla_prefill_params &p, const int *pre, int total_mb,
+                                            long long id) {
+  Item it;
+  const int hg = p.head_group;
+  const long long per_group = (long long)total_mb * hg;
+  const int g = (int)(id / per_group);
+  const int rem = (int)(id - (long long)g * per_group);
+  const int hs = min(hg, p.num_heads - g * hg);
+  const int mbi = rem / hs;
+  it.h = g * hg + rem % hs;
+  int lo = 0, hi = p.batch_size;  // pre[lo] <= mbi < pre[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (pre[mid] <= mbi) lo = mid;
+    else hi = mid;
+  }
+  it.req = lo;
+  const int nmb = pre[lo + 1] - pre[lo];
+  it.mb = nmb - 1 - (mbi - pre[lo]);  // last m-block first
+  lengths(p, lo, it.Q, it.K);
+  it.q0 = p.qo_indptr[lo];
+  it.k0 = p.kv_indptr[lo];
+  const int t_last = min(it.Q, (it.mb + 1) * kBM) - 1;
+  const int kend = p.causal ? min(it.K, it.K - it.Q + t_last + 1) : it.K;
+  it.ntiles = kend > 0 ? (kend + kBN - 1) / kBN : 0;
+  return it;
+}
+
+// ---------------------------------------------------------------------------
+// Producer: rows [0, 128) of a [128, D] tile (row r at src + r * stride
+// bytes, valid while r < nvalid) into D / 64 swizzled sub-tiles at dst.
+// Thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 i.
+// ---------------------------------------------------------------------------
+template <int D>
+__device__ __forceinline__ void load_tile(uint32_t dst, const char *src, int64_t stride, int nvalid, int t,
+                                          const void *safe) {
+  const int rsub = t >> 3, c = t & 7;
+  dst += (uint32_t)(rsub * 128 + ((c ^ (rsub & 7)) << 4));
+  const char *row = src + (int64_t)rsub * stride + c * 16;
+  const int64_t step = 16 * stride;
+  // rolled: the producer runs on few registers (setmaxnreg)
+#pragma unroll 1
+  for (int i = 0; i < 8; i++, row += step, dst += 16 * 128) {
+    const bool ok = 16 * i + rsub < nvalid;
+#pragma unroll
+    for (int s = 0; s < D / 64; s++) cp_async_16(dst + s * kSub, ok ? (const void *)(row + s * 128) : safe, ok);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Consumer pieces. Accumulator register i of a thread (lane l of warp w of
+// the warpgroup) holds row 16 w + l / 4 + 8 ((i >> 1) & 1), column
+// 8 (i >> 2) + 2 (l % 4) + (i & 1).
+// ---------------------------------------------------------------------------
+struct Soft {
+  float sl;       // multiplier to log2 units: scale * log2(e), or 1 with a softcap
+  float cap_in;   // scale / softcap
+  float cap_out;  // softcap * log2(e)
+};
+
+// tanh from ex2 and a reciprocal: absolute error ~1e-7 (tanh.approx's 2^-11
+// would be ~0.01 on a logit of cap 30).
+__device__ __forceinline__ float tanh_acc(float x) {
+  return 1.0f - __fdividef(2.0f, 1.0f + ex2(2.0f * kLog2e * x));
+}
+
+// One tile's online-softmax step: s [64] holds raw q.k; on return s holds P
+// (fp32; pack_p makes the A fragments), m / l the running max (log2 units)
+// and the thread's partial row sums, alpha the rescale of the old O.
+template <bool CAP>
+__device__ __forceinline__ void softmax_tile(float (&s)[64], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                             const Soft &sf, bool need_mask, int kt,
+                                             int lim_lo, int lim_hi, int lane) {
+  if (CAP) {
+#pragma unroll
+    for (int i = 0; i < 64; i++) s[i] = sf.cap_out * tanh_acc(s[i] * sf.cap_in);
+  }
+  if (need_mask) {
+#pragma unroll
+    for (int i = 0; i < 64; i++) {
+      const int key = kt + 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+      if (key > ((i & 2) ? lim_hi : lim_lo)) s[i] = -INFINITY;
+    }
+  }
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int i = 0; i < 64; i++) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+  float mu[2];
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    const float m_new = fmaxf(m[r], mx[r] * sf.sl);
+    mu[r] = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet: p = 0, never NaN
+    alpha[r] = ex2(m[r] - mu[r]);
+    m[r] = m_new;
+  }
+  float rs[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int i = 0; i < 64; i++) {
+    const int r = (i >> 1) & 1;
+    s[i] = ex2(fmaf(s[i], sf.sl, -mu[r]));
+    rs[r] += s[i];
+  }
+  l[0] = l[0] * alpha[0] + rs[0];
+  l[1] = l[1] * alpha[1] + rs[1];
+}
+
+// P (fp32 in s) -> the 16-bit A fragments of P V.
+template <bool F16>
+__device__ __forceinline__ void pack_p(const float (&s)[64], uint32_t (&pa)[8][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 8; kk++)
+#pragma unroll
+    for (int j = 0; j < 4; j++) pa[kk][j] = pack2<F16>(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
+}
+
+
+// One tile of the overlapped consumer loop: issue S = Q K_n^T and O += P V
+// of the previous tile, run the softmax of S while P V runs, then rescale O.
+// Branch-free between the issues and the last wait (MASK is compile-time).
+template <int DQK, int DV, bool F16, bool CAP, bool MASK, bool PP>
+__device__ __forceinline__ void ovl_step(float (&o)[64], float (&s)[64], uint32_t (&pa)[8][4], float (&m)[2],
+                                         float (&l)[2], const Soft &sf, uint32_t sbase, uint32_t bar, uint32_t qa,
+                                         uint32_t &kv_it, int &cur, uint32_t &cur_ph, int n, int lim_lo, int lim_hi,
+                                         int lane, int cw) {
+  using L = Lay<DQK, DV>;
+  const int st = kv_it & 1;
+  const uint32_t ph = (kv_it >> 1) & 1;
+  const int kt = n * kBN;
+  const uint32_t sK = sbase + L::kK + st * L::kKBytes, sVc = sbase + L::kV + cur * L::kVBytes;
+  // Both waits before the first issue (V of the current tile was loaded
+  // before K of the next one).
+  mbar_wait(bar + 8 * (BAR_VFULL + cur), cur_ph);
+  mbar_wait(bar + 8 * (BAR_KFULL + st), ph);
+  fence_proxy_async();
+  if (PP) named_bar_sync(1 + cw, 256);  // our turn at the tensor cores
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < DQK / 16; k++)
+    mma_qk<F16>(s, desc_sw128(qa + (k >> 2) * kSub + (k & 3) * 32, 16, 1024),
+                desc_sw128(sK + (k >> 2) * kSub + (k & 3) * 32, 16, 1024), k > 0);
+  wgmma_commit();
+#pragma unroll
+  for (int kk = 0; kk < 8; kk++) mma_pv<F16>(o, pa[kk], desc_sw128(sVc + kk * 2048, kVtLbo, kVtSbo), 1);
+  wgmma_commit();
+  if (PP) named_bar_arrive(2 - cw, 256);  // the other warpgroup's turn
+  wgmma_wait<1>();
+  reg_fence(s);
+  // Only s, m, l and alpha are written while P V runs: its A registers (pa)
+  // and O stay untouched until the wait (else ptxas serialises, C7520).
+  float alpha[2];
+  softmax_tile<CAP>(s, m, l, alpha, sf, MASK, kt, lim_lo, lim_hi, lane);
+  wgmma_wait<0>();
+  reg_fence(o);
+  mbar_arrive(bar + 8 * (BAR_EMPTY + cur));
+  if (n == 0) mbar_arrive(bar + 8 * BAR_QEMPTY);
+#pragma unroll
+  for (int i = 0; i < 64; i++) o[i] *= alpha[(i >> 1) & 1];
+  pack_p<F16>(s, pa);
+  cur = st;
+  cur_ph = ph;
+  kv_it++;
+}
+
+// ---------------------------------------------------------------------------
+// The kernel
+// ---------------------------------------------------------------------------
+// MODE 0: plain loop (scores, softmax, P V in sequence); 1: overlapped (next
+// tile's scores and this tile's P V issued together, softmax while P V
+// runs); 2: overlapped with the two consumer warpgroups taking turns at the
+// tensor cores (named barriers), so one's softmax runs under the other's
+// matrix work.
+template <int DQK, int DV, bool F16, bool CAP, int MODE>
+__global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const mla_prefill_params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(DV == 128, "the consumers hold one 64 x 128 O tile");
+  using L = Lay<DQK, DV>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+  const uint32_t sbase = smem_u32(smem);
+  const uint32_t sQ = sbase + L::kQ;
+  const uint32_t bar = sbase + L::kBar;
+  int *pre = (int *)(smem + L::kTab);
+  const int tid = threadIdx.x;
+  const int bs = p.batch_size;
+
+  // Prefix table of m-block counts (all threads; the K stage is scratch).
+  {
+    int *part = (int *)(smem + L::kK);
+    const int per = (bs + kThreads - 1) / kThreads;
+    const int b0 = min(bs, tid * per), b1 = min(bs, b0 + per);
+    int sum = 0;
+    for (int i = b0; i < b1; i++) {
+      int Q, K;
+      lengths(p, i, Q, K);
+      sum += (Q + kBM - 1) / kBM;
+    }
+    part[tid] = sum;
+    if (tid == 0) {
+      mbar_init(bar + 8 * BAR_QFULL, 128);
+      mbar_init(bar + 8 * BAR_QEMPTY, 256);
+      for (int s = 0; s < 2; s++) {
+        mbar_init(bar + 8 * (BAR_KFULL + s), 128);
+        mbar_init(bar + 8 * (BAR_VFULL + s), 128);
+        mbar_init(bar + 8 * (BAR_EMPTY + s), 256);
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      // Count the requests the kernel skips (once per launch).
+      if (blockIdx.x == 0) {
+        int nbad = p.qo_indptr[0] != 0 || p.kv_indptr[0] != 0;
+        if (!nbad)
+          for (int i = 0; i < bs; i++)
+            nbad += p.qo_indptr[i + 1] < p.qo_indptr[i] || p.kv_indptr[i + 1] < p.kv_indptr[i];
+        if (nbad) atomicAdd(p.bad, nbad);
+      }
+    }
+    __syncthreads();
+    if (tid == 0) {
+      int run = 0;
+      for (int i = 0; i < kThreads; i++) {
+        const int x = part[i];
+        part[i] = run;
+        run += x;
+      }
+      pre[bs] = run;
+    }
+    __syncthreads();
+    int run = part[tid];
+    for (int i = b0; i < b1; i++) {
+      int Q, K;
+      lengths(p, i, Q, K);
+      pre[i] = run;
+      run += (Q + kBM - 1) / kBM;
+    }
+    __syncthreads();
+  }
+  const int total_mb = pre[bs];
+  const long long items = (long long)total_mb * p.num_heads;
+  const int G = p.num_heads / p.num_kv_heads;
+  const int wg = tid >> 7;
+
+  if (wg == 0) {
+    // ---------------- producer ----------------
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+    const int t = tid;
+    const int64_t q_stride = (int64_t)p.num_heads * DQK * 2;
+    const int64_t k_stride = (int64_t)p.num_kv_heads * DQK * 2;
+    const int64_t v_stride = (int64_t)p.num_kv_heads * DV * 2;
+    uint32_t kv_it = 0, q_it = 0;
+    for (long long id = blockIdx.x; id < items; id += gridDim.x) {
+      const Item it = decode_item(p, pre, total_mb, id);
+      if (it.ntiles == 0) continue;
+      mbar_wait(bar + 8 * BAR_QEMPTY, (q_it & 1) ^ 1);
+      const int row0 = it.mb * kBM;
+      load_tile<DQK>(sQ, (const char *)p.q + ((int64_t)(it.q0 + row0) * p.num_heads + it.h) * DQK * 2, q_stride,
+                     it.Q - row0, t, p.q);
+      cp_async_arrive(bar + 8 * BAR_QFULL);
+      q_it++;
+      const int kvh = it.h / G;
+      for (int n = it.ntiles - 1; n >= 0; n--) {
+        const int s = kv_it & 1;
+        const uint32_t ph = (kv_it >> 1) & 1;
+        mbar_wait(bar + 8 * (BAR_EMPTY + s), ph ^ 1);
+        const int kt = n * kBN;
+        const int64_t row = (int64_t)(it.k0 + kt) * p.num_kv_heads + kvh;
+        load_tile<DQK>(sbase + L::kK + s * L::kKBytes, (const char *)p.k + row * DQK * 2, k_stride, it.K - kt, t,
+                       p.k);
+        cp_async_arrive(bar + 8 * (BAR_KFULL + s));
+        load_tile<DV>(sbase + L::kV + s * L::kVBytes, (const char *)p.v + row * DV * 2, v_stride, it.K - kt, t, p.v);
+        cp_async_arrive(bar + 8 * (BAR_VFULL + s));
+        kv_it++;
+      }
+    }
+    cp_async_wait_all();
+  } else {
+    // ---------------- consumers ----------------
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
+    const int cw = wg - 1;
+    const int lane = tid & 31, warp = (tid >> 5) & 3;
+    const int r_lo = 64 * cw + 16 * warp + (lane >> 2);  // this thread's rows in the m-block: r_lo, r_lo + 8
+    const uint32_t qa = sQ + 8192 * cw;                  // this warpgroup's 64 Q rows
+    Soft sf;
+    if (CAP) {
+      sf.sl = 1.0f;
+      sf.cap_in = p.scale / p.softcap;
+      sf.cap_out = p.softcap * kLog2e;
+    } else {
+      sf.sl = p.scale * kLog2e;
+      sf.cap_in = sf.cap_out = 0.0f;
+    }
+    uint32_t kv_it = 0, q_it = 0;
+    // Turns alternate (warpgroup 0 first): every item gives both warpgroups
+    // the same ntiles + 1 turns, so the sequence stays in step.
+    if (MODE == 2 && cw == 1) named_bar_arrive(1, 256);
+    for (long long id = blockIdx.x; id < items; id += gridDim.x) {
+      const Item it = decode_item(p, pre, total_mb, id);
+      const int t_lo = it.mb * kBM + r_lo, t_hi = t_lo + 8;
+      float o[64];
+#pragma unroll
+      for (int i = 0; i < 64; i++) o[i] = 0.0f;
+      float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+      if (it.ntiles > 0) {
+        mbar_wait(bar + 8 * BAR_QFULL, q_it & 1);
+        fence_proxy_async();  // cp.async wrote Q through the generic proxy; wgmma reads it through the async one
+        q_it++;
+        const int lim_lo = p.causal ? min(it.K - 1, it.K - it.Q + t_lo) : it.K - 1;
+        const int lim_hi = p.causal ? min(it.K - 1, it.K - it.Q + t_hi) : it.K - 1;
+        // smallest limit of the warpgroup's rows: its first row
+        const int wg_lim = p.causal ? min(it.K - 1, it.K - it.Q + it.mb * kBM + 64 * cw) : it.K - 1;
+        uint32_t pa[8][4];
+        float alpha[2];
+        float s[64];
+        if (MODE == 0) {
+          for (int n = it.ntiles - 1; n >= 0; n--) {
+            const int st = kv_it & 1;
+            const uint32_t ph = (kv_it >> 1) & 1;
+            const int kt = n * kBN;
+            const uint32_t sK = sbase + L::kK + st * L::kKBytes, sV = sbase + L::kV + st * L::kVBytes;
+            mbar_wait(bar + 8 * (BAR_KFULL + st), ph);
+            fence_proxy_async();
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < DQK / 16; k++)
+              mma_qk<F16>(s, desc_sw128(qa + (k >> 2) * kSub + (k & 3) * 32, 16, 1024),
+                          desc_sw128(sK + (k >> 2) * kSub + (k & 3) * 32, 16, 1024), k > 0);
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence(s);
+            if (n == 0) mbar_arrive(bar + 8 * BAR_QEMPTY);
+            softmax_tile<CAP>(s, m, l, alpha, sf, kt + kBN - 1 > wg_lim, kt, lim_lo, lim_hi, lane);
+            pack_p<F16>(s, pa);
+#pragma unroll
+            for (int i = 0; i < 64; i++) o[i] *= alpha[(i >> 1) & 1];
+            mbar_wait(bar + 8 * (BAR_VFULL + st), ph);
+            fence_proxy_async();
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 8; kk++)
+              mma_pv<F16>(o, pa[kk], desc_sw128(sV + kk * 2048, kVtLbo, kVtSbo), 1);
+            wgmma_commit();
+            wgmma_wait<0>();
+            reg_fence(o);
+            mbar_arrive(bar + 8 * (BAR_EMPTY + st));
+            kv_it++;
+          }
+        } else {
+          // first (last-in-sequence) tile: scores and softmax only
+          int cur = kv_it & 1;
+          uint32_t cur_ph = (kv_it >> 1) & 1;
+          {
+            const int kt = (it.ntiles - 1) * kBN;
+            const uint32_t sK = sbase + L::kK + cur * L::kKBytes;
+            mbar_wait(bar + 8 * (BAR_KFULL + cur), cur_ph);
+            fence_proxy_async();
+            if (MODE == 2) named_bar_sync(1 + cw, 256);
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < DQK / 16; k++)
+              mma_qk<F16>(s, desc_sw128(qa + (k >> 2) * kSub + (k & 3) * 32, 16, 1024),
+                          desc_sw128(sK + (k >> 2) * kSub + (k & 3) * 32, 16, 1024), k > 0);
+            wgmma_commit();
+            if (MODE == 2) named_bar_arrive(2 - cw, 256);
+            wgmma_wait<0>();
+            reg_fence(s);
+            if (it.ntiles == 1) mbar_arrive(bar + 8 * BAR_QEMPTY);
+            softmax_tile<CAP>(s, m, l, alpha, sf, kt + kBN - 1 > wg_lim, kt, lim_lo, lim_hi, lane);
+            pack_p<F16>(s, pa);
+            kv_it++;
+          }
+          // Tiles with a masked key for some row of this warpgroup come
+          // first (walking down from the diagonal); the two loops keep the
+          // mask test out of the code that runs while wgmmas are in flight.
+          const int nu = (wg_lim + 1) / kBN - 1;  // highest tile no row masks
+          int n = it.ntiles - 2;
+          for (; n >= 0 && n > nu; n--)
+            ovl_step<DQK, DV, F16, CAP, true, MODE == 2>(o, s, pa, m, l, sf, sbase, bar, qa, kv_it, cur, cur_ph, n,
+                                                         lim_lo, lim_hi, lane, cw);
+          for (; n >= 0; n--)
+            ovl_step<DQK, DV, F16, CAP, false, MODE == 2>(o, s, pa, m, l, sf, sbase, bar, qa, kv_it, cur, cur_ph,
+                                                          n, lim_lo, lim_hi, lane, cw);
+          {
+            const uint32_t sVc = sbase + L::kV + cur * L::kVBytes;
+            mbar_wait(bar + 8 * (BAR_VFULL + cur), cur_ph);
+            fence_proxy_async();
+            if (MODE == 2) named_bar_sync(1 + cw, 256);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 8; kk++)
+              mma_pv<F16>(o, pa[kk], desc_sw128(sVc + kk * 2048, kVtLbo, kVtSbo), 1);
+            wgmma_commit();
+            if (MODE == 2) named_bar_arrive(2 - cw, 256);
+            wgmma_wait<0>();
+            reg_fence(o);
+            mbar_arrive(bar + 8 * (BAR_EMPTY + cur));
+          }
+        }
+      }
+      // epilogue: o / l and the lse of rows t_lo, t_hi (rows past Q unwritten)
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+      }
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        const int t = r ? t_hi : t_lo;
+        if (t >= it.Q) continue;
+        const bool empty = !(l[r] > 0.0f);
+        const float inv = empty ? 0.0f : 1.0f / l[r];
+        const int64_t orow = ((int64_t)(it.q0 + t) * p.num_heads + it.h) * DV;
+#pragma unroll
+        for (int c = 0; c < 16; c++) {
+          const int col = 8 * c + 2 * (lane & 3);
+          const float v0 = empty ? 0.0f : o[4 * c + 2 * r] * inv, v1 = empty ? 0.0f : o[4 * c + 2 * r + 1] * inv;
+          if (p.out_f32)
+            *reinterpret_cast<float2 *>((float *)p.out + orow + col) = make_float2(v0, v1);
+          else
+            *reinterpret_cast<uint32_t *>((uint16_t *)p.out + orow + col) = pack2<F16>(v0, v1);
+        }
+        if (p.lse && (lane & 3) == 0) {
+          const float lse2 = empty ? -INFINITY : m[r] + log2f(l[r]);
+          p.lse[(int64_t)(it.q0 + t) * p.num_heads + it.h] = p.lse_base2 ? lse2 : lse2 * kLn2;
+        }
+      }
+    }
+  }
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// Merge of partial states: one warp per (token, head) row.
+// ---------------------------------------------------------------------------
+struct MergeArgs {
+  const void *o[MLA_CUDA_MERGE_MAX_STATES];
+  const float *lse[MLA_CUDA_MERGE_MAX_STATES];
+};
+
+__device__ __forceinline__ float load_act(const void *p, int64_t i, int dt) {
+  if (dt == MLA_DTYPE_BF16) return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+  if (dt == MLA_DTYPE_F16) return __half2float(((const __half *)p)[i]);
+  return ((const float *)p)[i];
+}
+__device__ __forceinline__ void store_act(void *p, int64_t i, int dt, float v) {
+  if (dt == MLA_DTYPE_BF16) ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v);
+  else if (dt == MLA_DTYPE_F16) ((__half *)p)[i] = __float2half_rn(v);
+  else ((float *)p)[i] = v;
+}
+
+// Every element of a row is read from all parts by the lane that then writes
+// it, and the row's lse is written after __syncwarp: out may alias a part.
+__global__ void __launch_bounds__(256) merge_kernel(const __grid_constant__ MergeArgs a, int n, int64_t rows,
+                                                    int dim, int dt, int base2, void *out, float *lse_out) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
+  for (int64_t x = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); x < rows; x += warps) {
+    float mx = -INFINITY;
+    bool bad = false;
+    for (int k = 0; k < n; k++) {
+      const float v = a.lse[k][x];
+      if (isnan(v) || v == INFINITY) bad = true;
+      else mx = fmaxf(mx, v);
+    }
+    float wsum = 0.0f;
+    for (int k = 0; k < n; k++) {
+      const float v = a.lse[k][x];
+      if (!bad && mx != -INFINITY) wsum += base2 ? exp2f(v - mx) : expf(v - mx);
+    }
+    __syncwarp();
+    const int64_t off = x * dim;
+    for (int c = lane; c < dim; c += 32) {
+      float acc;
+      if (bad) acc = NAN;
+      else if (mx == -INFINITY) acc = 0.0f;
+      else {
+        acc = 0.0f;
+        for (int k = 0; k < n; k++) {
+          const float v = a.lse[k][x];
+          const float w = base2 ? exp2f(v - mx) : expf(v - mx);
+          if (w == 0.0f) continue;  // an empty side: its o (maybe garbage) is never read
+          acc += w * load_act(a.o[k], off + c, dt);
+        }
+        acc /= wsum;
+      }
+      store_act(out, off + c, dt, acc);
+    }
+    __syncwarp();
+    if (lse_out && lane == 0)
+      lse_out[x] = bad ? NAN : mx == -INFINITY ? -INFINITY : mx + (base2 ? log2f(wsum) : logf(wsum));
+  }
+}
+
+// Heads per group of the item order; MLA_PREFILL_HEAD_GROUP overrides it
+// (tuning in dev/cuda/prefill; read at every launch, a few nanoseconds).
+static int head_group() {
+  const char *e = getenv("MLA_PREFILL_HEAD_GROUP");
+  const int v = e ? atoi(e) : kHeadGroup;
+  return v >= 1 ? v : kHeadGroup;
+}
+
+template <int DQK, bool F16, bool CAP, int MODE>
+cudaError_t launch(const mla_prefill_params *p, int grid, cudaStream_t stream) {
+  auto kern = prefill_kernel<DQK, 128, F16, CAP, MODE>;
+  const int smem = Lay<DQK, 128>::kSmem;
+  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return e;
+  mla_prefill_params q = *p;
+  q.head_group = head_group();
+  kern<<<grid, kThreads, smem, stream>>>(q);
+  return cudaGetLastError();
+}
+
+template <int DQK, bool F16>
+cudaError_t launch_dims(const mla_prefill_params *p, int grid, cudaStream_t stream, int mode) {
+  const bool cap = p->softcap > 0.0f;
+  // MODE 1 (overlap without turns) is not instantiated: it measured slower
+  // than both others (docs/prefill-kernel.md).
+  if (mode == 2) return cap ? launch<DQK, F16, true, 2>(p, grid, stream) : launch<DQK, F16, false, 2>(p, grid, stream);
+  return cap ? launch<DQK, F16, true, 0>(p, grid, stream) : launch<DQK, F16, false, 0>(p, grid, stream);
+}
+
+}  // namespace
+
+extern "C" const char *mla_cuda_prefill_unsupported(int qk_dim, int v_dim, int act_dtype) {
+  if (act_dtype != MLA_DTYPE_BF16 && act_dtype != MLA_DTYPE_F16)
+    return "the CUDA ragged kernels take bf16 or f16 q, k, v";
+  if (!((qk_dim == 192 || qk_dim == 128) && v_dim == 128))
+    return "the CUDA ragged kernels take qk_dim / v_dim = 192/128 or 128/128";
+  return NULL;
+}
+
+// The consumer loop (MODE of prefill_kernel). MLA_PREFILL_VARIANT = plain or
+// pingpong overrides the default (the harness in dev/cuda/prefill and the GPU
+// test run every variant; read at every launch).
+static int kernel_mode() {
+  const char *e = getenv("MLA_PREFILL_VARIANT");
+  if (e && !strcmp(e, "plain")) return 0;
+  if (e && !strcmp(e, "pingpong")) return 2;
+  return kDefaultMode;
+}
+
+extern "C" int mla_cuda_prefill_launch(const mla_prefill_params *p, int grid, void *stream_) {
+  cudaStream_t stream = (cudaStream_t)stream_;
+  if (mla_cuda_prefill_unsupported(p->qk_dim, p->v_dim, p->act_dtype)) return (int)cudaErrorNotSupported;
+  if (p->batch_size <= 0) return (int)cudaSuccess;
+  if (p->batch_size > MLA_CUDA_PREFILL_MAX_BATCH) return (int)cudaErrorNotSupported;
+  // Built without sm_90a code the kernel bodies are empty: refuse.
+  cudaFuncAttributes fa;
+  cudaError_t e = cudaFuncGetAttributes(&fa, prefill_kernel<192, 128, false, false, 0>);
+  if (e != cudaSuccess) return (int)e;
+  if (fa.binaryVersion < 90) return (int)cudaErrorNotSupported;
+  const bool f16 = p->act_dtype == MLA_DTYPE_F16;
+  const int mode = kernel_mode();
+  if (p->qk_dim == 192)
+    e = f16 ? launch_dims<192, true>(p, grid, stream, mode) : launch_dims<192, false>(p, grid, stream, mode);
+  else
+    e = f16 ? launch_dims<128, true>(p, grid, stream, mode) : launch_dims<128, false>(p, grid, stream, mode);
+  return (int)e;
+}
+
+extern "C" int mla_cuda_merge_launch(int n, int64_t rows, int dim, int act_dtype, int base2,
+                                     const void *const *o_parts, const float *const *lse_parts, void *out,
+                                     float *lse_out, void *stream) {
+  if (n < 1 || n > MLA_CUDA_MERGE_MAX_STATES) return (int)cudaErrorInvalidValue;
+  if (rows <= 0) return (int)cudaSuccess;
+  MergeArgs a;
+  for (int k = 0; k < MLA_CUDA_MERGE_MAX_STATES; k++) {
+    a.o[k] = k < n ? o_parts[k] : nullptr;
+    a.lse[k] = k < n ? lse_parts[k] : nullptr;
+  }
+  const int64_t warps_per_block = 8;
+  int64_t blocks = (rows + warps_per_block - 1) / warps_per_block;
+  if (blocks > 65536) blocks = 65536;
+  merge_kernel<<<(unsigned)blocks, 256, 0, (cudaStream_t)stream>>>(a, n, rows, dim, act_dtype, base2, out, lse_out);
+  return (int)cudaGetLastError();
+}

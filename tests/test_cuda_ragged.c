@@ -1,0 +1,433 @@
+/* mla_attention_ragged and mla_merge_states on a CUDA context (the sm_90a
+ * kernels of src/cuda/prefill_sm90.cu behind the public calls) against the
+ * float64 oracle (tests/ref).
+ *
+ * Ragged MHA: random varlen batches with a zero-length request, a request
+ * with queries but no keys, causal requests with fewer keys than queries,
+ * lengths crossing the 128-row / 128-key tiles, one long request (~2.5K),
+ * heads 1, 16 (grouped kv heads 4 and 2) and 128, qk/v dims 192/128 and
+ * 128/128, bf16 and f16, causal and not, softcap, natural and base-2 LSE,
+ * MLA_FLAG_OUT_F32, a NULL lse; every consumer loop of the kernel
+ * (MLA_PREFILL_VARIANT plain, pingpong) and the default. Outputs are poisoned (0xFF) with guard
+ * elements after them: every row must be written, the guards must not.
+ *
+ * Tolerance: the kernel rounds P to 16 bits before P V, so per element
+ * |o - ref| <= 1e-3 + |ref| / 128 + 2^-7 sum_j p_j |v_j| (twice the bound of
+ * that rounding; sum_j p_j |v_j| is the oracle run on |v|), cosine distance
+ * < 1e-4 per case; lse within 1e-4 abs + 1e-5 rel, -inf exactly where a row
+ * sees no key.
+ *
+ * Merge: 1..5 states (and 128, the per-call maximum), f32 / bf16 / f16, dims
+ * 128 and 7, empty sides (lse = -inf) holding NaN in o, rows where every side
+ * is empty (o = 0, lse = -inf, never NaN), base-2 flag, in place (out =
+ * o_parts[0], lse_out = lse_parts[0]) and a NULL lse_out.
+ *
+ * Refusals with the CPU path's statuses (and outputs untouched), the CUDA
+ * scope (f32 activations, other dims: UNSUPPORTED; host pointers:
+ * INVALID_ARGUMENT), a decreasing index array reported by
+ * mla_ctx_synchronize (OUT_OF_RANGE). Skips (passing) without CUDA or GPU. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mla.h"
+#include "ref.h"
+#include "test_util.h"
+
+#ifndef MLA_TEST_CUDA
+int main(void) {
+  printf("test_cuda_ragged: skipped: built without CUDA\n");
+  return tu_finish("test_cuda_ragged");
+}
+#else
+#include "cuda_util.h"
+
+#define GUARD 64 /* poisoned elements after every output */
+#define MAXB 8
+
+static tu_rng rng;
+static mla_ctx *gpu, *cpu;
+
+typedef struct rcase {
+  const char *name;
+  int bs, H, Hkv, dqk, dv, causal;
+  float softcap;
+  unsigned flags;
+  mla_dtype act;
+  int with_lse;
+  int maxq, maxprefix; /* random lengths: q in [1, maxq], kv = q + [0, maxprefix] */
+  int longq;           /* > 0: request 2 gets this many queries */
+} rcase;
+
+static double *to_double(mla_dtype t, const void *src, int64_t n) {
+  double *d = malloc(sizeof(double) * (size_t)(n ? n : 1));
+  tu_from_dtype(t, src, d, n);
+  return d;
+}
+
+/* n random values of dtype t (bits in *bits, exact values in double). */
+static double *rand_act(mla_dtype t, int64_t n, void **bits) {
+  float *f = malloc(sizeof(float) * (size_t)(n ? n : 1));
+  tu_fill_bf16_normal(&rng, f, n, 1.0);
+  *bits = malloc(tu_act_size(t) * (size_t)(n ? n : 1));
+  tu_to_dtype(t, f, *bits, n);
+  free(f);
+  return to_double(t, *bits, n);
+}
+
+static void run_ragged(const rcase *c) {
+  int q_len[MAXB], kv_len[MAXB];
+  int32_t qo[MAXB + 1], kvp[MAXB + 1];
+  qo[0] = kvp[0] = 0;
+  for (int i = 0; i < c->bs; i++) {
+    int q = tu_randint(&rng, 1, c->maxq);
+    int kv = q + tu_randint(&rng, 0, c->maxprefix);
+    if (i == 0) q = 0;                                      /* zero-length request */
+    if (i == 1) kv = 0;                                     /* queries, no keys */
+    if (i == 3 && c->causal) kv = q > 1 ? q / 2 : kv;       /* fewer keys than queries */
+    if (i == 2 && c->longq > 0) q = c->longq, kv = q + tu_randint(&rng, 0, c->maxprefix);
+    q_len[i] = q;
+    kv_len[i] = kv;
+    qo[i + 1] = qo[i] + q;
+    kvp[i + 1] = kvp[i] + kv;
+  }
+  const int Tq = qo[c->bs], Tk = kvp[c->bs], H = c->H, Hkv = c->Hkv;
+  char cs[200];
+  snprintf(cs, sizeof cs, "%s (bs=%d H=%d/%d %d/%d %s causal=%d cap=%g flags=%u Tq=%d Tk=%d)", c->name, c->bs, H,
+           Hkv, c->dqk, c->dv, mla_dtype_name(c->act), c->causal, (double)c->softcap, c->flags, Tq, Tk);
+  void *qb, *kb, *vb;
+  double *q = rand_act(c->act, (int64_t)Tq * H * c->dqk, &qb);
+  double *k = rand_act(c->act, (int64_t)Tk * Hkv * c->dqk, &kb);
+  double *v = rand_act(c->act, (int64_t)Tk * Hkv * c->dv, &vb);
+  const size_t es = tu_act_size(c->act);
+  const mla_dtype odt = (c->flags & MLA_FLAG_OUT_F32) ? MLA_DTYPE_F32 : c->act;
+  const size_t oes = tu_act_size(odt);
+  const int64_t no = (int64_t)Tq * H * c->dv, nl = (int64_t)Tq * H;
+  void *dq = tu_dev_copy(qb, es * (size_t)Tq * H * c->dqk);
+  void *dk = tu_dev_copy(kb, es * (size_t)Tk * Hkv * c->dqk);
+  void *dv = tu_dev_copy(vb, es * (size_t)Tk * Hkv * c->dv);
+  void *dqo = tu_dev_copy(qo, sizeof(int32_t) * (size_t)(c->bs + 1));
+  void *dkvp = tu_dev_copy(kvp, sizeof(int32_t) * (size_t)(c->bs + 1));
+  void *dout = tu_dev_alloc(oes * (size_t)(no + GUARD));
+  float *dlse = tu_dev_alloc(sizeof(float) * (size_t)(nl + GUARD));
+
+  mla_ragged_args a;
+  memset(&a, 0, sizeof a);
+  a.batch_size = c->bs;
+  a.num_heads = H;
+  a.num_kv_heads = Hkv;
+  a.qk_dim = c->dqk;
+  a.v_dim = c->dv;
+  a.scale = (float)(1.0 / sqrt((double)c->dqk)) * (c->softcap > 0.0f ? 4.0f : 1.0f);
+  a.softcap = c->softcap;
+  a.causal = c->causal;
+  a.flags = c->flags;
+  a.act_dtype = c->act;
+  a.qo_indptr = dqo;
+  a.kv_indptr = dkvp;
+  a.q = dq;
+  a.k = dk;
+  a.v = dv;
+  a.out = dout;
+  a.lse = c->with_lse ? dlse : NULL;
+
+  /* oracle, and sum_j p_j |v_j| (the oracle on |v|; same scores, same lse) */
+  double *o_ref = malloc(sizeof(double) * (size_t)(no ? no : 1));
+  double *l_ref = malloc(sizeof(double) * (size_t)(nl ? nl : 1));
+  double *pb = malloc(sizeof(double) * (size_t)(no ? no : 1));
+  ref_mha(c->bs, q_len, kv_len, H, Hkv, c->dqk, c->dv, a.scale, c->softcap, c->causal, q, k, v, o_ref, l_ref);
+  for (int64_t i = 0; i < (int64_t)Tk * Hkv * c->dv; i++) v[i] = fabs(v[i]);
+  ref_mha(c->bs, q_len, kv_len, H, Hkv, c->dqk, c->dv, a.scale, c->softcap, c->causal, q, k, v, pb, l_ref);
+
+  unsigned char *out = malloc(oes * (size_t)(no + GUARD));
+  float *lse = malloc(sizeof(float) * (size_t)(nl + GUARD));
+  /* every consumer loop of the kernel (src/cuda/prefill_sm90.cu), the default last */
+  static const char *const variants[] = {"plain", "pingpong", NULL};
+  for (int vi = 0; vi < 3; vi++) {
+    char cv[260];
+    snprintf(cv, sizeof cv, "%s [%s]", cs, variants[vi] ? variants[vi] : "default");
+    if (variants[vi]) setenv("MLA_PREFILL_VARIANT", variants[vi], 1);
+    else unsetenv("MLA_PREFILL_VARIANT");
+    CK(cudaMemset(dout, 0xff, oes * (size_t)(no + GUARD)));
+    CK(cudaMemset(dlse, 0xff, sizeof(float) * (size_t)(nl + GUARD)));
+    mla_status st = mla_attention_ragged(gpu, &a);
+    TU_CHECK(st == MLA_OK, "%s: %s (%s)", cv, mla_status_string(st), mla_ctx_last_error(gpu));
+    st = mla_ctx_synchronize(gpu);
+    TU_CHECK(st == MLA_OK, "%s: synchronize %s (%s)", cv, mla_status_string(st), mla_ctx_last_error(gpu));
+    CK(cudaMemcpy(out, dout, oes * (size_t)(no + GUARD), cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(lse, dlse, sizeof(float) * (size_t)(nl + GUARD), cudaMemcpyDeviceToHost));
+    TU_CHECK(tu_all_poisoned(out + oes * (size_t)no, oes * GUARD), "%s: out guard written", cv);
+    TU_CHECK(tu_all_poisoned(lse + nl, sizeof(float) * GUARD), "%s: lse guard written", cv);
+    if (!c->with_lse) TU_CHECK(tu_all_poisoned(lse, sizeof(float) * (size_t)nl), "%s: lse written though NULL", cv);
+    double *o = to_double(odt, out, no);
+    int64_t bad = 0, first = -1, nonfinite = 0;
+    double dot = 0, n1 = 0, n2 = 0, worst = 0;
+    for (int64_t i = 0; i < no; i++) {
+      if (!isfinite(o[i])) {
+        nonfinite++;
+        continue;
+      }
+      const double err = fabs(o[i] - o_ref[i]);
+      const double tol = 1e-3 + fabs(o_ref[i]) / 128.0 + pb[i] / 128.0;
+      if (err > tol) {
+        if (first < 0) first = i;
+        bad++;
+      }
+      if (err / tol > worst) worst = err / tol;
+      dot += o[i] * o_ref[i];
+      n1 += o[i] * o[i];
+      n2 += o_ref[i] * o_ref[i];
+    }
+    const double cosd = n1 > 0 && n2 > 0 ? 1.0 - dot / sqrt(n1 * n2) : (n1 == n2 ? 0.0 : 1.0);
+    TU_CHECK(nonfinite == 0, "%s: %lld non-finite outputs", cv, (long long)nonfinite);
+    TU_CHECK(bad == 0, "%s: %lld of %lld outside tolerance, first at %lld: got %g want %g", cv, (long long)bad,
+             (long long)no, (long long)first, first >= 0 ? o[first] : 0.0, first >= 0 ? o_ref[first] : 0.0);
+    TU_CHECK(cosd < 1e-4, "%s: cosine distance %.3g", cv, cosd);
+    double lse_worst = 0;
+    if (c->with_lse) {
+      int64_t lbad = 0;
+      const double conv = (c->flags & MLA_FLAG_LSE_BASE2) ? 1.4426950408889634 : 1.0;
+      for (int64_t i = 0; i < nl; i++) {
+        const double want = l_ref[i] * conv, got = lse[i];
+        if (isinf(want) || isinf(got)) {
+          lbad += !(isinf(want) && isinf(got) && (want < 0) == (got < 0));
+          continue;
+        }
+        const double e = fabs(got - want);
+        if (e > 1e-4 + 1e-5 * fabs(want) || isnan(got)) lbad++;
+        if (e > lse_worst) lse_worst = e;
+      }
+      TU_CHECK(lbad == 0, "%s: %lld lse values wrong (worst finite error %.3g)", cv, (long long)lbad, lse_worst);
+    }
+    printf("  %s: max err/tol %.3f, cos dist %.2e, lse max err %.2e\n", cv, worst, cosd, lse_worst);
+    free(o);
+  }
+  free(q), free(k), free(v), free(qb), free(kb), free(vb), free(o_ref), free(l_ref), free(pb);
+  free(out), free(lse);
+  cudaFree(dq), cudaFree(dk), cudaFree(dv), cudaFree(dqo), cudaFree(dkvp), cudaFree(dout), cudaFree(dlse);
+}
+
+/* ---- merge ---------------------------------------------------------------- */
+static void run_merge(int n, int T, int H, int dim, mla_dtype t, int base2, int in_place, int with_lse) {
+  char cs[160];
+  snprintf(cs, sizeof cs, "merge n=%d T=%d H=%d dim=%d %s base2=%d in_place=%d lse=%d", n, T, H, dim,
+           mla_dtype_name(t), base2, in_place, with_lse);
+  const int64_t rows = (int64_t)T * H, ne = rows * dim;
+  const size_t es = tu_act_size(t);
+  double **o_d = malloc(sizeof(double *) * (size_t)n), **l_d = malloc(sizeof(double *) * (size_t)n);
+  void **d_o = malloc(sizeof(void *) * (size_t)n);
+  float **d_l = malloc(sizeof(float *) * (size_t)n);
+  float *lf = malloc(sizeof(float) * (size_t)rows);
+  for (int k = 0; k < n; k++) {
+    void *bits;
+    o_d[k] = rand_act(t, ne, &bits);
+    l_d[k] = malloc(sizeof(double) * (size_t)rows);
+    for (int64_t x = 0; x < rows; x++) {
+      /* row x % 5 == 0: every side empty; else side k empty one time in 4 */
+      const int empty = x % 5 == 0 || tu_randint(&rng, 0, 3) == 0;
+      const float v = empty ? -INFINITY : (float)(4.0 * tu_normal(&rng));
+      lf[x] = base2 ? v : v;
+      l_d[k][x] = (double)v; /* the value the kernel sees, in its base */
+      if (empty) { /* garbage the merge must never read: NaN in the part, 0 for the oracle */
+        memset((unsigned char *)bits + (size_t)x * dim * es, 0xff, (size_t)dim * es);
+        for (int c = 0; c < dim; c++) o_d[k][x * dim + c] = 0.0;
+      }
+    }
+    d_o[k] = tu_dev_copy(bits, es * (size_t)ne);
+    d_l[k] = tu_dev_copy(lf, sizeof(float) * (size_t)rows);
+    free(bits);
+  }
+  /* the oracle works in natural log */
+  double **ln = malloc(sizeof(double *) * (size_t)n);
+  for (int k = 0; k < n; k++) {
+    ln[k] = malloc(sizeof(double) * (size_t)rows);
+    for (int64_t x = 0; x < rows; x++) ln[k][x] = base2 ? l_d[k][x] * 0.6931471805599453 : l_d[k][x];
+  }
+  double *o_ref = malloc(sizeof(double) * (size_t)ne), *l_ref = malloc(sizeof(double) * (size_t)rows);
+  ref_merge(n, T, H, dim, (const double *const *)o_d, (const double *const *)ln, o_ref, l_ref);
+  void *dout = in_place ? d_o[0] : tu_dev_alloc(es * (size_t)(ne + GUARD));
+  float *dlse = in_place ? d_l[0] : tu_dev_alloc(sizeof(float) * (size_t)(rows + GUARD));
+  if (!in_place) {
+    CK(cudaMemset(dout, 0xff, es * (size_t)(ne + GUARD)));
+    CK(cudaMemset(dlse, 0xff, sizeof(float) * (size_t)(rows + GUARD)));
+  }
+  mla_status st = mla_merge_states(gpu, n, T, H, dim, t, base2 ? MLA_FLAG_LSE_BASE2 : 0, (const void *const *)d_o,
+                                   (const float *const *)d_l, dout, with_lse ? dlse : NULL);
+  TU_CHECK(st == MLA_OK, "%s: %s (%s)", cs, mla_status_string(st), mla_ctx_last_error(gpu));
+  TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
+  const size_t ob = es * (size_t)(ne + (in_place ? 0 : GUARD));
+  unsigned char *out = malloc(ob);
+  float *lse = malloc(sizeof(float) * (size_t)(rows + GUARD));
+  CK(cudaMemcpy(out, dout, ob, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(lse, dlse, sizeof(float) * (size_t)(rows + (in_place ? 0 : GUARD)), cudaMemcpyDeviceToHost));
+  if (!in_place) {
+    TU_CHECK(tu_all_poisoned(out + es * (size_t)ne, es * GUARD), "%s: out guard written", cs);
+    TU_CHECK(tu_all_poisoned(lse + rows, sizeof(float) * GUARD), "%s: lse guard written", cs);
+  }
+  double *o = to_double(t, out, ne);
+  const double atol = t == MLA_DTYPE_F32 ? 1e-5 : 1e-3, rtol = t == MLA_DTYPE_F32 ? 1e-5 : 1.0 / 128.0;
+  ref_cmp cmp = ref_compare(o, o_ref, ne, atol, rtol);
+  TU_CHECK(ref_cmp_ok(&cmp, 1e-5), "%s: %lld bad, %lld non-finite mismatches, max abs err %.3g", cs,
+           (long long)cmp.bad, (long long)cmp.nonfinite_mismatch, cmp.max_abs_err);
+  if (with_lse) {
+    int64_t lbad = 0;
+    for (int64_t x = 0; x < rows; x++) {
+      const double want = base2 ? l_ref[x] * 1.4426950408889634 : l_ref[x], got = lse[x];
+      if (isinf(want) || isinf(got) || isnan(got)) lbad += !(isinf(want) && isinf(got) && want < 0 && got < 0);
+      else lbad += fabs(got - want) > 1e-5 + 1e-6 * fabs(want);
+    }
+    TU_CHECK(lbad == 0, "%s: %lld lse values wrong", cs, (long long)lbad);
+  }
+  for (int k = 0; k < n; k++) {
+    free(o_d[k]), free(l_d[k]), free(ln[k]);
+    cudaFree(d_o[k]), cudaFree(d_l[k]);
+  }
+  if (!in_place) cudaFree(dout), cudaFree(dlse);
+  free(o_d), free(l_d), free(ln), free(d_o), free(d_l), free(lf), free(o_ref), free(l_ref), free(out), free(lse),
+      free(o);
+}
+
+/* ---- refusals ------------------------------------------------------------- */
+static void refusals(void) {
+  const int H = 4, T = 8;
+  int32_t ind[3] = {0, 4, 8}, bad_ind[3] = {0, 6, 2};
+  void *dq = tu_dev_alloc(2 * T * H * 192), *dk = tu_dev_alloc(2 * T * H * 192), *dv = tu_dev_alloc(2 * T * H * 128);
+  CK(cudaMemset(dq, 0, 2 * T * H * 192));
+  CK(cudaMemset(dk, 0, 2 * T * H * 192));
+  CK(cudaMemset(dv, 0, 2 * T * H * 128));
+  void *dind = tu_dev_copy(ind, sizeof ind), *dbad = tu_dev_copy(bad_ind, sizeof bad_ind);
+  const size_t ob = 4 * T * H * 128;
+  void *dout = tu_dev_alloc(ob);
+  float *dlse = tu_dev_alloc(4 * T * H);
+  unsigned char *host = malloc(ob);
+  mla_ragged_args g;
+  memset(&g, 0, sizeof g);
+  g.batch_size = 2, g.num_heads = H, g.num_kv_heads = H, g.qk_dim = 192, g.v_dim = 128, g.scale = 0.1f;
+  g.act_dtype = MLA_DTYPE_BF16, g.qo_indptr = dind, g.kv_indptr = dind, g.q = dq, g.k = dk, g.v = dv;
+  g.out = dout, g.lse = dlse, g.causal = 1;
+  /* host twin for the CPU path's statuses (its arrays are host memory) */
+  mla_ragged_args hcpu = g;
+  void *hq = calloc(1, 2 * T * H * 192), *hk = calloc(1, 2 * T * H * 192), *hv = calloc(1, 2 * T * H * 128);
+  void *hout = malloc(ob);
+  hcpu.qo_indptr = ind, hcpu.kv_indptr = ind, hcpu.q = hq, hcpu.k = hk, hcpu.v = hv, hcpu.out = hout, hcpu.lse = NULL;
+  struct {
+    const char *what;
+    int field; /* which field to spoil */
+  } bads[] = {{"num_heads 0", 0},  {"num_kv_heads 3", 1}, {"qk_dim 0", 2},   {"v_dim 300", 3},
+              {"scale NaN", 4},    {"softcap -1", 5},     {"causal 2", 6},   {"flags 0x80", 7},
+              {"dtype 42", 8},     {"dtype fp8", 9},      {"batch -1", 10},  {"qo_indptr NULL", 11},
+              {"q NULL", 12}};
+  for (size_t i = 0; i < sizeof bads / sizeof bads[0]; i++) {
+    mla_ragged_args x[2] = {g, hcpu};
+    for (int s = 0; s < 2; s++) {
+      mla_ragged_args *y = &x[s];
+      switch (bads[i].field) {
+        case 0: y->num_heads = 0; break;
+        case 1: y->num_kv_heads = 3; break;
+        case 2: y->qk_dim = 0; break;
+        case 3: y->v_dim = 300; break;
+        case 4: y->scale = NAN; break;
+        case 5: y->softcap = -1.0f; break;
+        case 6: y->causal = 2; break;
+        case 7: y->flags = 0x80; break;
+        case 8: y->act_dtype = (mla_dtype)42; break;
+        case 9: y->act_dtype = MLA_DTYPE_FP8_E4M3; break;
+        case 10: y->batch_size = -1; break;
+        case 11: y->qo_indptr = NULL; break;
+        case 12: y->q = NULL; break;
+      }
+    }
+    CK(cudaMemset(dout, 0xff, ob));
+    const mla_status want = mla_attention_ragged(cpu, &x[1]);
+    const mla_status got = mla_attention_ragged(gpu, &x[0]);
+    TU_CHECK(got == want && got != MLA_OK, "%s: GPU %s, CPU %s", bads[i].what, mla_status_string(got),
+             mla_status_string(want));
+    TU_CHECK(mla_ctx_last_error(gpu)[0] != '\0', "%s: no message", bads[i].what);
+    CK(cudaMemcpy(host, dout, ob, cudaMemcpyDeviceToHost));
+    TU_CHECK(tu_all_poisoned(host, ob), "%s: out written", bads[i].what);
+  }
+  /* the CUDA scope */
+  mla_ragged_args x = g;
+  x.act_dtype = MLA_DTYPE_F32;
+  TU_STATUS(mla_attention_ragged(gpu, &x), MLA_ERR_UNSUPPORTED);
+  x = g, x.qk_dim = 64, x.v_dim = 64;
+  TU_STATUS(mla_attention_ragged(gpu, &x), MLA_ERR_UNSUPPORTED);
+  x = g, x.q = hq;
+  TU_STATUS(mla_attention_ragged(gpu, &x), MLA_ERR_INVALID_ARGUMENT);
+  x = g, x.qo_indptr = ind;
+  TU_STATUS(mla_attention_ragged(gpu, &x), MLA_ERR_INVALID_ARGUMENT);
+  x = g, x.batch_size = 0;
+  CK(cudaMemset(dout, 0xff, ob));
+  TU_STATUS(mla_attention_ragged(gpu, &x), MLA_OK);
+  TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
+  CK(cudaMemcpy(host, dout, ob, cudaMemcpyDeviceToHost));
+  TU_CHECK(tu_all_poisoned(host, ob), "batch 0: out written");
+  /* a decreasing index array: skipped on the device, reported on synchronize */
+  x = g, x.kv_indptr = dbad;
+  TU_STATUS(mla_attention_ragged(gpu, &x), MLA_OK);
+  TU_STATUS(mla_ctx_synchronize(gpu), MLA_ERR_OUT_OF_RANGE);
+  TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
+
+  /* merge refusals */
+  const void *op[2] = {dout, dout};
+  const float *lp[2] = {dlse, dlse};
+  const void *hop[2] = {hout, hout};
+  TU_STATUS(mla_merge_states(gpu, 0, T, H, 128, MLA_DTYPE_F32, 0, op, lp, dout, dlse), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_merge_states(gpu, 2, T, 0, 128, MLA_DTYPE_F32, 0, op, lp, dout, dlse), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_merge_states(gpu, 2, T, H, 0, MLA_DTYPE_F32, 0, op, lp, dout, dlse), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_merge_states(gpu, 2, T, H, 128, MLA_DTYPE_F32, 4, op, lp, dout, dlse), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_merge_states(gpu, 2, T, H, 128, MLA_DTYPE_FP8_E4M3, 0, op, lp, dout, dlse), MLA_ERR_UNSUPPORTED);
+  TU_STATUS(mla_merge_states(gpu, 2, T, H, 128, MLA_DTYPE_F32, 0, hop, lp, dout, dlse), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_merge_states(gpu, 2, T, H, 128, MLA_DTYPE_F32, 0, NULL, lp, dout, dlse), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_merge_states(gpu, 2, 0, H, 128, MLA_DTYPE_F32, 0, NULL, NULL, NULL, NULL), MLA_OK);
+  free(host), free(hq), free(hk), free(hv), free(hout);
+  cudaFree(dq), cudaFree(dk), cudaFree(dv), cudaFree(dind), cudaFree(dbad), cudaFree(dout), cudaFree(dlse);
+}
+
+int main(int argc, char **argv) {
+  rng.s = tu_seed("test_cuda_ragged", 57);
+  mla_ctx_desc gd = {MLA_DEVICE_CUDA, 1, 0};
+  mla_status st = mla_ctx_create(&gd, &gpu);
+  if (st == MLA_ERR_DEVICE) {
+    printf("test_cuda_ragged: skipped: no GPU (%s)\n", mla_status_string(st));
+    return tu_finish("test_cuda_ragged");
+  }
+  TU_STATUS(st, MLA_OK);
+  if (!gpu) return tu_finish("test_cuda_ragged");
+  mla_ctx_desc cd = {MLA_DEVICE_CPU, 1, 0};
+  TU_STATUS(mla_ctx_create(&cd, &cpu), MLA_OK);
+  /* "small": the compute-sanitizer run (one small case of each kind) */
+  const int small = argc > 1 && strcmp(argv[1], "small") == 0;
+  const rcase cases[] = {
+      /* name, bs, H, Hkv, dqk, dv, causal, softcap, flags, act, lse, maxq, maxprefix, longq */
+      {"h1 long causal", 6, 1, 1, 192, 128, 1, 0.0f, 0, MLA_DTYPE_BF16, 1, 300, 300, 2500},
+      {"h16 gqa4 noncausal softcap base2", 5, 16, 4, 192, 128, 0, 30.0f, MLA_FLAG_LSE_BASE2, MLA_DTYPE_BF16, 1, 260,
+       200, 0},
+      {"h128 causal", 4, 128, 128, 192, 128, 1, 0.0f, 0, MLA_DTYPE_BF16, 1, 150, 100, 0},
+      {"h16 128/128 f16 out_f32", 5, 16, 16, 128, 128, 1, 0.0f, MLA_FLAG_OUT_F32, MLA_DTYPE_F16, 1, 200, 300, 0},
+      {"h16 gqa2 causal softcap no-lse", 5, 16, 2, 192, 128, 1, 20.0f, 0, MLA_DTYPE_BF16, 0, 200, 150, 0},
+      {"h1 128/128 noncausal", 5, 1, 1, 128, 128, 0, 0.0f, MLA_FLAG_LSE_BASE2 | MLA_FLAG_OUT_F32, MLA_DTYPE_BF16, 1,
+       400, 600, 0},
+  };
+  if (small) {
+    const rcase sc = {"small", 4, 2, 1, 192, 128, 1, 0.0f, 0, MLA_DTYPE_BF16, 1, 140, 60, 0};
+    run_ragged(&sc);
+    run_merge(3, 5, 2, 128, MLA_DTYPE_BF16, 0, 0, 1);
+  } else {
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_ragged(&cases[i]);
+    const mla_dtype ts[3] = {MLA_DTYPE_F32, MLA_DTYPE_BF16, MLA_DTYPE_F16};
+    for (int ti = 0; ti < 3; ti++) {
+      run_merge(2, 37, 4, 128, ts[ti], 0, 0, 1);
+      run_merge(3, 21, 3, 7, ts[ti], 1, 0, 1);
+      run_merge(1, 10, 2, 128, ts[ti], 0, 0, 1);
+      run_merge(5, 13, 4, 128, ts[ti], ti == 1, 1, 1);
+      run_merge(2, 9, 2, 64, ts[ti], 0, 0, 0);
+    }
+    run_merge(128, 6, 2, 32, MLA_DTYPE_F32, 0, 0, 1);
+    refusals();
+  }
+  mla_ctx_destroy(cpu);
+  mla_ctx_destroy(gpu);
+  return tu_finish("test_cuda_ragged");
+}
+#endif
