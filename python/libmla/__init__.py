@@ -14,7 +14,8 @@ is_contiguous(), shape) as are numpy arrays (__array_interface__).
                         max_q_tokens=512, cache_dtype="bf16", act_dtype="f32")
 
 See python/README.md for the functional API, the Backend and
-SglangMLABackend, and which parts need the CUDA kernels (not built yet).
+SglangMLABackend, Step (device-built decode steps for CUDA graphs), and
+what runs on CUDA contexts.
 """
 
 from . import _lib
@@ -22,9 +23,9 @@ from ._lib import (BLOCK_TABLE_PAD, FLAG_LSE_BASE2, FLAG_OUT_F32, FP8_BLOCK, FP8
                    LATENT, MAX_HEAD_DIM, MAX_HEADS, MAX_PAGE_SIZE, REQ_PAD, ROPE, ROW, SLOT_UNUSED,
                    DType, Device, ExtendImpl, Mode, Sched, Status)
 from .api import (Backend, ChunkPlan, ChunkPlanner, Context, DcpPlan, DcpPlanner, DraftPlan,
-                  DraftPlanner, KVCache, MLAError, Plan, Planner, RequestTable, attention_absorbed,
-                  attention_ragged, batch, bf16_to_f32, convert, dcp_plan, expand_kv, f32_to_bf16,
-                  gather_latent, merge_states, plan)
+                  DraftPlanner, KVCache, MLAError, Plan, Planner, RequestTable, Step, StepMetadata,
+                  attention_absorbed, attention_ragged, batch, bf16_to_f32, convert, dcp_plan,
+                  expand_kv, f32_to_bf16, gather_latent, merge_states, plan)
 from .sglang import ForwardBatch, ForwardMode, SglangMLABackend, SglangMLAMultiStepDraftBackend
 
 __version__ = "%d.%d.0" % (_lib.VERSION_MAJOR, _lib.VERSION_MINOR)
@@ -34,7 +35,7 @@ library_version = _lib.version  # its mla_version_string()
 __all__ = [
     "Backend", "ChunkPlan", "ChunkPlanner", "Context", "DType", "DcpPlan", "DcpPlanner", "Device",
     "DraftPlan", "DraftPlanner", "ExtendImpl", "ForwardBatch", "ForwardMode", "KVCache", "MLAError",
-    "Mode", "Plan", "Planner", "RequestTable", "Sched", "SglangMLABackend",
+    "Mode", "Plan", "Planner", "RequestTable", "Sched", "SglangMLABackend", "Step", "StepMetadata",
     "SglangMLAMultiStepDraftBackend", "Status", "attention_absorbed", "attention_ragged", "batch",
     "bf16_to_f32", "convert", "dcp_plan", "expand_kv", "f32_to_bf16", "gather_latent",
     "merge_states", "plan", "LATENT", "ROPE", "ROW", "REQ_PAD", "SLOT_UNUSED", "BLOCK_TABLE_PAD",

@@ -19,7 +19,7 @@ import numpy as np
 from . import _lib
 from ._lib import DType, Device, ExtendImpl, Mode, Status
 from ._tensor import (Tensor, check, dtype_of, element_strides, empty_like_kind, inspect, int32_array,
-                      mla_dtype, mla_dtype_to_name, ptr_of)
+                      itemsize, mla_dtype, mla_dtype_to_name, ptr_of)
 
 _c = _lib.lib
 _byref = ctypes.byref
@@ -139,6 +139,26 @@ def _cache_dtype(dtype):
 
 
 # ---- context -------------------------------------------------------------------------
+
+_raw_stream_fn = None
+
+
+def _torch_raw_stream():
+    """A function device_index -> torch's current cudaStream_t there (an int), or None while
+    torch is not imported. torch's private raw getter when present (it skips building a
+    Stream object: about 1 us less per call), else the public current_stream()."""
+    global _raw_stream_fn
+    if _raw_stream_fn is not None:
+        return _raw_stream_fn
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)
+    if raw is None:
+        def raw(index, _cs=torch.cuda.current_stream):
+            return _cs(index).cuda_stream
+    _raw_stream_fn = raw
+    return raw
 
 
 class _Handle:
@@ -267,10 +287,12 @@ class Context(_Handle):
             return
         obj = getattr(t, "obj", t) if isinstance(t, Tensor) else t
         get_device = getattr(obj, "get_device", None)
-        torch = sys.modules.get("torch")
-        if torch is None or get_device is None:
+        if get_device is None:
             return
-        s = torch.cuda.current_stream(get_device()).cuda_stream
+        raw = _torch_raw_stream()
+        if raw is None:
+            return
+        s = raw(get_device())
         if s != self._stream:
             self._check(_c.mla_ctx_set_stream(self._h, s or None), "mla_ctx_set_stream")
             self._stream = s
@@ -1108,6 +1130,36 @@ def _indptr(obj, name, bs=None):
     return a, p
 
 
+def _on_device(x):
+    """Whether x looks like device memory (a CUDA torch tensor or a __cuda_array_interface__
+    object)."""
+    if isinstance(x, (np.ndarray, list, tuple, range)) or x is None:
+        return False
+    return getattr(x, "is_cuda", False) is True or hasattr(x, "__cuda_array_interface__")
+
+
+def _device_indptr(obj, name, bs):
+    """A device int32 [bs+1] index array used in place: (pointer, bs)."""
+    t = check(obj, name, dtypes=("i32",), shape=(None if bs is None else bs + 1,), device="cuda")
+    if t.shape[0] < 1:
+        raise ValueError("argument '%s': needs at least one entry" % name)
+    return t.ptr, t.shape[0] - 1
+
+
+def _upload_indptr(ctx, like, qa, ka):
+    """Device copies of host-checked index arrays, kept on the context until its next such
+    call (the kernel reads them asynchronously)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(like, "device"):
+        raise ValueError("argument 'qo_indptr': a CUDA context reads the index arrays on the "
+                         "device; pass CUDA int32 tensors (or torch tensors for q/k/v, so the "
+                         "binding can copy host arrays)")
+    qd = torch.from_numpy(np.ascontiguousarray(qa)).to(like.device)
+    kd = torch.from_numpy(np.ascontiguousarray(ka)).to(like.device)
+    ctx._indptr_keep = (qd, kd)
+    return qd.data_ptr(), kd.data_ptr()
+
+
 def attention_ragged(ctx, q, k, v, qo_indptr, kv_indptr, *, scale, causal=True, softcap=0.0,
                      out=None, lse=None, return_lse=False, lse_base2=False, out_f32=False,
                      dtype=None):
@@ -1116,7 +1168,11 @@ def attention_ragged(ctx, q, k, v, qo_indptr, kv_indptr, *, scale, causal=True, 
 
     q [Tq, H, Dqk], k [Tk, Hkv, Dqk], v [Tk, Hkv, Dv] (Hkv divides H), out [Tq, H, Dv]
     (fp32 when out_f32), lse [Tq, H]. softcap > 0: s = cap * tanh(scale q.k / cap).
-    Bottom-right causal. qo_indptr/kv_indptr: host int32 [bs+1].
+    Bottom-right causal. qo_indptr/kv_indptr: int32 [bs+1]; host arrays or lists on a CPU
+    context. On a CUDA context the kernel reads them on the device: pass CUDA int32 tensors
+    (used in place, graph-capturable; their contents cannot be checked on the host, a bad
+    length is skipped by the kernel and reported by ctx.synchronize()), or host arrays, which
+    are checked here and copied to the device on each call (needs torch).
     """
     dev = ctx.device
     tq = check(q, "q", dtypes=_ACT, shape=(None, None, None), device=dev, bf16=dtype is not None)
@@ -1127,13 +1183,19 @@ def attention_ragged(ctx, q, k, v, qo_indptr, kv_indptr, *, scale, causal=True, 
     Tk, Hkv = tk.shape[0], tk.shape[1]
     tv = check(v, "v", dtypes=(tq.dtype,), shape=(Tk, Hkv, None), device=dev, bf16=bf)
     Dv = tv.shape[2]
-    qa, qp = _indptr(qo_indptr, "qo_indptr")
-    bs = qa.shape[0] - 1
-    ka, kp = _indptr(kv_indptr, "kv_indptr", bs)
-    if qa[-1] != Tq:
-        raise ValueError("argument 'qo_indptr': ends at %d, q has %d rows" % (qa[-1], Tq))
-    if ka[-1] != Tk:
-        raise ValueError("argument 'kv_indptr': ends at %d, k and v have %d rows" % (ka[-1], Tk))
+    if dev == "cuda" and _on_device(qo_indptr):
+        qp, bs = _device_indptr(qo_indptr, "qo_indptr", None)
+        kp, _ = _device_indptr(kv_indptr, "kv_indptr", bs)
+    else:
+        qa, qp = _indptr(qo_indptr, "qo_indptr")
+        bs = qa.shape[0] - 1
+        ka, kp = _indptr(kv_indptr, "kv_indptr", bs)
+        if qa[-1] != Tq:
+            raise ValueError("argument 'qo_indptr': ends at %d, q has %d rows" % (qa[-1], Tq))
+        if ka[-1] != Tk:
+            raise ValueError("argument 'kv_indptr': ends at %d, k and v have %d rows" % (ka[-1], Tk))
+        if dev == "cuda":  # checked on the host: copies on q's device for the kernel
+            qp, kp = _upload_indptr(ctx, q, qa, ka)
     odt = "f32" if out_f32 else tq.dtype
     if out is None:
         out = empty_like_kind(q, (Tq, H, Dv), odt)
@@ -1278,6 +1340,315 @@ def bf16_to_f32(a):
 def f32_to_bf16(a):
     """float32 (or f64/f16) to raw bf16 bits (uint16), rounding to nearest even."""
     return convert(np.ascontiguousarray(a), "bf16")
+
+
+# ---- device-built steps (CUDA graphs) ---------------------------------------------------------
+
+
+class StepMetadata:
+    """What Step.prepare() built (mla_step_metadata): the step's shape as attributes and its
+    int32 arrays as views into the step's workspace, overwritten by the next prepare():
+
+      qo_indptr [bs+1], kv_lens [bs], block_table [bs, block_table_width],
+      sched_meta [num_sm_parts, SCHED_META_INTS], num_splits [bs+1]
+
+    CPU steps: read-only numpy views. CUDA steps: torch int32 tensors on the step's device
+    (read them after the prepare on the same stream, e.g. to hand the block table to other
+    kernels); None when the workspace is not a torch tensor, then `pointers` (name -> device
+    address) is what there is.
+    """
+
+    _ARRAYS = ("qo_indptr", "kv_lens", "block_table", "sched_meta", "num_splits")
+
+    def __init__(self, step, cm):
+        self.batch_size = cm.batch_size
+        self.q_len = cm.q_len
+        self.block_table_width = cm.block_table_width
+        self.num_sm_parts = cm.num_sm_parts
+        self.max_splits = cm.max_splits
+        bs, w = cm.batch_size, cm.block_table_width
+        shapes = {"qo_indptr": (bs + 1,), "kv_lens": (bs,), "block_table": (bs, w),
+                  "sched_meta": (cm.num_sm_parts, _lib.SCHED_META_INTS), "num_splits": (bs + 1,)}
+        self.pointers = {k: getattr(cm, k) for k in self._ARRAYS}
+        for k in self._ARRAYS:
+            setattr(self, k, step._ws_view(self.pointers[k], shapes[k]))
+
+    def arrays(self):
+        """Every array as a host numpy copy (a dict; synchronizes with the device for CUDA)."""
+        out = {}
+        for k in self._ARRAYS:
+            v = getattr(self, k)
+            if v is None:
+                raise ValueError("the step's workspace is not a torch tensor or numpy array: no "
+                                 "views of its metadata (use .pointers)")
+            out[k] = np.array(v.cpu().numpy() if hasattr(v, "cpu") else v)
+        return out
+
+    def __repr__(self):
+        return "<libmla.StepMetadata bs=%d q_len=%d width=%d parts=%d>" % (
+            self.batch_size, self.q_len, self.block_table_width, self.num_sm_parts)
+
+
+class Step:
+    """A decode-type step built where the kernels run (mla_step_*), for CUDA graphs.
+
+    A Step fixes the step's shape (mode, batch_size rows, num_heads, page_size,
+    max_kv_len, num_draft_tokens, num_sm) and owns (or is given) its workspace.
+    Per step: prepare(cache, req_to_token, req_ids, seq_lens) once, then
+    attention(cache, layer, q_nope, q_rope, out) per layer. On a CUDA context
+    every tensor is device memory (torch CUDA tensors on the context's device)
+    and both calls only enqueue kernels on torch's current stream: capture them
+    in a torch.cuda.CUDAGraph and replay after writing new request ids / lengths
+    into the same tensors. On a CPU context the same calls run on host arrays.
+
+    mode: "decode", "target_verify" (num_draft_tokens queries per row, seq_lens
+    exclude them) or "draft_extend" (a fixed window of num_draft_tokens queries,
+    keys = seq_lens). A request id of REQ_PAD (-1) is a padding row (it reads
+    page 0; give it seq_len 1). page_size defaults to cache's. num_sm: the
+    split-schedule target (0 = the device's SMs; CPU: the workers). workspace:
+    a contiguous tensor/array on the context's device of at least
+    workspace_bytes bytes; allocated when not given (a torch uint8 tensor on
+    CUDA, which needs torch imported; numpy on CPU).
+    """
+
+    def __init__(self, ctx, mode="decode", *, batch_size, num_heads, max_kv_len, page_size=None,
+                 num_draft_tokens=0, num_sm=0, scale=None, cache=None, workspace=None):
+        if not isinstance(ctx, Context):
+            raise ValueError("argument 'ctx': expected a libmla.Context, got %s" % type(ctx).__name__)
+        if page_size is None:
+            if cache is None:
+                raise ValueError("Step: give page_size, or the cache (its page size is used)")
+            _handle_of(cache, KVCache, "cache")
+            page_size = cache.page_size
+        self.ctx = ctx
+        self.mode = _parse_mode(mode)
+        self.desc = _lib.StepDesc(int(self.mode), int(batch_size), int(num_draft_tokens or 0),
+                                  int(max_kv_len), int(num_heads), int(page_size), int(num_sm))
+        n = ctypes.c_size_t()
+        ctx._check(_c.mla_step_workspace_size(ctx.handle, _byref(self.desc), _byref(n)),
+                   "mla_step_workspace_size")
+        self.workspace_bytes = n.value
+        self.batch_size, self.num_heads = int(batch_size), int(num_heads)
+        self.page_size, self.max_kv_len = int(page_size), int(max_kv_len)
+        self.num_draft_tokens, self.num_sm = int(num_draft_tokens or 0), int(num_sm)
+        self.q_len = 1 if self.mode == Mode.DECODE else self.num_draft_tokens
+        self.num_q_tokens = self.batch_size * self.q_len
+        self.scale = None if scale is None else float(scale)
+        self._dev = ctx.device
+        self._dev_index = ctx.device_id if ctx.device == "cuda" else None
+        if workspace is None:
+            if self._dev == "cuda":
+                torch = sys.modules.get("torch")
+                if torch is None:
+                    raise ValueError("argument 'workspace': a CUDA step allocates its device "
+                                     "workspace with torch; import torch or pass workspace=")
+                workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8,
+                                        device="cuda:%d" % self._dev_index)
+            else:
+                workspace = np.empty(self.workspace_bytes, dtype=np.uint8)
+        t = inspect(workspace, "workspace")
+        if t.device != self._dev:
+            raise ValueError("argument 'workspace': tensor is on %s, this %s step needs %s memory"
+                             % (t.device, self._dev, self._dev))
+        self._same_device(workspace, "workspace")
+        if not t.contiguous:
+            raise ValueError("argument 'workspace': must be contiguous")
+        try:
+            nbytes = t.numel() * itemsize(t.dtype)
+        except KeyError:
+            raise ValueError("argument 'workspace': dtype %s has no known size" % t.dtype) from None
+        if nbytes < self.workspace_bytes:
+            raise ValueError("argument 'workspace': %d bytes, the step needs %d (workspace_bytes)"
+                             % (nbytes, self.workspace_bytes))
+        if t.kind == "numpy" and not workspace.flags.writeable:
+            raise ValueError("argument 'workspace': array is read-only")
+        self.workspace = workspace
+        self._wp, self._wn = t.ptr, nbytes
+        self._in = _lib.StepInputs()
+        self._keep = None  # host arrays the last CPU prepare converted
+        self._args = _lib.AbsorbedArgs()
+        self._args.num_heads = self.num_heads
+        self._att = _c.mla_step_attention
+        self._acts = {}  # dtype= argument -> (name, DType)
+
+    # -- checks
+
+    def _same_device(self, obj, name):
+        """CUDA steps: a torch tensor must be on the context's device (the index)."""
+        if self._dev_index is not None:
+            gd = getattr(obj, "get_device", None)
+            if gd is not None and gd() != self._dev_index:
+                raise ValueError("argument '%s': tensor is on cuda:%d, the context is on cuda:%d"
+                                 % (name, gd(), self._dev_index))
+
+    def _ws_view(self, ptr, shape):
+        ws = self.workspace
+        if self._dev == "cpu":
+            if isinstance(ws, np.ndarray):
+                return _view_i32(ptr, shape, ws)
+            return _view_i32(ptr, shape, self)
+        if not hasattr(ws, "data_ptr") or not hasattr(ws, "view"):
+            return None
+        n = 1
+        for d in shape:
+            n *= d
+        try:
+            import torch  # only reached with torch tensors in hand
+            flat = ws.reshape(-1).view(torch.uint8)
+            off = ptr - flat.data_ptr()
+            return flat[off:off + 4 * n].view(torch.int32).view(shape)
+        except Exception:  # an unusual workspace (odd storage offset): pointers only
+            return None
+
+    # -- the calls
+
+    def prepare(self, cache, req_to_token, req_ids, seq_lens):
+        """Build the step's metadata (once per step, before the layers).
+
+        req_to_token [max_reqs, >= max_kv_len] int32 (rows may be strided, the
+        last dimension contiguous; on CPU a RequestTable works too); req_ids
+        [batch_size] and seq_lens [batch_size] int32. CUDA: device tensors, read
+        when the kernels run (a captured graph reads what they hold at replay),
+        rows found out of range are emptied and reported by ctx.synchronize().
+        CPU: host arrays (lists are converted), out of range raises MLAError.
+        """
+        ctx, dev, bs = self.ctx, self._dev, self.batch_size
+        ch = _handle_of(cache, KVCache, "cache")
+        if cache.page_size != self.page_size:
+            raise ValueError("argument 'cache': page size %d, the step was made for %d"
+                             % (cache.page_size, self.page_size))
+        if isinstance(req_to_token, RequestTable):
+            if dev != "cpu":
+                raise ValueError("argument 'req_to_token': a RequestTable is host memory; a CUDA "
+                                 "step takes a device copy of its req_to_token")
+            req_to_token = req_to_token.req_to_token
+        tt = check(req_to_token, "req_to_token", dtypes=("i32",), shape=(None, None), device=dev,
+                   contiguous=False)
+        self._same_device(req_to_token, "req_to_token")
+        rows, cols = tt.shape
+        if tt.contiguous:
+            stride = cols
+        else:
+            st = element_strides(tt)
+            if st is None or (cols > 1 and st[1] != 1) or st[0] < cols:
+                raise ValueError("argument 'req_to_token': rows must be contiguous (last stride 1) "
+                                 "and not overlap")
+            stride = st[0]
+        if rows < 1:
+            raise ValueError("argument 'req_to_token': has no rows")
+        if cols < self.max_kv_len:
+            raise ValueError("argument 'req_to_token': shape [%d, %d], the step reads up to "
+                             "max_kv_len = %d positions per row" % (rows, cols, self.max_kv_len))
+        if dev == "cpu":
+            ia, ip = int32_array(req_ids, "req_ids", length=bs)
+            sa, sp = int32_array(seq_lens, "seq_lens", length=bs)
+            self._keep = (ia, sa)
+        else:
+            ip = ptr_of(req_ids, "req_ids", dtypes=("i32",), shape=(bs,), device=dev)
+            sp = ptr_of(seq_lens, "seq_lens", dtypes=("i32",), shape=(bs,), device=dev)
+            self._same_device(req_ids, "req_ids")
+            self._same_device(seq_lens, "seq_lens")
+            ctx._before_launch(req_ids)
+        i = self._in
+        i.req_to_token, i.req_to_token_stride, i.max_reqs = tt.ptr, stride, rows
+        i.req_ids, i.seq_lens = ip, sp
+        ctx._check(_c.mla_step_prepare(ctx.handle, _byref(self.desc), ch, _byref(i), self._wp,
+                                       self._wn), "mla_step_prepare")
+
+    def _act(self, q_nope, dtype):
+        """(name, DType) of the activations: q_nope's dtype, or dtype= for raw bf16 bits."""
+        if dtype is not None:
+            r = self._acts.get(dtype)
+            if r is None:
+                d = mla_dtype(dtype)
+                r = self._acts[dtype] = (mla_dtype_to_name(d), d)
+            return r
+        name = dtype_of(q_nope)
+        if name not in _ACT_DTYPE:  # the full check says what is wrong
+            check(q_nope, "q_nope", dtypes=_ACT, shape=(self.num_q_tokens, self.num_heads,
+                                                         _lib.LATENT), device=self._dev,
+                  contiguous=False)
+        return name, _ACT_DTYPE[name]
+
+    def attention(self, cache, layer, q_nope, q_rope, out=None, lse=None, *, scale=None,
+                  return_lse=False, lse_base2=False, dtype=None):
+        """One layer's absorbed attention over the prepared step.
+
+        q_nope [bs * q_len, H, 512] and q_rope [bs * q_len, H, 64] (contiguous, or
+        views sharing one token and one head stride such as q[..., :512] and
+        q[..., 512:]); out [bs * q_len, H, 512] in q's dtype (allocated when not
+        given; pass it when capturing a graph); lse [bs * q_len, H] fp32 (natural
+        log unless lse_base2). Rows of padding requests hold what the padding row
+        read. Returns out, or (out, lse) when return_lse or lse is given.
+        """
+        dev = self._dev
+        T, H = self.num_q_tokens, self.num_heads
+        name, act = self._act(q_nope, dtype)
+        dts = (name,)
+        bf = act == DType.BF16
+        try:  # the common case, contiguous q: the short checks
+            qn = ptr_of(q_nope, "q_nope", dtypes=dts, shape=(T, H, _lib.LATENT), device=dev,
+                        bf16=bf)
+            qr = ptr_of(q_rope, "q_rope", dtypes=dts, shape=(T, H, _lib.ROPE), device=dev,
+                        bf16=bf)
+            st_tok = st_head = 0
+        except ValueError:  # strided views, or a bad argument: the full checks say which
+            tn = check(q_nope, "q_nope", dtypes=dts, shape=(T, H, _lib.LATENT), device=dev,
+                       contiguous=False, bf16=bf)
+            tr = check(q_rope, "q_rope", dtypes=dts, shape=(T, H, _lib.ROPE), device=dev,
+                       contiguous=False, bf16=bf)
+            st_tok, st_head = _q_strides(tn, tr, "q_nope", "q_rope")
+            qn, qr = tn.ptr, tr.ptr
+        if out is None:
+            out = empty_like_kind(q_nope, (T, H, _lib.LATENT), name)
+        op = ptr_of(out, "out", dtypes=dts, shape=(T, H, _lib.LATENT), device=dev, writable=True,
+                    bf16=bf)
+        want_lse = return_lse or lse is not None
+        if want_lse and lse is None:
+            lse = empty_like_kind(q_nope, (T, H), "f32")
+        lp = ptr_of(lse, "lse", dtypes=("f32",), shape=(T, H), device=dev, writable=True) \
+            if lse is not None else None
+        if scale is None:
+            scale = self.scale
+            if scale is None:
+                raise ValueError("argument 'scale' is required (or give the Step a scale)")
+        ctx = self.ctx
+        if self._dev_index is not None:
+            d = self._dev_index
+            for obj, nm in ((q_nope, "q_nope"), (q_rope, "q_rope"), (out, "out"), (lse, "lse")):
+                gd = getattr(obj, "get_device", None)
+                if gd is not None and gd() != d:
+                    self._same_device(obj, nm)
+            if ctx._follow_torch:  # torch's current stream on the step's device
+                raw = _raw_stream_fn or _torch_raw_stream()
+                if raw is not None:
+                    s = raw(d)
+                    if s != ctx._stream:
+                        ctx._check(_c.mla_ctx_set_stream(ctx._h, s or None), "mla_ctx_set_stream")
+                        ctx._stream = s
+        a = self._args
+        a.scale = scale
+        a.flags = _lib.FLAG_LSE_BASE2 if lse_base2 else 0
+        a.act_dtype = act
+        a.q_nope, a.q_rope, a.q_stride_token, a.q_stride_head = qn, qr, st_tok, st_head
+        a.out, a.lse = op, lp
+        st = self._att(ctx.handle, _byref(self.desc), _handle_of(cache, KVCache, "cache"),
+                       int(layer), _byref(a), self._wp, self._wn)
+        if st:
+            ctx._check(st, "mla_step_attention")
+        return (out, lse) if want_lse else out
+
+    def metadata(self):
+        """The prepared metadata (StepMetadata: views into the workspace)."""
+        m = _lib.StepMetadata()
+        self.ctx._check(_c.mla_step_get_metadata(self.ctx.handle, _byref(self.desc), self._wp,
+                                                 self._wn, _byref(m)), "mla_step_get_metadata")
+        return StepMetadata(self, m)
+
+    def __repr__(self):
+        return "<libmla.Step %s %s bs=%d H=%d page=%d max_kv=%d%s>" % (
+            self._dev, self.mode.name, self.batch_size, self.num_heads, self.page_size,
+            self.max_kv_len, " ndt=%d" % self.num_draft_tokens if self.num_draft_tokens else "")
 
 
 # ---- backend --------------------------------------------------------------------------------

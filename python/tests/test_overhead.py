@@ -1,4 +1,6 @@
-"""What a Python call adds on top of the C call it makes (CPU, measured, never asserted).
+"""What a Python call adds on top of the C call it makes (measured, never asserted): on the
+CPU for the plan-based calls, and on the GPU for Step.attention (test_gpu_step_call_overhead,
+skipped without torch, a GPU and a CUDA libmla).
 
 Method ("C work stubbed out"): the binding's call is timed with its C
 function swapped for a C function of compatible signature that returns at
@@ -20,6 +22,7 @@ import statistics
 import time
 
 import numpy as np
+import pytest
 
 import libmla
 import libmla.api as api
@@ -143,3 +146,134 @@ def test_python_call_overhead():
     for ln in lines:
         print(ln)
     assert real_c > 0 and tp > 0  # measured, not judged
+
+
+def test_step_call_overhead_cpu(ctx):
+    """Step.attention (numpy, CPU context), stubbed as above: the binding's own work."""
+    heads = 1
+    cache = libmla.KVCache(ctx, 1, BS * 2 + 2, 1, "bf16")
+    rt = libmla.RequestTable(ctx, BS, 8, cache=cache)
+    rids = np.array([rt.add() for _ in range(BS)], np.int32)
+    for r in rids:
+        rt.extend(r, 1)
+    step = libmla.Step(ctx, "decode", batch_size=BS, num_heads=heads, max_kv_len=8, cache=cache,
+                       scale=0.1)
+    step.prepare(cache, rt, rids, np.ones(BS, np.int32))
+    rng = np.random.default_rng(2)
+    q = libmla.f32_to_bf16(rng.standard_normal((BS, heads, 576)).astype(np.float32))
+    qn, qr = np.ascontiguousarray(q[..., :512]), np.ascontiguousarray(q[..., 512:])
+    out = np.empty((BS, heads, 512), np.uint16)
+    ptr = lambda x: x.__array_interface__["data"][0]  # noqa: E731
+    a = _lib.AbsorbedArgs(heads, 0.1, 0, int(libmla.DType.BF16), ptr(qn), ptr(qr), 0, 0, ptr(out),
+                          None)
+    # mla_ctx_synchronize is a no-op on a CPU context (extra arguments ignored by the ABI).
+    stub = _lib.lib["mla_ctx_synchronize"]
+    stub.restype, stub.argtypes = ctypes.c_int, _lib.PROTOTYPES["mla_step_attention"][1]
+    ch, dr, kh, ar = ctx.handle, ctypes.byref(step.desc), cache.handle, ctypes.byref(a)
+    step._att = stub
+    tp, tc = _compare(lambda: step.attention(cache, 0, qn, qr, out, dtype="bf16"),
+                      lambda: stub(ch, dr, kh, 0, ar, step._wp, step._wn), calls=200)
+    line = "  Step.attention (CPU, numpy bf16):     %5.2f us" % (tp - tc)
+    REPORT.append(line)
+    print(line)
+    assert tp > 0
+
+
+def test_gpu_step_call_overhead():
+    """Step.attention on the GPU (the issue's measurement): decode b = 128, H = 128,
+    s_k = 4096, bf16 cache and activations, page 64, on an H200-class GPU.
+
+    Printed, never asserted. Three numbers per call:
+      * binding work: Step.attention with mla_step_attention swapped for a C function that
+        returns at once (mla_ctx_set_stream: it stores its second argument as the stream,
+        which is put back afterwards; nothing is launched meanwhile), minus that stub called
+        directly through ctypes with the same arguments;
+      * enqueue time: the real call (it only launches kernels) timed on the host over 50
+        back-to-back calls, through the binding and directly through ctypes with a prebuilt
+        argument struct (the GPU is far behind, so neither waits for it); the difference is
+        what Python adds to each launch;
+      * GPU time per call, synchronised, for scale (what the added host time hides behind).
+    """
+    torch = pytest.importorskip("torch", reason="skipped: torch is not importable")
+    if not torch.cuda.is_available():
+        pytest.skip("skipped: no CUDA device for torch")
+    try:
+        cctx = libmla.Context("cuda")
+    except libmla.MLAError as e:
+        pytest.skip("skipped: libmla has no CUDA context here (%s)" % e)
+    B, H, SK, P = 128, 128, 4096, 64
+    cache = libmla.KVCache(cctx, 1, B * SK // P + 2, P, "bf16")
+    rt = libmla.RequestTable(cctx, B, SK, cache=cache)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for _ in range(B):
+        rid = rt.add()
+        slots = torch.from_numpy(rt.extend(rid, SK)).cuda()
+        cache.write(0, slots, torch.randn(SK, 512, generator=gen, device="cuda").bfloat16(),
+                    torch.randn(SK, 64, generator=gen, device="cuda").bfloat16())
+    r2t = torch.from_numpy(np.array(rt.req_to_token)).cuda()
+    ids = torch.arange(B, dtype=torch.int32, device="cuda")
+    seq = torch.full((B,), SK, dtype=torch.int32, device="cuda")
+    step = libmla.Step(cctx, "decode", batch_size=B, num_heads=H, max_kv_len=SK, cache=cache,
+                       scale=0.0722)
+    step.prepare(cache, r2t, ids, seq)
+    q = (torch.randn(B, H, 576, generator=gen, device="cuda") * 0.5).bfloat16()
+    qn, qr = q[..., :512].contiguous(), q[..., 512:].contiguous()
+    out = torch.empty(B, H, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(B, H, device="cuda")
+    step.attention(cache, 0, qn, qr, out, lse)  # also sets the context's stream
+    cctx.synchronize()
+
+    a = _lib.AbsorbedArgs(H, 0.0722, 0, int(libmla.DType.BF16), qn.data_ptr(), qr.data_ptr(), 0,
+                          0, out.data_ptr(), lse.data_ptr())
+    att = _lib.lib.mla_step_attention
+    ch, dr, kh, ar = cctx.handle, ctypes.byref(step.desc), cache.handle, ctypes.byref(a)
+    wp, wn = step._wp, step._wn
+    py = lambda: step.attention(cache, 0, qn, qr, out, lse)  # noqa: E731
+    direct = lambda: att(ch, dr, kh, 0, ar, wp, wn)  # noqa: E731
+    assert direct() == 0
+
+    def enqueue(fn, calls=50):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t = (time.perf_counter() - t0) / calls
+        torch.cuda.synchronize()
+        return t
+
+    tp, tc = [], []
+    for _ in range(15):
+        tp.append(enqueue(py))
+        tc.append(enqueue(direct))
+    ep, ec = statistics.median(tp) * 1e6, statistics.median(tc) * 1e6
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        direct()
+    torch.cuda.synchronize()
+    gpu = (time.perf_counter() - t0) / 20 * 1e6
+
+    stub = _lib.lib["mla_ctx_set_stream"]
+    stub.restype, stub.argtypes = ctypes.c_int, _lib.PROTOTYPES["mla_step_attention"][1]
+    step._att = stub
+    try:
+        bp, bc = _compare(py, lambda: stub(ch, dr, kh, 0, ar, wp, wn), calls=200)
+    finally:
+        step._att = att
+        _lib.lib.mla_ctx_set_stream(ch, cctx._stream or None)
+    cctx.synchronize()
+    dev = torch.cuda.get_device_name()
+    lines = [
+        "python call overhead on the GPU (%s), Step.attention decode b=%d H=%d s_k=%d bf16, "
+        "page %d, torch CUDA tensors on torch's current stream:" % (dev, B, H, SK, P),
+        "  binding work (C call stubbed out):        %5.2f us (%.2f us through the binding, "
+        "%.2f us the bare ctypes call)" % (bp - bc, bp, bc),
+        "  enqueue time of the real call:            %5.2f us added (%.2f us through the binding, "
+        "%.2f us direct via ctypes)" % (ep - ec, ep, ec),
+        "  for scale, GPU time of one call:          %.0f us" % gpu,
+    ]
+    REPORT.extend(lines)
+    for ln in lines:
+        print(ln)
+    assert ep > 0 and ec > 0 and gpu > 0  # measured, not judged
