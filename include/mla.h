@@ -294,20 +294,14 @@ typedef struct mla_plan_limits {
   int num_sm;          /* SM (or worker) count the split schedule targets, >= 1 */
 } mla_plan_limits;
 
-/* Split-KV schedule: KV is cut into 64-token blocks; request i costs
- * c_i = ceil(kv_i/64) + MLA_SCHED_FIXED_OVERHEAD, laid end to end on a cost
- * line (request i at [C_i, C_i + c_i), its first OVERHEAD units standing for
- * its fixed cost). With num_sm_parts = max(1, num_sm / ceil(q_per_req*H/64))
- * parts and Q = ceil(total / parts), part p starts at cost position p*Q:
- * inside request r's blocks that is a cut (r continues from that block),
- * inside its first OVERHEAD units it is r's beginning. Part p covers the
- * token range [begin_req:begin_tok, end_req:end_tok) up to the next part's
- * start (end exclusive; a part may span several requests; a part whose start
- * equals the next one's is empty, anywhere in the list). Every part costs at
- * most Q + OVERHEAD (FlashMLA's bound), and each part is computable on its
- * own, so the device builds the schedule in parallel. Request i is cut into
- * num_splits[i+1]-num_splits[i] pieces, piece k's partial state index being
- * num_splits[i] + k. A request with one piece needs no combine. */
+/* Split-KV schedule (FlashMLA's rule as baseline): KV is cut into 64-token
+ * blocks; each request costs ceil(kv/64) + MLA_SCHED_FIXED_OVERHEAD blocks;
+ * the total is spread over num_sm_parts = max(1, num_sm / ceil(q_per_req*H/64))
+ * parts of payload ceil(total/parts) + overhead blocks each. Part p covers the
+ * token range [begin_req:begin_tok, end_req:end_tok) (end exclusive; a part may
+ * span several requests). Request i is cut into num_splits[i+1]-num_splits[i]
+ * pieces, piece k's partial state index being num_splits[i] + k. A request
+ * with one piece needs no combine. */
 #define MLA_SCHED_BLOCK 64
 #define MLA_SCHED_FIXED_OVERHEAD 5
 #define MLA_SCHED_META_INTS 8
@@ -317,8 +311,7 @@ enum {
   MLA_SCHED_END_REQ = 2,     /* last request of the part (inclusive) */
   MLA_SCHED_END_TOK = 3,     /* end kv token (exclusive) within end_req */
   MLA_SCHED_BEGIN_SPLIT = 4, /* piece index (within begin_req) of the first piece */
-  MLA_SCHED_NUM_REQS = 5     /* end_req - begin_req + 1, or 0 for an empty part
-                                (then begin_req = end_req = bs, the rest 0) */
+  MLA_SCHED_NUM_REQS = 5     /* end_req - begin_req + 1, or 0 for an empty part */
   /* 6, 7: reserved, zero */
 };
 

@@ -23,6 +23,7 @@ int main(void) {
 }
 #else
 #include "cuda_util.h"
+#include "plan/plan.h" /* white box: the host schedule (mla_split_schedule) */
 #include "test_step_world.h"
 
 static tu_rng rng;
@@ -311,6 +312,79 @@ static void draft_steps(int P, int H, int num_steps) {
   sw_free(&w);
 }
 
+/* The device schedule (a parallel rebuild of the host's greedy walk) equals
+ * mla_split_schedule on many random length mixes: short, long, zero-length,
+ * uniform, batch sizes 1..600, part counts 1..132. Synthetic req_to_token
+ * (pages cycle through a small cache): only the lengths matter here. */
+static void schedule_equality(int cases) {
+  const int P = 64, maxbs = 600, maxkv = 20000, pages = 64;
+  mla_kv_cache_desc cd = {1, pages, P, MLA_DTYPE_BF16, NULL};
+  mla_kv_cache *dc = NULL;
+  TU_STATUS(mla_kv_cache_create(gpu, &cd, &dc), MLA_OK);
+  if (!dc) return;
+  int32_t *r2t = malloc(sizeof(int32_t) * (size_t)maxkv);
+  for (int j = 0; j < maxkv; j++) r2t[j] = ((j / P) % (pages - 1) + 1) * P + j % P;
+  int32_t *d_r2t = tu_dev_copy(r2t, sizeof(int32_t) * (size_t)maxkv);
+  int32_t *ids = calloc(maxbs, sizeof(int32_t)), *seq = malloc(sizeof(int32_t) * maxbs);
+  int32_t *d_ids = tu_dev_copy(ids, sizeof(int32_t) * maxbs), *d_seq = tu_dev_alloc(sizeof(int32_t) * maxbs);
+  int32_t *hm = malloc(sizeof(int32_t) * 132 * MLA_SCHED_META_INTS), *hn = malloc(sizeof(int32_t) * (maxbs + 1));
+  int32_t *gm = malloc(sizeof(int32_t) * 132 * MLA_SCHED_META_INTS), *gn = malloc(sizeof(int32_t) * (maxbs + 1));
+  int bad = 0, first_bad = -1;
+  for (int c = 0; c < cases; c++) {
+    const int bs = c % 7 == 0 ? tu_randint(&rng, 100, maxbs) : tu_randint(&rng, 1, 48);
+    const int kind = c % 4;
+    for (int i = 0; i < bs; i++)
+      seq[i] = kind == 0 ? tu_randint(&rng, 0, 100)
+               : kind == 1 ? tu_randint(&rng, 0, maxkv)
+               : kind == 2 ? (tu_randint(&rng, 0, 2) == 0 ? 0 : tu_randint(&rng, 1, 5000))
+                           : 4096;
+    mla_step_desc d;
+    memset(&d, 0, sizeof d);
+    d.mode = MLA_MODE_DECODE;
+    d.batch_size = bs;
+    d.max_kv_len = maxkv;
+    d.num_heads = tu_randint(&rng, 0, 1) ? 16 : 128;
+    d.page_size = P;
+    d.num_sm = tu_randint(&rng, 1, 132);
+    size_t wsb = 0;
+    TU_STATUS(mla_step_workspace_size(gpu, &d, &wsb), MLA_OK);
+    void *ws = tu_dev_alloc(wsb);
+    CK(cudaMemcpy(d_seq, seq, sizeof(int32_t) * bs, cudaMemcpyHostToDevice));
+    mla_step_inputs in = {d_r2t, maxkv, 1, d_ids, d_seq};
+    mla_status st = mla_step_prepare(gpu, &d, dc, &in, ws, wsb);
+    if (st == MLA_OK) st = mla_ctx_synchronize(gpu);
+    mla_step_metadata m;
+    if (st == MLA_OK) st = mla_step_get_metadata(gpu, &d, ws, wsb, &m);
+    if (st != MLA_OK) {
+      bad++;
+      cudaFree(ws);
+      continue;
+    }
+    CK(cudaMemcpy(gm, m.sched_meta, sizeof(int32_t) * m.num_sm_parts * MLA_SCHED_META_INTS, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(gn, m.num_splits, sizeof(int32_t) * (bs + 1), cudaMemcpyDeviceToHost));
+    mla_split_schedule(seq, bs, m.num_sm_parts, hm, hn);
+    if (memcmp(gm, hm, sizeof(int32_t) * m.num_sm_parts * MLA_SCHED_META_INTS) != 0 ||
+        memcmp(gn, hn, sizeof(int32_t) * (bs + 1)) != 0) {
+      if (first_bad < 0) first_bad = c;
+      bad++;
+    }
+    cudaFree(ws);
+  }
+  TU_CHECK(bad == 0, "schedule: %d of %d random cases differ from the host walk (first: case %d)", bad, cases,
+           first_bad);
+  free(r2t);
+  free(ids);
+  free(seq);
+  free(hm);
+  free(hn);
+  free(gm);
+  free(gn);
+  cudaFree(d_r2t);
+  cudaFree(d_ids);
+  cudaFree(d_seq);
+  mla_kv_cache_destroy(dc);
+}
+
 /* Capture one step in a graph, replay with new inputs, compare with eager. */
 static void graph_replay(mla_mode mode, int ndt, int P, int H, int replays) {
   char name[96];
@@ -417,6 +491,7 @@ int main(void) {
   metadata_and_attention(MLA_MODE_DECODE, 0, 64, 16);
   metadata_and_attention(MLA_MODE_TARGET_VERIFY, 2, 16, 16);
   metadata_and_attention(MLA_MODE_DRAFT_EXTEND, 3, 64, 3);
+  schedule_equality(400);
   draft_steps(64, 16, 3);
   draft_steps(16, 128, 5);
   graph_replay(MLA_MODE_DECODE, 0, 64, 16, 100);

@@ -1,6 +1,6 @@
 // Device-built step metadata (mla_step_prepare on a CUDA context): block
-// table and kv lengths from req_to_token, then the split schedule (every
-// part and request computed in parallel from cost prefix sums). The
+// table and kv lengths from req_to_token, then the split schedule (the host
+// greedy walk, rebuilt in parallel from cost prefix sums). The
 // arithmetic is src/plan/step_build.h's, shared with the CPU path and with
 // mla_plan_build, so the three agree by construction (tests/test_step.c and
 // tests/test_cuda_step.c check it anyway).
@@ -83,51 +83,168 @@ __device__ int locate(const int64_t *C, int bs, int64_t s) {
   return lo;
 }
 
-// The split schedule in closed form (src/plan/step_build.h): cost prefix
-// sums by a block scan, then one thread per part (two binary searches) and
-// one per request (its piece count), the split counts by a second scan.
+// The split schedule of src/plan/step_build.h (the greedy walk mla_plan_build
+// runs on the host), rebuilt in parallel. On the cost line (request i at
+// [C_i, C_{i+1}), c_i = ceil(kv_i/64) + OV) a part that starts at request
+// r's beginning has budget Q + OV (Q = ceil(total / parts)) and one that
+// starts at a cut has Q, so from a beginning at C_r the walk visits
+// y_j = C_r + OV + j*Q (j = 1, 2, ...): each y_j is a cut until one lands
+// within the first OV units of a request t (y_j in [C_t, min(C_t + OV,
+// C_{t+1} - 1)]), where the greedy closes at t's beginning instead. So:
+//   1. per request r (in parallel): where the run from C_r lands (nb[r]) and
+//      after how many parts (steps[r]);
+//   2. one thread follows nb from request 0 (one hop per run, not per part);
+//   3. per part and per request (in parallel): its range and piece counts
+//      from the run it belongs to.
+// tests/test_cuda_step.c checks the result equal to the host walk.
+constexpr int OV = MLA_SCHED_FIXED_OVERHEAD;
+
+__device__ int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+__device__ int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
+
 __global__ void __launch_bounds__(kSchedThreads)
     step_schedule_kernel(const mla_step_geom g, const int32_t *__restrict__ kv_lens,
-                         int32_t *__restrict__ sched_meta, int32_t *__restrict__ num_splits) {
-  extern __shared__ int64_t C[];  // [bs + 1]
+                         int32_t *__restrict__ sched_meta, int32_t *__restrict__ num_splits, int *bad) {
+  extern __shared__ int64_t C[];                 // [bs + 1]
+  const int bs = g.batch_size, nt = blockDim.x, t = threadIdx.x, parts = g.num_parts;
+  int32_t *nb = (int32_t *)(C + bs + 1);         // [bs]
+  int32_t *steps = nb + bs;                      // [bs]
+  int32_t *chain_b = steps + bs;                 // [chain_cap]: boundary requests of the runs
+  const int chain_cap = (bs < parts ? bs : parts) + 2;
+  int32_t *chain_p = chain_b + chain_cap;        // [chain_cap]: first part of each run
   __shared__ int64_t sums64[32];
   __shared__ int32_t sums32[32];
-  const int bs = g.batch_size, nt = blockDim.x, t = threadIdx.x;
+  __shared__ int chain_len;
+
+  // cost prefix sums
   const int per = (bs + nt - 1) / nt, i0 = t * per, i1 = min(bs, i0 + per);
   int64_t local = 0;
-  for (int i = i0; i < i1; i++) local += mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK) + MLA_SCHED_FIXED_OVERHEAD;
+  for (int i = i0; i < i1; i++) local += mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK) + OV;
   int64_t total;
   int64_t run = block_exclusive_scan<int64_t>(local, sums64, &total);
   for (int i = i0; i < i1; i++) {
     C[i] = run;
-    run += mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK) + MLA_SCHED_FIXED_OVERHEAD;
+    run += mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK) + OV;
   }
   if (t == 0) C[bs] = total;
   __syncthreads();
-  const int parts = g.num_parts;
-  const int64_t qc = total > 0 ? mla_sb_cdiv(total, parts) : 1;
-  for (int p = t; p < parts; p += nt) {
-    const int64_t sa = (int64_t)p * qc < total ? (int64_t)p * qc : total;
-    const int64_t sb = p + 1 < parts && (int64_t)(p + 1) * qc < total ? (int64_t)(p + 1) * qc : total;
-    const int ra = locate(C, bs, sa), rb = locate(C, bs, sb);
-    const mla_sched_pos a = mla_sched_pos_at(sa, ra, C[ra], bs), b = mla_sched_pos_at(sb, rb, C[rb], bs);
-    int32_t m[MLA_SCHED_META_INTS];
-    mla_sched_write_part(a, b, kv_lens, bs, qc, p, m);
-#pragma unroll
-    for (int j = 0; j < MLA_SCHED_META_INTS; j++) sched_meta[(int64_t)p * MLA_SCHED_META_INTS + j] = m[j];
+  const int64_t Q = mla_sb_cdiv(total, parts);  // >= 1: total >= OV * bs
+
+  // 1. the run from each request's beginning
+  for (int r = t; r < bs; r += nt) {
+    const int64_t base = C[r] + OV;
+    const int64_t j_end = ceil_div(total - base, Q) > 1 ? ceil_div(total - base, Q) : 1;
+    int32_t land = bs;
+    int64_t jl = j_end;
+    for (int64_t j = 1; j < j_end; j++) {
+      const int64_t y = base + j * Q;
+      const int q = locate(C, bs, y);
+      const int64_t hi = C[q] + OV < C[q + 1] - 1 ? C[q] + OV : C[q + 1] - 1;
+      if (y <= hi) {  // within q's first units: the run closes at q's beginning
+        land = q;
+        jl = j;
+        break;
+      }
+      // Skip the y_j still inside q's blocks (all cuts) in one go.
+      const int64_t jn = ceil_div(C[q + 1] - base, Q) - 1;
+      if (jn > j) j = jn;
+    }
+    nb[r] = land;
+    steps[r] = (int32_t)jl;
   }
+  __syncthreads();
+
+  // 2. follow the runs from request 0
+  if (t == 0) {
+    int b = 0, p = 0, n = 0;
+    chain_b[n] = 0;
+    chain_p[n++] = 0;
+    while (b < bs && p < parts && n < chain_cap) {
+      p += steps[b];
+      b = nb[b];
+      chain_b[n] = b;
+      chain_p[n++] = p;
+    }
+    if (b < bs || p > parts) atomicAdd(bad, 1);  // the host walk would fail too (cannot happen)
+    chain_len = n;
+  }
+  __syncthreads();
+  const int n = chain_len;
+  const int p_end = chain_p[n - 1];  // parts with work: [0, p_end)
+
+  // 3a. parts
+  for (int p = t; p < parts; p += nt) {
+    int32_t m[MLA_SCHED_META_INTS];
+#pragma unroll
+    for (int j = 0; j < MLA_SCHED_META_INTS; j++) m[j] = 0;
+    m[MLA_SCHED_BEGIN_REQ] = bs;
+    m[MLA_SCHED_END_REQ] = bs;
+    if (p < p_end) {
+      int lo = 0, hi = n - 2;  // the run i with chain_p[i] <= p < chain_p[i + 1]
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (chain_p[mid] <= p) lo = mid;
+        else hi = mid - 1;
+      }
+      const int b = chain_b[lo];
+      const int64_t j = p - chain_p[lo], base = C[b] + OV;
+      int br, bt, split = 0;
+      if (j == 0) {
+        br = b;
+        bt = 0;
+      } else {
+        const int64_t y = base + j * Q;
+        br = locate(C, bs, y);
+        bt = (int)(y - C[br] - OV) * MLA_SCHED_BLOCK;
+        split = (int)(j - (floor_div(C[br] - C[b], Q) + 1)) + 1;
+      }
+      int er, et;
+      if (p + 1 == chain_p[lo + 1]) {  // the next part begins a request (or the work ends)
+        er = chain_b[lo + 1] - 1;
+        et = kv_lens[er];
+      } else {
+        const int64_t y = base + (j + 1) * Q;
+        er = locate(C, bs, y);
+        et = (int)(y - C[er] - OV) * MLA_SCHED_BLOCK;
+      }
+      m[MLA_SCHED_BEGIN_REQ] = br;
+      m[MLA_SCHED_BEGIN_TOK] = bt;
+      m[MLA_SCHED_END_REQ] = er;
+      m[MLA_SCHED_END_TOK] = et;
+      m[MLA_SCHED_BEGIN_SPLIT] = split;
+      m[MLA_SCHED_NUM_REQS] = er - br + 1;
+    }
+#pragma unroll
+    for (int k = 0; k < MLA_SCHED_META_INTS; k++) sched_meta[(int64_t)p * MLA_SCHED_META_INTS + k] = m[k];
+  }
+
+  // 3b. pieces per request: 1 + the cuts y_j of its run inside its blocks
   int32_t mine = 0;
-  for (int i = i0; i < i1; i++) mine += mla_sched_pieces(C[i], C[i + 1], qc, parts);
+  for (int i = i0; i < i1; i++) {
+    int lo = 0, hi = n - 2;  // the run whose boundary is the last one <= i
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (chain_b[mid] <= i) lo = mid;
+      else hi = mid - 1;
+    }
+    const int64_t base = C[chain_b[lo]] + OV;
+    const int64_t j1 = floor_div(C[i] - C[chain_b[lo]], Q) + 1, j2 = ceil_div(C[i + 1] - base, Q) - 1;
+    mine += 1 + (int32_t)(j2 >= j1 ? j2 - j1 + 1 : 0);
+    steps[i] = 1 + (int32_t)(j2 >= j1 ? j2 - j1 + 1 : 0);  // reuse: pieces of i
+  }
   int32_t all;
   int32_t acc = block_exclusive_scan<int32_t>(mine, sums32, &all);
   for (int i = i0; i < i1; i++) {
     num_splits[i] = acc;
-    acc += mla_sched_pieces(C[i], C[i + 1], qc, parts);
+    acc += steps[i];
   }
   if (t == 0) num_splits[bs] = all;
 }
 
-size_t schedule_smem(const mla_step_geom *g) { return sizeof(int64_t) * ((size_t)g->batch_size + 1); }
+size_t schedule_smem(const mla_step_geom *g) {
+  const size_t bs = (size_t)g->batch_size, cap = (bs < (size_t)g->num_parts ? bs : (size_t)g->num_parts) + 2;
+  return sizeof(int64_t) * (bs + 1) + sizeof(int32_t) * (2 * bs + 2 * cap);
+}
 
 }  // namespace
 
@@ -146,6 +263,6 @@ extern "C" int mla_cuda_step_build(const mla_step_geom *g, const int32_t *req_to
     e = cudaFuncSetAttribute(step_schedule_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return (int)e;
   }
-  step_schedule_kernel<<<1, kSchedThreads, smem, stream>>>(*g, kv_lens, sched_meta, num_splits);
+  step_schedule_kernel<<<1, kSchedThreads, smem, stream>>>(*g, kv_lens, sched_meta, num_splits, bad);
   return (int)cudaGetLastError();
 }

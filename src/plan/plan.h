@@ -21,14 +21,20 @@
  * max_q_len < 1 counts as 1. */
 int mla_sched_num_parts(int num_sm, int max_q_len, int num_heads);
 
-/* Split-KV schedule over kv_lens [bs] into num_parts parts (the rule in
- * mla.h at MLA_SCHED_BLOCK; the arithmetic is step_build.h's, shared with the
- * CUDA schedule kernel). Writes sched_meta [num_parts, MLA_SCHED_META_INTS]
- * and num_splits [bs+1]. A part with work covers [begin_req:begin_tok,
- * end_req:end_tok) and has num_reqs = end_req - begin_req + 1 >= 1; an empty
- * part is {bs, 0, bs, 0, 0, 0, 0, 0}. A zero-length request is one piece
- * covering [0, 0) inside one part. Returns 0. kv_lens must be >= 0 and
- * num_parts >= 1; bs >= 0. */
+/* Split-KV schedule over kv_lens [bs] into num_parts parts (FlashMLA's rule):
+ * 64-token blocks, MLA_SCHED_FIXED_OVERHEAD blocks of cost per piece,
+ * payload = ceil(total / parts) + overhead per part, requests walked in order
+ * and filled greedily.
+ *
+ * Writes sched_meta [num_parts, MLA_SCHED_META_INTS] and num_splits [bs+1].
+ * A part with work covers [begin_req:begin_tok, end_req:end_tok) and has
+ * num_reqs = end_req - begin_req + 1 >= 1. An empty part (past the end of
+ * the work) is {begin_req = bs, begin_tok = 0, end_req = bs, end_tok = 0,
+ * begin_split = 0, num_reqs = 0}. Entries 6 and 7 are always 0.
+ * A zero-length request is one piece covering [0, 0) inside one part.
+ * Returns 0, or -1 if the walk did not finish (cannot happen for valid
+ * inputs; kept so a bug surfaces as MLA_ERR_INTERNAL, not as bad metadata).
+ * kv_lens must be >= 0 and num_parts >= 1; bs >= 0. */
 int mla_split_schedule(const int32_t *kv_lens /* [bs] */, int bs, int num_parts,
                        int32_t *sched_meta /* [num_parts, 8] */, int32_t *num_splits /* [bs+1] */);
 

@@ -1,13 +1,11 @@
 /* Split-KV schedule: how the decode work of a batch is spread over the SMs.
  *
- * Cost model: a request of k keys costs ceil(k / 64) blocks of work plus a
- * fixed overhead (loading its queries, writing its output or a partial
- * state) paid once per piece it is cut into. The requests are laid end to
- * end on a cost line cut into equal parts (mla.h, MLA_SCHED_BLOCK); a part
- * starting inside a request's blocks continues it as a new piece, so each
- * part costs at most its share plus one overhead, FlashMLA's bound, while
- * every part is computable on its own (the CUDA schedule kernel builds them
- * in parallel). Requests that end up in one piece need no combine. */
+ * Cost model (FlashMLA's): a request of k keys costs ceil(k / 64) blocks of
+ * work plus a fixed overhead (loading its queries, writing its output or a
+ * partial state) paid once per piece it is cut into. Every part gets the same
+ * budget and takes requests in order until the budget runs out, cutting the
+ * request it is in when the rest does not fit. Requests that end up in one
+ * piece need no combine. */
 #include "plan.h"
 #include "step_build.h"
 

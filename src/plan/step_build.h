@@ -17,93 +17,70 @@
 
 static inline MLA_SB_HD int64_t mla_sb_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/* Split-KV schedule (the rule documented at MLA_SCHED_BLOCK in mla.h), in
- * closed form so that every part and every request can be computed on its
- * own (one GPU thread each) from the cost prefix sums:
- *   cost of request i: c_i = ceil(kv_i / 64) + OV, C_i = c_0 + ... + c_{i-1},
- *   total = C_bs, Q = ceil(total / parts); part p starts at cost position
- *   p * Q. Position s inside request r (C_r <= s < C_{r+1}) means block
- *   k = s - C_r - OV of r when that is > 0 (a cut: r continues from block k),
- *   else r's beginning (the first OV positions stand for the request's fixed
- *   cost). Part p covers [start(p), start(p+1)); a part whose start equals
- *   the next one's is empty. Each part costs at most Q + OV. */
-
-/* A cost position resolved to (request, first block); r = bs past the end. */
-typedef struct mla_sched_pos {
-  int32_t r, k;
-  int64_t cr; /* C_r */
-} mla_sched_pos;
-
-static inline MLA_SB_HD mla_sched_pos mla_sched_pos_at(int64_t s, int32_t r, int64_t cr, int bs) {
-  mla_sched_pos q;
-  q.r = r;
-  q.cr = cr;
-  q.k = 0;
-  if (r < bs && s - cr > MLA_SCHED_FIXED_OVERHEAD) q.k = (int32_t)(s - cr - MLA_SCHED_FIXED_OVERHEAD);
-  return q;
-}
-
-/* Writes part [a, b) (b is the next part's start) into m [8]. */
-static inline MLA_SB_HD void mla_sched_write_part(mla_sched_pos a, mla_sched_pos b, const int32_t *kv_lens, int bs,
-                                                  int64_t q_cost, int p, int32_t *m) {
-  for (int j = 0; j < MLA_SCHED_META_INTS; j++) m[j] = 0;
-  m[MLA_SCHED_BEGIN_REQ] = bs;
-  m[MLA_SCHED_END_REQ] = bs;
-  if (a.r >= bs || (a.r == b.r && a.k == b.k)) return; /* empty */
-  int32_t end_req, end_tok;
-  if (b.r < bs && b.k > 0) {
-    end_req = b.r;
-    end_tok = b.k * MLA_SCHED_BLOCK;
-  } else {
-    end_req = b.r - 1;
-    end_tok = kv_lens[end_req];
-  }
-  m[MLA_SCHED_BEGIN_REQ] = a.r;
-  m[MLA_SCHED_BEGIN_TOK] = a.k * MLA_SCHED_BLOCK;
-  m[MLA_SCHED_END_REQ] = end_req;
-  m[MLA_SCHED_END_TOK] = end_tok;
-  /* pieces of a.r before this one: its first, plus one per earlier cut */
-  m[MLA_SCHED_BEGIN_SPLIT] = a.k > 0 ? (int32_t)(p - (a.cr + MLA_SCHED_FIXED_OVERHEAD) / q_cost) : 0;
-  m[MLA_SCHED_NUM_REQS] = end_req - a.r + 1;
-}
-
-/* Pieces request [cr, cr1) is cut into by parts 0..parts-1. */
-static inline MLA_SB_HD int32_t mla_sched_pieces(int64_t cr, int64_t cr1, int64_t q_cost, int parts) {
-  const int64_t first = (cr + MLA_SCHED_FIXED_OVERHEAD) / q_cost + 1; /* first p with p*Q > cr + OV */
-  int64_t last = (cr1 + q_cost - 1) / q_cost - 1;                    /* last p with p*Q < cr1 */
-  if (last > parts - 1) last = parts - 1;
-  return 1 + (int32_t)(last >= first ? last - first + 1 : 0);
-}
-
-/* Serial host version (a two-pointer walk over parts and requests).
- * Returns 0 (kept int for the callers' error path). */
-static inline MLA_SB_HD int mla_split_schedule_body(const int32_t *kv_lens /* [bs] */, int bs, int num_parts,
+/* Split-KV schedule (the rule documented at MLA_SCHED_BLOCK in mla.h).
+ * Returns 0, or -1 when the parts did not cover the batch (cannot happen for
+ * bs >= 1: every part takes at least one block of payload). */
+static inline MLA_SB_HD int mla_split_schedule_body(const int32_t *kv_lens /* [bs] */, int bs,
+                                                    int num_parts,
                                                     int32_t *sched_meta /* [parts, 8] */,
                                                     int32_t *num_splits /* [bs+1] */) {
+  const int64_t ov = MLA_SCHED_FIXED_OVERHEAD;
   int64_t total = 0;
-  for (int i = 0; i < bs; i++) total += mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK) + MLA_SCHED_FIXED_OVERHEAD;
-  const int64_t qc = total > 0 ? mla_sb_cdiv(total, num_parts) : 1;
-  int32_t r = 0;
-  int64_t cr = 0;
-  mla_sched_pos prev = mla_sched_pos_at(0, 0, 0, bs);
-  for (int p = 1; p <= num_parts; p++) {
-    const int64_t s = p < num_parts && (int64_t)p * qc < total ? (int64_t)p * qc : total;
-    while (r < bs && cr + mla_sb_cdiv(kv_lens[r], MLA_SCHED_BLOCK) + MLA_SCHED_FIXED_OVERHEAD <= s) {
-      cr += mla_sb_cdiv(kv_lens[r], MLA_SCHED_BLOCK) + MLA_SCHED_FIXED_OVERHEAD;
-      r++;
-    }
-    const mla_sched_pos cur = mla_sched_pos_at(s, r, cr, bs);
-    mla_sched_write_part(prev, cur, kv_lens, bs, qc, p - 1, sched_meta + (int64_t)(p - 1) * MLA_SCHED_META_INTS);
-    prev = cur;
-  }
+  for (int i = 0; i < bs; i++) total += mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK) + ov;
+  const int64_t payload = mla_sb_cdiv(total, num_parts) + ov;
+
+  int req = 0;       /* request the walk is in */
+  int64_t blk = 0;   /* first block of `req` not yet given to a part */
+  int32_t piece = 0; /* pieces of `req` already given out */
+  int32_t cum = 0;   /* pieces of the finished requests */
   num_splits[0] = 0;
-  cr = 0;
-  for (int i = 0; i < bs; i++) {
-    const int64_t cr1 = cr + mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK) + MLA_SCHED_FIXED_OVERHEAD;
-    num_splits[i + 1] = num_splits[i] + mla_sched_pieces(cr, cr1, qc, num_parts);
-    cr = cr1;
+  for (int p = 0; p < num_parts; p++) {
+    int32_t *m = sched_meta + (int64_t)p * MLA_SCHED_META_INTS;
+    for (int j = 0; j < MLA_SCHED_META_INTS; j++) m[j] = 0;
+    if (req >= bs) {
+      m[MLA_SCHED_BEGIN_REQ] = bs;
+      m[MLA_SCHED_END_REQ] = bs;
+      continue;
+    }
+    m[MLA_SCHED_BEGIN_REQ] = req;
+    m[MLA_SCHED_BEGIN_TOK] = (int32_t)(blk * MLA_SCHED_BLOCK);
+    m[MLA_SCHED_BEGIN_SPLIT] = piece;
+    int64_t remain = payload;
+    while (req < bs) {
+      int64_t rest = mla_sb_cdiv(kv_lens[req], MLA_SCHED_BLOCK) - blk;
+      if (remain >= rest + ov) {
+        /* The rest of this request fits: it is finished here. */
+        cum += piece + 1;
+        num_splits[req + 1] = cum;
+        remain -= rest + ov;
+        req++;
+        blk = 0;
+        piece = 0;
+      } else {
+        /* Cut it: take what the budget allows (rest > remain - ov here, so
+         * the cut is strictly inside the request) and close the part. */
+        if (remain > ov) {
+          blk += remain - ov;
+          piece++;
+        }
+        break;
+      }
+    }
+    int32_t end_req, end_tok;
+    if (blk > 0) { /* ended inside `req` */
+      end_req = req;
+      int64_t t = blk * MLA_SCHED_BLOCK;
+      end_tok = (int32_t)(t < kv_lens[req] ? t : kv_lens[req]);
+    } else { /* ended at a request boundary */
+      end_req = req - 1;
+      end_tok = end_req >= 0 ? kv_lens[end_req] : 0;
+    }
+    if (end_req < m[MLA_SCHED_BEGIN_REQ]) return -1; /* a part took nothing */
+    m[MLA_SCHED_END_REQ] = end_req;
+    m[MLA_SCHED_END_TOK] = end_tok;
+    m[MLA_SCHED_NUM_REQS] = end_req - m[MLA_SCHED_BEGIN_REQ] + 1;
   }
-  return 0;
+  return req < bs ? -1 : 0;
 }
 
 /* Fixed shape of a step, resolved from mla_step_desc and the cache. */
