@@ -14,6 +14,7 @@
 size_t mla_cpu_worker_scratch_floats(void); /* src/cpu/ragged.c */
 
 #ifdef MLA_WITH_CUDA
+#include "../cuda/expand.h"
 #include "../cuda/runtime.h"
 #endif
 
@@ -228,6 +229,7 @@ void mla_ctx_destroy(mla_ctx *ctx) {
   free(ctx->cpu_scratch);
 #ifdef MLA_WITH_CUDA
   if (ctx->d_bad) mla_cuda_free(ctx->d_bad);
+  mla_cuda_blas_destroy(ctx->blas);
 #endif
   free(ctx);
 }

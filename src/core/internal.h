@@ -50,6 +50,7 @@ struct mla_ctx_s {
   int sm_count;
   void *stream;  /* cudaStream_t */
   int *d_bad;    /* device counter of values kernels skipped as out of range */
+  void *blas;    /* cublasHandle_t, created by the first call that needs one */
   mla_errbuf err;
 };
 

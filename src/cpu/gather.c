@@ -1,6 +1,10 @@
 /* Helpers of the chunked-prefix MHA path: gather latent rows from the paged
  * cache (dequantized), and expand them to per-head k / v with kv_b_proj. */
 #include "cpu.h"
+#ifdef MLA_WITH_CUDA
+#include "../cuda/expand.h"
+#include "../cuda/runtime.h"
+#endif
 
 /* ---- mla_gather_latent ---------------------------------------------------- */
 
@@ -144,7 +148,6 @@ mla_status mla_expand_kv(mla_ctx *ctx, int num_tokens, int num_heads, int nope_d
                          void *k_out /* [T, H, nope+64] */, void *v_out /* [T, H, v_dim] */) {
   if (!ctx) return MLA_ERR_INVALID_ARGUMENT;
   mla_errbuf *eb = &ctx->err;
-  MLA_CPU_REQUIRE_CPU_CTX(eb, ctx);
   mla_clear_error(eb);
   MLA_REQUIRE(eb, num_tokens >= 0, MLA_ERR_INVALID_ARGUMENT, "num_tokens = %d is negative",
               num_tokens);
@@ -166,6 +169,27 @@ mla_status mla_expand_kv(mla_ctx *ctx, int num_tokens, int num_heads, int nope_d
   MLA_REQUIRE_PTR(eb, kv_b_proj);
   MLA_REQUIRE_PTR(eb, k_out);
   MLA_REQUIRE_PTR(eb, v_out);
+  if (ctx->device == MLA_DEVICE_CUDA) {
+#ifdef MLA_WITH_CUDA
+    /* cuBLAS multiplies operands of one type: the latent rows come in the
+     * activation dtype (gather them so; fp8 rows are exact in bf16 up to the
+     * per-tensor scale's rounding). */
+    MLA_REQUIRE(eb, latent_dtype == act_dtype, MLA_ERR_UNSUPPORTED,
+                "latent_dtype %s differs from act_dtype %s: on a CUDA context both must be one dtype",
+                mla_dtype_name(latent_dtype), mla_dtype_name(act_dtype));
+    const void *ptrs[5] = {c, r, kv_b_proj, k_out, v_out};
+    static const char *const names[5] = {"c", "r", "kv_b_proj", "k_out", "v_out"};
+    for (int i = 0; i < 5; i++)
+      MLA_REQUIRE(eb, mla_cuda_is_device_ptr(ptrs[i]), MLA_ERR_INVALID_ARGUMENT,
+                  "%s is host memory; a CUDA context takes device pointers", names[i]);
+    const char *why = mla_cuda_expand_kv(&ctx->blas, ctx->stream, num_tokens, num_heads, nope_dim, v_dim,
+                                         (int)act_dtype, c, r, kv_b_proj, k_out, v_out);
+    if (why) return mla_fail(eb, MLA_ERR_DEVICE, __func__, "%s", why);
+    return MLA_OK;
+#else
+    return mla_fail(eb, MLA_ERR_UNSUPPORTED, __func__, "built without CUDA");
+#endif
+  }
   ex_job J;
   J.k = mla_cpu_kernels_get();
   J.T = num_tokens;
