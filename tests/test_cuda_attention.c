@@ -14,9 +14,11 @@
  * element |o - bf16(ref)| <= 8e-4 + 2/128 |ref| + 2^-8 sum_j p_j |c_j| (the
  * bound of rounding P to bf16 before P V), cosine distance < 5e-6, lse within
  * 1e-5 abs + 1e-5 rel, -inf where no key is visible. Also: packed strided q
- * with a NULL lse, the base-2 LSE flag, and the refusals (f16 cache, f32
- * activations, page size 4: UNSUPPORTED; host pointers: INVALID_ARGUMENT;
- * outputs untouched). Skips (passing) without CUDA or without a GPU. */
+ * with a NULL lse, the base-2 LSE flag, and the refusals (f16 cache with bf16
+ * activations, f32 activations: UNSUPPORTED; a page-size-4 cache with this
+ * page-64 plan, host pointers: INVALID_ARGUMENT; outputs untouched). Other
+ * dtypes and small pages: tests/test_cuda_decode_dtypes.c. Skips (passing)
+ * without CUDA or without a GPU. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -414,7 +416,9 @@ static void refusals(void) {
   dbufs d = dbufs_new(&w);
   dbufs_poison(&d);
   mla_absorbed_args a = args_for(&w, &d);
-  /* f16 cache and page size 4 (same geometry otherwise) */
+  /* f16 cache (bf16 activations: refused) and page size 4 (taken by the
+   * kernels since the small-page gather path, so this page-64 plan no longer
+   * matches it) */
   const int pages = (int)(w.plan.block_table_width * w.bs + 2 + NPAD);
   mla_kv_cache_desc f16d = {1, pages, 64, MLA_DTYPE_F16, NULL}, p4d = {1, pages * 16, 4, MLA_DTYPE_BF16, NULL};
   mla_kv_cache *f16c = NULL, *p4c = NULL;
@@ -422,7 +426,7 @@ static void refusals(void) {
   TU_STATUS(mla_kv_cache_create(gpu, &p4d, &p4c), MLA_OK);
   TU_STATUS(mla_attention_absorbed(gpu, f16c, 0, &w.plan, &a, d.ws, d.ws_bytes), MLA_ERR_UNSUPPORTED);
   TU_CHECK(strstr(mla_ctx_last_error(gpu), "bf16") != NULL, "f16 cache message: %s", mla_ctx_last_error(gpu));
-  TU_STATUS(mla_attention_absorbed(gpu, p4c, 0, &w.plan, &a, d.ws, d.ws_bytes), MLA_ERR_UNSUPPORTED);
+  TU_STATUS(mla_attention_absorbed(gpu, p4c, 0, &w.plan, &a, d.ws, d.ws_bytes), MLA_ERR_INVALID_ARGUMENT);
   TU_CHECK(strstr(mla_ctx_last_error(gpu), "page size") != NULL, "page size message: %s", mla_ctx_last_error(gpu));
   mla_absorbed_args b = a;
   b.act_dtype = MLA_DTYPE_F32;

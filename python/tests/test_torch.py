@@ -124,11 +124,12 @@ def test_cuda_kv_cache_on_torch_stream():
     assert e.value.status == libmla.Status.ERR_OUT_OF_RANGE
 
 
-def test_cuda_attention_refuses_small_pages():
-    # The sm_90a kernels take page sizes 8..256 (TMA); page size 4 is refused
-    # with UNSUPPORTED rather than run.
+def test_cuda_attention_refuses_mixed_dtypes():
+    # The sm_90a kernels take bf16 activations with bf16 / fp8 caches and f16
+    # with f16; bf16 queries over an f16 cache are refused with UNSUPPORTED
+    # rather than run.
     cctx = _cuda_ctx()
-    cache = libmla.KVCache(cctx, 1, 8, 4, "bf16")
+    cache = libmla.KVCache(cctx, 1, 8, 4, "f16")
     rt = libmla.RequestTable(cctx, 2, 16, cache=cache)
     r = rt.add()
     rt.extend(r, 5)

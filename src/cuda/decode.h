@@ -30,11 +30,12 @@ typedef struct mla_decode_params {
   float scale;         /* softmax scale */
   int lse_base2;       /* 1: lse returned in base 2 */
 
-  const uint16_t *q_nope; /* [Tq, H, 512] bf16 */
-  const uint16_t *q_rope; /* [Tq, H, 64] bf16 */
+  const uint16_t *q_nope; /* [Tq, H, 512] act_dtype (bf16, or f16 with an f16 cache) */
+  const uint16_t *q_rope; /* [Tq, H, 64] act_dtype */
   int64_t q_nope_stride_token, q_nope_stride_head; /* elements */
   int64_t q_rope_stride_token, q_rope_stride_head;
-  const void *kv;         /* [num_pages * page_size, row_bytes] cache layer, rows [c (512) | r (64)] */
+  const void *kv;         /* [num_pages * page_size, row_bytes] cache layer, rows [c (512) | r (64)]
+                             (src/cache/cache.h; fp8 rows are dequantized inside the kernels) */
   int64_t row_bytes;      /* 1152 for bf16/f16, 576 fp8 per-tensor, 656 fp8 block-scaled */
   int kv_dtype;           /* mla_dtype of the cache */
   int act_dtype;          /* mla_dtype of q and out */
@@ -49,7 +50,7 @@ typedef struct mla_decode_params {
   const int32_t *sched_meta;  /* [num_sm_parts, 8] */
   const int32_t *num_splits;  /* [bs+1] */
 
-  uint16_t *out;   /* [Tq, H, 512] bf16 */
+  uint16_t *out;   /* [Tq, H, 512] act_dtype */
   float *lse;      /* [Tq, H] or NULL */
   float *o_accum;  /* [total_splits, max_q_len * H, 512] partials of split requests (o / l) */
   float *lse_accum;/* [total_splits, max_q_len * H] (natural log; -inf for an empty piece) */

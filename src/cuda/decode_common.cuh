@@ -5,6 +5,8 @@
 
 #include <cuda.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
@@ -22,6 +24,9 @@
 enum { SCHED_BEGIN_REQ = 0, SCHED_BEGIN_TOK = 1, SCHED_END_REQ = 2, SCHED_END_TOK = 3,
        SCHED_BEGIN_SPLIT = 4, SCHED_NUM_REQS = 5, SCHED_INTS = 8 };
 
+// mla_dtype values (include/mla.h, pinned there; decode_sm90.cu asserts them).
+static constexpr int kDtBF16 = 1, kDtF16 = 2, kDtFP8 = 3, kDtFP8Block = 4;
+
 static constexpr float kLog2e = 1.4426950408889634f;
 static constexpr float kLn2 = 0.6931471805599453f;
 
@@ -38,6 +43,11 @@ static __device__ __forceinline__ void cp_async_16(uint32_t dst, const void *src
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0)
                : "memory");
+}
+// Arrives on the mbarrier once this thread's earlier cp.async copies have
+// landed (noinc: the arrival counts against the barrier's expected count).
+static __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 static __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;" ::: "memory");
@@ -137,6 +147,30 @@ static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t *>(&v);
 }
+static __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t *>(&v);
+}
+// Two 16-bit operands of the compile-time type (P of the f16 kernels is f16).
+template <bool kF16>
+static __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (kF16) return pack_f16(lo, hi);
+  else return pack_bf16(lo, hi);
+}
+
+// Four e4m3 values (one word, byte 0 first) dequantized and rounded to bf16:
+// e4m3 -> f16 is exact, the product with the scale is the fp32 one of the
+// CPU (convert.h mla_e4m3_to_f32(b) * scale), then one round to nearest even
+// to bf16 (NaN stays NaN).
+static __device__ __forceinline__ uint2 dq4_e4m3(uint32_t w, float sc) {
+  const __half2 lo = __half2(__nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffffu), __NV_E4M3));
+  const __half2 hi = __half2(__nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> 16), __NV_E4M3));
+  const float2 a = __half22float2(lo), b = __half22float2(hi);
+  uint2 r;
+  r.x = pack_bf16(__fmul_rn(a.x, sc), __fmul_rn(a.y, sc));
+  r.y = pack_bf16(__fmul_rn(b.x, sc), __fmul_rn(b.y, sc));
+  return r;
+}
 
 // --------------------------------------------------------------------------
 // The work of one request inside one split-KV part, for one m-block.
@@ -198,6 +232,8 @@ static __device__ __forceinline__ int row_limit(const mla_decode_params &p, cons
 
 // Writes one (row, 2 columns) pair of the result: final bf16 output or the
 // fp32 partial of a split request. inv_l = 1/l (0 for an empty row).
+// kF16: the output is f16 (f16 activations), else bf16.
+template <bool kF16>
 static __device__ __forceinline__ void store_out_pair(const mla_decode_params &p, const ReqWork &w,
                                                       int mb, int r, int col, float o0, float o1,
                                                       float inv_l) {
@@ -209,7 +245,7 @@ static __device__ __forceinline__ void store_out_pair(const mla_decode_params &p
   } else {
     const int t = rg / p.num_heads, h = rg % p.num_heads;
     size_t off = ((size_t)(w.q0 + t) * p.num_heads + h) * 512 + col;
-    *reinterpret_cast<uint32_t *>(p.out + off) = pack_bf16(o0 * inv_l, o1 * inv_l);
+    *reinterpret_cast<uint32_t *>(p.out + off) = pack2<kF16>(o0 * inv_l, o1 * inv_l);
   }
 }
 

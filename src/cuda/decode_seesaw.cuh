@@ -2,7 +2,9 @@
 // ladder's dev/cuda/seesaw.cuh and trimmed to what v9/v10 use: shared-memory
 // layout of the wide kernel, per-buffer tile cursors, grouped TMA refills
 // with the page id fetched ahead, the QK^T of one tile, lazy-rescale softmax
-// helpers, the P store with stmatrix, and the PDL trigger.
+// helpers, the P store with stmatrix, and the PDL trigger. Added in the
+// library: the cp.async gather refill (any page size) and the in-buffer fp8
+// staging and dequantization (load modes, LOAD_*), f16 operands (kF16).
 #pragma once
 
 #include "decode_common.cuh"
@@ -39,6 +41,37 @@ constexpr int BAR_WG0 = 4;   // WG0 only (zeroed tail rows)
 constexpr int BAR_WG1 = 5;   // WG1 only
 constexpr int BAR_RED0 = 6;  // WG0-wide vote
 constexpr int BAR_RED1 = 7;  // WG1-wide vote
+constexpr int BAR_CV0 = 8;   // WG0 only: its converted fp8 tile is in shared memory
+constexpr int BAR_CV1 = 9;   // WG1 only
+
+// How an instantiation fills its K buffers (template parameter LM).
+//  TMA_BIG / TMA_SMALL: 16-bit cache, page size >= 64 / 8..32 (TMA boxes).
+//  GATHER: 16-bit cache, any page size (used for 1..4): the refilling
+//    warpgroup copies the tile row by row with cp.async (page id per row from
+//    the block table) straight into the swizzled layout; one noinc arrival
+//    per thread.
+//  FP8 / FP8_BLOCK (page size 1..4: cp.async like GATHER) and FP8_TMA /
+//    FP8_BLOCK_TMA (page size >= 8: TMA boxes of a uint8 view, one thread):
+//    e4m3 caches (576 / 656-byte rows). The raw bytes land inside the K
+//    buffer itself (load_group), the warpgroup owning the buffer dequantizes
+//    them in place into the bf16 swizzled tile before its QK^T; from there on
+//    the tile is an ordinary bf16 tile (QK^T and P V).
+enum { LOAD_TMA_BIG = 0, LOAD_TMA_SMALL = 1, LOAD_GATHER = 2, LOAD_FP8 = 3, LOAD_FP8_BLOCK = 4,
+       LOAD_FP8_TMA = 5, LOAD_FP8_BLOCK_TMA = 6 };
+// cp.async modes: every thread of the refilling warpgroup copies (barrier
+// count 128); the others: one thread issues TMA (count 1 + transaction bytes).
+__host__ __device__ constexpr bool lm_cp(int lm) { return lm == LOAD_GATHER || lm == LOAD_FP8 || lm == LOAD_FP8_BLOCK; }
+__host__ __device__ constexpr bool lm_fp8(int lm) { return lm >= LOAD_FP8; }
+__host__ __device__ constexpr bool lm_block(int lm) { return lm == LOAD_FP8_BLOCK || lm == LOAD_FP8_BLOCK_TMA; }
+__host__ __device__ constexpr bool lm_tma16(int lm) { return lm <= LOAD_TMA_SMALL; }
+
+// The tensor maps of a launch (kernel parameter): [0] the 16-bit cache
+// (SWIZZLE_128B, 64 columns) or the fp8 rows as bytes (128-byte boxes, no
+// swizzle); fp8 block-scaled only: [1] the 16 scale bytes of a row, [2] the
+// bf16 rope as 128 swizzled bytes.
+struct KvMaps {
+  CUtensorMap m[3];
+};
 
 __device__ __forceinline__ void named_bar_arrive(int id, int n) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
@@ -81,11 +114,12 @@ __device__ __forceinline__ void store_p(uint32_t sP, const uint32_t (&pa)[4][4],
     stsm_x4(sP + sw128_off(r, 16 * k + 8 * (mat >> 1)), pa[k][0], pa[k][1], pa[k][2], pa[k][3]);
 }
 
+template <bool kF16>
 __device__ __forceinline__ void pack_p(uint32_t (&pa)[4][4], const float (&s)[32]) {
 #pragma unroll
   for (int k = 0; k < 4; k++)
 #pragma unroll
-    for (int j = 0; j < 4; j++) pa[k][j] = pack_bf16(s[8 * k + 2 * j], s[8 * k + 2 * j + 1]);
+    for (int j = 0; j < 4; j++) pa[k][j] = pack2<kF16>(s[8 * k + 2 * j], s[8 * k + 2 * j + 1]);
 }
 // Keeps a register A operand alive and unmodified until the wgmma reading
 // it has retired (call after the wait_group that retires it).
@@ -187,8 +221,13 @@ struct TileSrc {
   int page;  // P >= 64: the page holding the tile's 64 rows
   int row0;  // P >= 64: first row of the tile in that page
   int nvalid;
+  int rvalid;    // LM >= GATHER: this thread's row (myrow) is a key of the piece
+  int64_t roff;  // LM >= GATHER: byte offset of that row in the cache layer
 };
-__device__ __forceinline__ TileSrc tile_src(const mla_decode_params &p, int er, const BufCursor &c) {
+// LM >= GATHER: every thread of the refilling warpgroup calls it for the row
+// it copies (myrow = t128 / 2); rows past the piece are zero-filled, never read.
+template <int LM>
+__device__ __forceinline__ TileSrc tile_src(const mla_decode_params &p, int er, const BufCursor &c, int myrow) {
   TileSrc s;
   s.valid = c.req <= er;
   s.req = c.req;
@@ -196,21 +235,130 @@ __device__ __forceinline__ TileSrc tile_src(const mla_decode_params &p, int er, 
   s.nvalid = min(64, c.w.kend_blk - s.kt0);
   s.page = 0;
   s.row0 = 0;
-  if (s.valid && p.page_size >= 64) {
-    const int lp = __ffs(p.page_size) - 1;
+  s.rvalid = 0;
+  s.roff = 0;
+  const int lp = __ffs(p.page_size) - 1;
+  if constexpr (lm_cp(LM)) {
+    s.rvalid = s.valid && myrow < s.nvalid;
+    if (s.rvalid) {
+      const int key = s.kt0 + myrow;
+      const int page = p.block_table[(size_t)c.req * p.block_table_width + (key >> lp)];
+      s.roff = ((int64_t)page * p.page_size + (key & (p.page_size - 1))) * p.row_bytes;
+    }
+  } else if (s.valid && p.page_size >= 64) {
     s.page = p.block_table[(size_t)c.req * p.block_table_width + (s.kt0 >> lp)];
     s.row0 = s.kt0 & (p.page_size - 1);
   }
   return s;
 }
 
+// cp.async modes: the source row rl (0..15) of this lane's warp, looked up
+// by lanes 2 rl and 2 rl + 1 (tile_src's myrow); all 32 lanes call it.
+struct RowSrc {
+  const uint8_t *row;
+  int ok;
+};
+__device__ __forceinline__ RowSrc row_of(const mla_decode_params &p, const TileSrc &s, int rl) {
+  const uint64_t off = (uint64_t)s.roff;
+  const uint32_t lo = __shfl_sync(0xffffffffu, (uint32_t)off, 2 * rl);
+  const uint32_t hi = __shfl_sync(0xffffffffu, (uint32_t)(off >> 32), 2 * rl);
+  RowSrc r;
+  r.ok = __shfl_sync(0xffffffffu, s.rvalid, 2 * rl);
+  r.row = static_cast<const uint8_t *>(p.kv) + (((uint64_t)hi << 32) | lo);
+  return r;
+}
+
 // v9+: a buffer's chunks in groups with one mbarrier each (v6-v8: one per
-// chunk). Loads chunks [c0, c1) of the tile into kbuf, all completing `bar`;
-// one thread. kBig: page_size >= 64 (one box per chunk), else 64/P boxes.
-template <bool kBig>
-__device__ __forceinline__ void load_group(const mla_decode_params &p, const CUtensorMap *map, const TileSrc &s,
-                                           uint32_t kbuf, uint32_t bar, int c0, int c1) {
-  if (kBig) {
+// chunk). Loads chunks [c0, c1) of the tile into kbuf, all completing `bar`.
+// TMA modes: one thread; TMA_BIG: page_size >= 64 (one box per chunk), else
+// 64/P boxes. Other modes: all 128 threads of the refilling warpgroup (t128),
+// then one noinc arrival each (the barrier counts 128).
+//
+// In-buffer staging of the fp8 modes (a group is chunks [c0, c0 + 2n) of
+// latent, or the rope chunk 8): the raw e4m3 bytes of chunk pair i (128
+// latent values per row, = one scale block) land linearly in chunk c0 + n + i
+// (row r at r * 128), the block format's 4 fp32 scales of row r at byte
+// r * 16 of chunk c0, the per-tensor rope (64 bytes) at bytes 64..127 of row
+// r of chunk 8 (the TMA box is row bytes 448..575). The dequantization
+// (convert_group) writes chunk pair i over chunks c0 + 2i, c0 + 2i + 1,
+// never over raw bytes still to be read: only the last pair overwrites its
+// own staging, per row, after both of the row's threads (adjacent lanes)
+// have read it; the scales are read by all before anything is written.
+template <int LM>
+__device__ __forceinline__ void load_group(const mla_decode_params &p, const CUtensorMap *maps, const TileSrc &s,
+                                           uint32_t kbuf, uint32_t bar, int c0, int c1, int t128) {
+  const CUtensorMap *map = maps;
+  (void)map;
+  if constexpr (lm_cp(LM)) {
+    // Warp w copies its rows 16 w .. 16 w + 15 with consecutive lanes on
+    // consecutive 16-byte pieces of a row (coalesced: a warp instruction
+    // reads whole 128-byte lines); a row's source comes from the lanes that
+    // looked it up (row_of).
+    const int lane = t128 & 31, w = t128 >> 5;
+    const void *dummy = p.kv;  // zero-fill source (nothing is read)
+    if (LM == LOAD_GATHER || (LM == LOAD_FP8_BLOCK && c0 == 8)) {
+      // 16-bit rows (the block format's bf16 rope at byte 528) straight into
+      // the 128B-swizzled layout TMA would produce.
+      const int base = LM == LOAD_GATHER ? 0 : 528 - 8 * 128;
+      const int lcpr = 31 - __clz(8 * (c1 - c0));  // log2(pieces per row)
+#pragma unroll 1
+      for (int idx = lane; idx < (16 << lcpr); idx += 32) {
+        const int rl = idx >> lcpr, pc = idx & ((1 << lcpr) - 1);
+        const RowSrc rs = row_of(p, s, rl);
+        const int r = 16 * w + rl, cc = c0 + (pc >> 3), j = pc & 7;
+        cp_async_16(kbuf + cc * kChunk + r * 128 + ((j ^ (r & 7)) << 4),
+                    rs.ok ? (const void *)(rs.row + base + cc * 128 + j * 16) : dummy, rs.ok);
+      }
+    } else if (c0 == 8) {
+      // per-tensor fp8 rope: 64 raw bytes at bytes 64..127 of row r of chunk 8
+#pragma unroll 1
+      for (int idx = lane; idx < 64; idx += 32) {
+        const int rl = idx >> 2, j = idx & 3;
+        const RowSrc rs = row_of(p, s, rl);
+        cp_async_16(kbuf + 8 * kChunk + (16 * w + rl) * 128 + 64 + j * 16,
+                    rs.ok ? (const void *)(rs.row + 512 + j * 16) : dummy, rs.ok);
+      }
+    } else {
+      const int n = (c1 - c0) >> 1, lcpr = 31 - __clz(8 * n);
+#pragma unroll 1
+      for (int idx = lane; idx < (16 << lcpr); idx += 32) {
+        const int rl = idx >> lcpr, q = idx & ((1 << lcpr) - 1), i = q >> 3, j = q & 7;
+        const RowSrc rs = row_of(p, s, rl);
+        cp_async_16(kbuf + (c0 + n + i) * kChunk + (16 * w + rl) * 128 + j * 16,
+                    rs.ok ? (const void *)(rs.row + 64 * (c0 + 2 * i) + j * 16) : dummy, rs.ok);
+      }
+      if (LM == LOAD_FP8_BLOCK) {
+        const RowSrc rs = row_of(p, s, lane & 15);
+        if (lane < 16)
+          cp_async_16(kbuf + c0 * kChunk + (16 * w + lane) * 16, rs.ok ? (const void *)(rs.row + 512) : dummy, rs.ok);
+      }
+    }
+    cp_async_mbar_arrive(bar);
+  } else if constexpr (lm_fp8(LM)) {
+    // fp8, page size >= 8: boxes of min(P, 64) rows of the byte view; a box
+    // of P < 64 rows lands at row b * P (boxes past the piece end skipped).
+    const int P = p.page_size, lp = __ffs(P) - 1;
+    const bool big = P >= 64;
+    const int rows = big ? 64 : P;
+    const int nbox = big ? 1 : (s.nvalid + P - 1) >> lp;
+    const int *bt = p.block_table + (size_t)s.req * p.block_table_width + (s.kt0 >> lp);
+    const int n = (c1 - c0) >> 1;
+    const uint32_t per_box = c0 == 8 ? rows * 128 : n * rows * 128 + (lm_block(LM) ? rows * 16 : 0);
+    mbar_expect_tx(bar, (uint32_t)nbox * per_box);
+#pragma unroll 1
+    for (int b = 0; b < nbox; b++) {
+      const int page = big ? s.page : bt[b], r0 = big ? s.row0 : 0;
+      if (c0 == 8) {
+        if (lm_block(LM)) tma_load_3d(kbuf + 8 * kChunk + b * rows * 128, &maps[2], bar, 528, r0, page);
+        else tma_load_3d(kbuf + 8 * kChunk + b * rows * 128, &maps[0], bar, 448, r0, page);
+      } else {
+#pragma unroll 1
+        for (int i = 0; i < n; i++)
+          tma_load_3d(kbuf + (c0 + n + i) * kChunk + b * rows * 128, &maps[0], bar, 64 * (c0 + 2 * i), r0, page);
+        if (lm_block(LM)) tma_load_3d(kbuf + c0 * kChunk + b * rows * 16, &maps[1], bar, 512, r0, page);
+      }
+    }
+  } else if constexpr (LM == LOAD_TMA_BIG) {
     mbar_expect_tx(bar, (uint32_t)(c1 - c0) * kChunk);
     for (int cc = c0; cc < c1; cc++) tma_load_3d(kbuf + cc * kChunk, map, bar, 64 * cc, s.row0, s.page);
   } else {
@@ -220,6 +368,78 @@ __device__ __forceinline__ void load_group(const mla_decode_params &p, const CUt
     mbar_expect_tx(bar, (uint32_t)((c1 - c0) * nbox * P * 128));
     for (int cc = c0; cc < c1; cc++)
       for (int b = 0; b < nbox; b++) tma_load_3d(kbuf + cc * kChunk + b * P * 128, map, bar, 64 * cc, 0, bt[b]);
+  }
+}
+
+// fp8 modes: dequantizes the staged group [c0, c1) of the buffer at kb (see
+// load_group) into bf16 swizzled chunks; 128 threads of the owning
+// warpgroup, two adjacent lanes per row, so the only ordering needed is a
+// __syncwarp between a pair's reads and its writes (and one warpgroup
+// barrier after the block scales are read). Rows >= nvalid (past the piece:
+// never loaded, or TMA rows that may hold NaN) become zeros, so P V never
+// sees them. The caller then fences (generic -> async proxy) and syncs the
+// warpgroup before its wgmma.
+template <int LM>
+__device__ __forceinline__ void convert_group(uint8_t *kb, int c0, int c1, int t128, float kv_scale, int nvalid,
+                                              int bar_id) {
+  const int r = t128 >> 1, h = t128 & 1, sw = r & 7;
+  const bool zero = r >= nvalid;
+  uint8_t *rb = kb + r * 128;
+  if (c0 == 8) {  // per-tensor rope: 64 raw bytes -> 64 bf16
+    const uint4 a = *reinterpret_cast<const uint4 *>(rb + 8 * kChunk + 64 + 32 * h);
+    const uint4 b = *reinterpret_cast<const uint4 *>(rb + 8 * kChunk + 64 + 32 * h + 16);
+    __syncwarp();
+    const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+      const uint2 lo = dq4_e4m3(w[2 * q], kv_scale), hi = dq4_e4m3(w[2 * q + 1], kv_scale);
+      *reinterpret_cast<uint4 *>(rb + 8 * kChunk + (((4 * h + q) ^ sw) << 4)) =
+          zero ? make_uint4(0, 0, 0, 0) : make_uint4(lo.x, lo.y, hi.x, hi.y);
+    }
+    return;
+  }
+  float4 bs = make_float4(kv_scale, kv_scale, kv_scale, kv_scale);
+  if (lm_block(LM)) {
+    bs = *reinterpret_cast<const float4 *>(kb + c0 * kChunk + r * 16);
+    named_bar_sync(bar_id, 128);  // every row's scales read before chunk c0 is written
+  }
+  const int n = (c1 - c0) >> 1;
+  // Not unrolled: the kernels' registers are spoken for (O, S, Q rope).
+#pragma unroll 1
+  for (int i = 0; i < n; i++) {
+    uint4 v[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) v[k] = *reinterpret_cast<const uint4 *>(rb + (c0 + n + i) * kChunk + 64 * h + 16 * k);
+    __syncwarp();
+    const int blk = (c0 >> 1) + i;  // scale block (128 latent values) of the pair
+    const float sc = blk == 0 ? bs.x : blk == 1 ? bs.y : blk == 2 ? bs.z : bs.w;
+    uint8_t *dst = rb + (c0 + 2 * i + h) * kChunk;
+#pragma unroll
+    for (int q = 0; q < 8; q++) {
+      const uint32_t w0 = (q & 1) ? v[q >> 1].z : v[q >> 1].x, w1 = (q & 1) ? v[q >> 1].w : v[q >> 1].y;
+      const uint2 lo = dq4_e4m3(w0, sc), hi = dq4_e4m3(w1, sc);
+      *reinterpret_cast<uint4 *>(dst + ((q ^ sw) << 4)) = zero ? make_uint4(0, 0, 0, 0) : make_uint4(lo.x, lo.y, hi.x, hi.y);
+    }
+  }
+}
+
+// After waiting for a group's barrier, before the wgmma reading it: GATHER
+// fences its cp.async data (generic proxy) against the async proxy; the fp8
+// modes dequantize (the owning warpgroup) and publish the bf16 chunks to the
+// whole warpgroup.
+template <int LM>
+__device__ __forceinline__ void group_ready(uint8_t *kb, int c0, int c1, int t128, float kv_scale, int nvalid,
+                                            int bar_id) {
+  if constexpr (LM == LOAD_GATHER) {
+    fence_proxy_async();
+  } else if constexpr (lm_fp8(LM)) {
+    if (!(lm_block(LM) && c0 == 8)) {  // (the block format's rope is bf16 already)
+      convert_group<LM>(kb, c0, c1, t128, kv_scale, nvalid, bar_id);
+      fence_proxy_async();
+      named_bar_sync(bar_id, 128);
+    } else if (LM == LOAD_FP8_BLOCK) {
+      fence_proxy_async();  // cp.async data read by wgmma (as GATHER)
+    }
   }
 }
 // Rows past the piece may hold NaN (0 * NaN = NaN): zero them in chunks
@@ -236,28 +456,34 @@ __device__ __forceinline__ void zero_tail(uint8_t *kb, int nvalid, int c0, int t
 // g = 0 chunks 0-3, 1 chunks 4-7, 2 the rope chunk): rope first (Q rope from
 // registers), then the warpgroup's own half (WG0: 0-3, WG1: 4-7, the half its
 // own P V released first), then the other half. The sum is order-free.
-template <int WG>
+// The fp8 modes dequantize each group of the buffer here (this warpgroup
+// owns it; the other warpgroup reads it only after a handoff barrier).
+template <int WG, int LM, bool kF16>
 __device__ __forceinline__ void qk_tile3(float (&s)[32], uint32_t sq, uint32_t kb, uint32_t bars, uint32_t par,
-                                         const uint32_t (&qr)[4][4]) {
+                                         const uint32_t (&qr)[4][4], uint8_t *kbp, int t128, float kv_scale,
+                                         int nvalid) {
   const uint64_t dq = desc_sw128(sq, 16, 1024), dk = desc_sw128(kb, 16, 1024);
+  const int cv = WG == 0 ? BAR_CV0 : BAR_CV1;
 #pragma unroll
   for (int i = 0; i < 32; i++) s[i] = 0.f;
   mbar_wait(bars + 16, par);
+  group_ready<LM>(kbp, 8, 9, t128, kv_scale, nvalid, cv);
   wgmma_fence();
 #pragma unroll
-  for (int k = 0; k < 4; k++) wgmma_m64n64k16_rs(s, qr[k], dk + ((8 * kChunk + k * 32) >> 4), k > 0);
+  for (int k = 0; k < 4; k++) wg_m64n64k16_rs<kF16>(s, qr[k], dk + ((8 * kChunk + k * 32) >> 4), k > 0);
   wgmma_commit();
 #pragma unroll
   for (int h = 0; h < 2; h++) {
     const int g = WG == 0 ? h : 1 - h;
     mbar_wait(bars + 8 * g, par);
+    group_ready<LM>(kbp, 4 * g, 4 * g + 4, t128, kv_scale, nvalid, cv);
     wgmma_fence();
 #pragma unroll
     for (int c = 4 * g; c < 4 * g + 4; c++)
 #pragma unroll
       for (int k = 0; k < 4; k++) {
         const uint32_t off = (c * kChunk + k * 32) >> 4;
-        wgmma_m64n64k16_ss(s, dq + off, dk + off, 1);
+        wg_m64n64k16_ss<kF16>(s, dq + off, dk + off, 1);
       }
     wgmma_commit();
   }
@@ -267,20 +493,22 @@ __device__ __forceinline__ void qk_tile3(float (&s)[32], uint32_t sq, uint32_t k
 
 // O[:, half] (+)= P V[:, half] with P from registers (pa) or from shared
 // memory (sP); V = chunks 4*half .. 4*half+3 of buffer kb, MN-major view.
+template <bool kF16>
 __device__ __forceinline__ void pv_rs(float (&o)[128], const uint32_t (&pa)[4][4], uint32_t kb, int half,
                                       uint32_t lbo, uint32_t sbo) {
   const uint64_t dv = desc_sw128(kb + half * 4 * kChunk, lbo, sbo);
   wgmma_fence();
 #pragma unroll
-  for (int k = 0; k < 4; k++) wgmma_m64n256k16_rs_tb(o, pa[k], dv + ((k * 2048) >> 4), 1);
+  for (int k = 0; k < 4; k++) wg_m64n256k16_rs_tb<kF16>(o, pa[k], dv + ((k * 2048) >> 4), 1);
   wgmma_commit();
 }
+template <bool kF16>
 __device__ __forceinline__ void pv_ss(float (&o)[128], uint32_t sP, uint32_t kb, int half, uint32_t lbo,
                                       uint32_t sbo) {
   const uint64_t dp = desc_sw128(sP, 16, 1024), dv = desc_sw128(kb + half * 4 * kChunk, lbo, sbo);
   wgmma_fence();
 #pragma unroll
-  for (int k = 0; k < 4; k++) wgmma_m64n256k16_ss_tb(o, dp + ((k * 32) >> 4), dv + ((k * 2048) >> 4), 1);
+  for (int k = 0; k < 4; k++) wg_m64n256k16_ss_tb<kF16>(o, dp + ((k * 32) >> 4), dv + ((k * 2048) >> 4), 1);
   wgmma_commit();
 }
 
@@ -333,6 +561,7 @@ __device__ __forceinline__ void load_q(const mla_decode_params &p, const ReqWork
 
 // Epilogue of one request: l = both warpgroups' partial sums; m is the final
 // running max in shared memory.
+template <bool kF16>
 __device__ __forceinline__ void epilogue(const mla_decode_params &p, const ReqWork &w, int mb, uint8_t *smem,
                                          const float (&o)[128], float lsA, float lsB, int wg, int rA, int rB, int cq,
                                          bool lead) {
@@ -353,7 +582,7 @@ __device__ __forceinline__ void epilogue(const mla_decode_params &p, const ReqWo
   for (int i = 0; i < 128; i += 2) {
     const bool rowB = (i >> 1) & 1;
     const int r = rowB ? rB : rA;
-    if (r < w.rows) store_out_pair(p, w, mb, r, 256 * wg + 8 * (i >> 2) + cq, o[i], o[i + 1], rowB ? iB : iA);
+    if (r < w.rows) store_out_pair<kF16>(p, w, mb, r, 256 * wg + 8 * (i >> 2) + cq, o[i], o[i + 1], rowB ? iB : iA);
   }
   if (wg == 0 && lead) {
     if (rA < w.rows) store_lse(p, w, mb, rA, tA > 0.f ? sM[rA] + log2f(tA) : -INFINITY);

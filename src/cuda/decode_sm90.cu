@@ -4,10 +4,13 @@
 //    (ladder v10): transposed GEMMs (keys = M, rows = N = 16 or 32), two
 //    independent warpgroups merged per request;
 //  - wider m-blocks: the wide seesaw kernel (ladder v9);
-//  - both load K tiles with TMA (page size >= 8; instantiated for P >= 64 and
-//    8 <= P < 64), then the split-KV combine as a programmatic dependent.
-// Page sizes below 8 (the ladder's cp.async kernel v2) are not ported: the
-// launcher returns cudaErrorNotSupported and the host refuses them first.
+//  - both load K tiles of 16-bit caches with TMA (page size >= 8;
+//    instantiated for P >= 64 and 8 <= P < 64), or, for page sizes 1..4 and
+//    the fp8 caches, with a cp.async row gather by the refilling warpgroup
+//    (fp8: raw bytes staged inside the K buffer and dequantized there to the
+//    bf16 tile by the warpgroup that owns it; decode_seesaw.cuh LOAD_*);
+//  - bf16 or f16 operands (f16 cache with f16 activations, kF16);
+//  - then the split-KV combine as a programmatic dependent.
 #include <string.h>
 
 #include "decode_seesaw.cuh"
@@ -58,6 +61,22 @@ cudaError_t make_kv_tmap(const mla_decode_params *p, CUtensorMap *map) {
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// fp8 cache rows as bytes, a 3-D tensor {row_bytes, P, pages}: boxes of
+// `cols` bytes by min(P, 64) rows (load_group's fp8 TMA path).
+cudaError_t make_kv_tmap_bytes(const mla_decode_params *p, CUtensorMap *map, int cols, bool swizzle) {
+  memset(map, 0, sizeof(*map));
+  EncodeTiledFn fn = encode_fn();
+  if (!fn) return cudaErrorNotSupported;
+  cuuint64_t dims[3] = {(cuuint64_t)p->row_bytes, (cuuint64_t)p->page_size, (cuuint64_t)p->num_pages};
+  cuuint64_t strides[2] = {(cuuint64_t)p->row_bytes, (cuuint64_t)p->row_bytes * p->page_size};
+  cuuint32_t box[3] = {(cuuint32_t)cols, (cuuint32_t)(p->page_size < 64 ? p->page_size : 64), 1};
+  cuuint32_t one[3] = {1, 1, 1};
+  CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void *>(p->kv), dims, strides, box, one,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 // ---------------------------------------------------------------------------
 // Split-KV combine: one warp per (request, row); requests cut into one piece
 // are skipped (the split kernel wrote them). Launched as a programmatic
@@ -65,8 +84,9 @@ cudaError_t make_kv_tmap(const mla_decode_params *p, CUtensorMap *map) {
 // ---------------------------------------------------------------------------
 static constexpr int kCombineWarps = 8;
 
+template <bool kF16>
 __global__ void __launch_bounds__(kCombineWarps * 32)
-    decode_combine_kernel(const mla_decode_params p) {
+    decode_combine_kernel(const mla_decode_params p) {  // kF16: f16 output
   // Launched as a programmatic dependent (v6+): wait until the split kernel
   // has completed and its partials are visible (never read them before).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -119,8 +139,8 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
 #pragma unroll
   for (int c = 0; c < 4; c++) {
     uint2 v;
-    v.x = pack_bf16(acc[4 * c + 0], acc[4 * c + 1]);
-    v.y = pack_bf16(acc[4 * c + 2], acc[4 * c + 3]);
+    v.x = pack2<kF16>(acc[4 * c + 0], acc[4 * c + 1]);
+    v.y = pack2<kF16>(acc[4 * c + 2], acc[4 * c + 3]);
     *reinterpret_cast<uint2 *>(dst + 4 * (lane + 32 * c)) = v;
   }
   if (lane == 0 && p.lse) p.lse[(size_t)(q0 + t) * H + h] = p.lse_base2 ? lse * kLog2e : lse;
@@ -141,15 +161,16 @@ cudaError_t combine_launch_pdl(const mla_decode_params *p, cudaStream_t stream) 
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, decode_combine_kernel, *p);
+  return p->act_dtype == MLA_DTYPE_F16 ? cudaLaunchKernelEx(&cfg, decode_combine_kernel<true>, *p)
+                                       : cudaLaunchKernelEx(&cfg, decode_combine_kernel<false>, *p);
 }
 
 // ---------------------------------------------------------------------------
 // Wide kernel (ladder v9): 64-row m-blocks, seesaw over two K buffers.
 // ---------------------------------------------------------------------------
-template <bool kBig>
+template <int LM, bool kF16>
 __global__ void __launch_bounds__(kThreads, 1)
-    decode_wide_kernel(const mla_decode_params p, const __grid_constant__ CUtensorMap kv_map, uint32_t vt_lbo,
+    decode_wide_kernel(const mla_decode_params p, const __grid_constant__ KvMaps kv_maps, uint32_t vt_lbo,
                      uint32_t vt_sbo) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ uint8_t smem_raw[];
@@ -173,21 +194,31 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t kb0 = sb + kOffB0, kb1 = sb + kOffB1;
   const float sl2 = p.scale * kLog2e;
   const int er = meta[SCHED_END_REQ];
-  const bool issuer = t128 == 0;  // elected refill thread of each warpgroup
+  // TMA: one elected refill thread per warpgroup; other modes: all of it.
+  const bool issuer = lm_cp(LM) || t128 == 0;
+  const int myrow = t128 >> 1;  // row a thread copies in the cp.async modes
+  const float kvs = p.kv_scale;
 
   if (tid == 0) {
-    for (int i = 0; i < 6; i++) mbar_init(bars0 + 8 * i, 1);
+    for (int i = 0; i < 6; i++) mbar_init(bars0 + 8 * i, lm_cp(LM) ? 128 : 1);
     fence_mbar_init();
   }
   __syncthreads();
 
   BufCursor cur0 = cursor_first(p, meta, mb, 0), cur1 = cursor_first(p, meta, mb, 1);
-  if (tid == 0) {
-    const TileSrc s0 = tile_src(p, er, cur0), s1 = tile_src(p, er, cur1);
+  if (!lm_cp(LM) && tid == 0) {
+    const TileSrc s0 = tile_src<LM>(p, er, cur0, 0), s1 = tile_src<LM>(p, er, cur1, 0);
     for (int g = 0; g < 3; g++) {
-      if (s0.valid) load_group<kBig>(p, &kv_map, s0, kb0, bars0 + 8 * g, 4 * g, g < 2 ? 4 * g + 4 : 9);
-      if (s1.valid) load_group<kBig>(p, &kv_map, s1, kb1, bars1 + 8 * g, 4 * g, g < 2 ? 4 * g + 4 : 9);
+      if (s0.valid) load_group<LM>(p, kv_maps.m, s0, kb0, bars0 + 8 * g, 4 * g, g < 2 ? 4 * g + 4 : 9, 0);
+      if (s1.valid) load_group<LM>(p, kv_maps.m, s1, kb1, bars1 + 8 * g, 4 * g, g < 2 ? 4 * g + 4 : 9, 0);
     }
+  } else if (lm_cp(LM)) {
+    // warpgroup g fills buffer g
+    const TileSrc sg = tile_src<LM>(p, er, wg ? cur1 : cur0, myrow);
+    if (sg.valid)
+      for (int g = 0; g < 3; g++)
+        load_group<LM>(p, kv_maps.m, sg, wg ? kb1 : kb0, (wg ? bars1 : bars0) + 8 * g, 4 * g, g < 2 ? 4 * g + 4 : 9,
+                       t128);
   }
   uint32_t use0 = 0, use1 = 0;  // loads consumed per buffer (barrier parity)
   uint32_t pairs = 0;           // pairs done (P tile roles)
@@ -219,15 +250,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       TileSrc ld0, ld1;
       ld0.valid = ld1.valid = 0;
       if (issuer) {
-        ld0 = tile_src(p, er, nx0);
-        if (has1) ld1 = tile_src(p, er, nx1);
+        ld0 = tile_src<LM>(p, er, nx0, myrow);
+        if (has1) ld1 = tile_src<LM>(p, er, nx1, myrow);
       }
       float s[32];
       uint32_t pa[4][4];
       if (wg == 0) {
         // ---------------- WG0: tile T0 in B0 ----------------
-        qk_tile3<0>(s, sb + kOffQ, kb0, bars0, par0, qr);
-        if (ld0.valid) load_group<kBig>(p, &kv_map, ld0, kb0, bars0 + 16, 8, 9);  // rope chunk: read by QK^T only
+        qk_tile3<0, LM, kF16>(s, sb + kOffQ, kb0, bars0, par0, qr, lm_fp8(LM) ? smem + kOffB0 : nullptr, t128, kvs, nv0);
+        if (ld0.valid) load_group<LM>(p, kv_maps.m, ld0, kb0, bars0 + 16, 8, 9, t128);  // rope chunk: read by QK^T only
         float mxA, mxB;
         row_max(s, full0, kt0, limA, limB, cq, mxA, mxB);
         const float mpA = sM[rA], mpB = sM[rB];
@@ -235,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float s0A = lazy_scale(mpA, m0A), s0B = lazy_scale(mpB, m0B);
         float sumA, sumB;
         exp_rows(s, sl2, m0A, m0B, sumA, sumB);
-        pack_p(pa, s);
+        pack_p<kF16>(pa, s);
         store_p(sPa, pa, wi, lane);
         fence_proxy_async();
         __syncwarp();
@@ -250,12 +281,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         lsA = lsA * s0A + sumA;
         lsB = lsB * s0B + sumB;
         // O_L = s0 O_L + P0 V0_L
-        if (nv0 < 64) {
+        if (lm_tma16(LM) && nv0 < 64) {  // (cp.async modes zero-fill those rows, fp8 dequantizes them to 0)
           zero_tail(smem + kOffB0, nv0, 0, t128);
           fence_proxy_async();
           named_bar_sync(BAR_WG0, 128);
         }
-        pv_rs(o, pa, kb0, 0, vt_lbo, vt_sbo);
+        pv_rs<kF16>(o, pa, kb0, 0, vt_lbo, vt_sbo);
         // WG1's P1 / s1; rows whose max moved get P0' = s1 P0 re-stored.
         named_bar_sync(BAR_P1, kThreads);
         const float s1A = sS1[rA], s1B = sS1[rB];
@@ -267,7 +298,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int j = 0; j < 4; j++) {
               const float f = (j & 1) ? s1B : s1A;
-              pb[k][j] = pack_bf16(s[8 * k + 2 * j] * f, s[8 * k + 2 * j + 1] * f);
+              pb[k][j] = pack2<kF16>(s[8 * k + 2 * j] * f, s[8 * k + 2 * j + 1] * f);
             }
           store_p(sPa, pb, wi, lane);
           fence_proxy_async();
@@ -283,31 +314,33 @@ __global__ void __launch_bounds__(kThreads, 1)
             keep_alive(pa);
             rescale_o(o, s1A, s1B);
           }
-          mbar_wait(bars1, par1);  // B1 chunks 0-3
-          if (nv1 < 64) {
+          // B1 chunks 0-3 (fp8: dequantized by WG1 before BAR_P1)
+          mbar_wait(bars1, par1);
+          if (LM == LOAD_GATHER) fence_proxy_async();
+          if (lm_tma16(LM) && nv1 < 64) {
             zero_tail(smem + kOffB1, nv1, 0, t128);
             fence_proxy_async();
             named_bar_sync(BAR_WG0, 128);
           }
-          pv_ss(o, sPb, kb1, 0, vt_lbo, vt_sbo);  // O_L += P1 V1_L, queued behind P0 V0_L
+          pv_ss<kF16>(o, sPb, kb1, 0, vt_lbo, vt_sbo);  // O_L += P1 V1_L, queued behind P0 V0_L
           wgmma_wait<1>();
           keep_alive(pa);
-          if (ld0.valid) load_group<kBig>(p, &kv_map, ld0, kb0, bars0, 0, 4);
+          if (ld0.valid) load_group<LM>(p, kv_maps.m, ld0, kb0, bars0, 0, 4, t128);
           wgmma_wait<0>();
           reg_fence(o);
-          if (ld1.valid) load_group<kBig>(p, &kv_map, ld1, kb1, bars1, 0, 4);
+          if (ld1.valid) load_group<LM>(p, kv_maps.m, ld1, kb1, bars1, 0, 4, t128);
         } else {
           wgmma_wait<0>();
           reg_fence(o);
           keep_alive(pa);
-          if (ld0.valid) load_group<kBig>(p, &kv_map, ld0, kb0, bars0, 0, 4);
+          if (ld0.valid) load_group<LM>(p, kv_maps.m, ld0, kb0, bars0, 0, 4, t128);
         }
       } else {
         // ---------------- WG1: tile T1 in B1 ----------------
         float mxA = -INFINITY, mxB = -INFINITY;
         if (has1) {
-          qk_tile3<1>(s, sb + kOffQ, kb1, bars1, par1, qr);
-          if (ld1.valid) load_group<kBig>(p, &kv_map, ld1, kb1, bars1 + 16, 8, 9);
+          qk_tile3<1, LM, kF16>(s, sb + kOffQ, kb1, bars1, par1, qr, lm_fp8(LM) ? smem + kOffB1 : nullptr, t128, kvs, nv1);
+          if (ld1.valid) load_group<LM>(p, kv_maps.m, ld1, kb1, bars1 + 16, 8, 9, t128);
           row_max(s, full1, kt1, limA, limB, cq, mxA, mxB);
         }
         named_bar_sync(BAR_A, kThreads);
@@ -318,7 +351,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         float sumA = 0.f, sumB = 0.f;
         if (has1) {
           exp_rows(s, sl2, m1A, m1B, sumA, sumB);
-          pack_p(pa, s);
+          pack_p<kF16>(pa, s);
           store_p(sPb, pa, wi, lane);
           fence_proxy_async();
         }
@@ -336,37 +369,38 @@ __global__ void __launch_bounds__(kThreads, 1)
         lsB = lsB * fB + sumB;
         if (has1) {
           // O_R += P1 V1_R (P1 from registers), left in flight.
-          if (nv1 < 64) {
+          if (lm_tma16(LM) && nv1 < 64) {
             zero_tail(smem + kOffB1, nv1, 4, t128);
             fence_proxy_async();
             named_bar_sync(BAR_WG1, 128);
           }
-          pv_rs(o, pa, kb1, 1, vt_lbo, vt_sbo);
+          pv_rs<kF16>(o, pa, kb1, 1, vt_lbo, vt_sbo);
         }
         // O_R += P0' V0_R (P0' from shared memory), queued right behind it.
         named_bar_sync(BAR_P0, kThreads);
-        mbar_wait(bars0 + 8, par0);  // B0 chunks 4-7
-        if (nv0 < 64) {
+        mbar_wait(bars0 + 8, par0);  // B0 chunks 4-7 (fp8: dequantized by WG0 before BAR_A)
+        if (LM == LOAD_GATHER) fence_proxy_async();
+        if (lm_tma16(LM) && nv0 < 64) {
           zero_tail(smem + kOffB0, nv0, 4, t128);
           fence_proxy_async();
           named_bar_sync(BAR_WG1, 128);
         }
-        pv_ss(o, sPa, kb0, 1, vt_lbo, vt_sbo);
+        pv_ss<kF16>(o, sPa, kb0, 1, vt_lbo, vt_sbo);
         if (has1) {
           wgmma_wait<1>();  // P1 V1_R retired: B1 chunks 4-7 are free
           keep_alive(pa);
-          if (ld1.valid) load_group<kBig>(p, &kv_map, ld1, kb1, bars1 + 8, 4, 8);
+          if (ld1.valid) load_group<LM>(p, kv_maps.m, ld1, kb1, bars1 + 8, 4, 8, t128);
         }
         wgmma_wait<0>();
         reg_fence(o);
-        if (ld0.valid) load_group<kBig>(p, &kv_map, ld0, kb0, bars0 + 8, 4, 8);
+        if (ld0.valid) load_group<LM>(p, kv_maps.m, ld0, kb0, bars0 + 8, 4, 8, t128);
       }
       use0++;
       if (has1) use1++;
       cur0 = nx0;
       if (has1) cur1 = nx1;
     }
-    epilogue(p, w, mb, smem, o, lsA, lsB, wg, rA, rB, cq, lead);
+    epilogue<kF16>(p, w, mb, smem, o, lsA, lsB, wg, rA, rB, cq, lead);
   }
 #endif
 }
@@ -413,20 +447,24 @@ __device__ __forceinline__ void stsm_x4_t(uint32_t addr, uint32_t r0, uint32_t r
                : "memory");
 }
 
-template <int N>
+template <int N, bool kF16>
 __device__ __forceinline__ void qk_wgmma(float (&s)[N / 2], uint64_t da, uint64_t db, int accum) {
-  if constexpr (N == 16) wgmma_nr_m64n16k16_ss(s, da, db, accum);
+  if constexpr (N == 16 && kF16) wgmma_nr_m64n16k16_ss_h(s, da, db, accum);
+  else if constexpr (N == 16) wgmma_nr_m64n16k16_ss(s, da, db, accum);
+  else if constexpr (kF16) wgmma_nr_m64n32k16_ss_h(s, da, db, accum);
   else wgmma_nr_m64n32k16_ss(s, da, db, accum);
 }
-template <int N>
+template <int N, bool kF16>
 __device__ __forceinline__ void pv_wgmma(float (&o)[N / 2], uint64_t da, uint64_t db) {
-  if constexpr (N == 16) wgmma_nr_m64n16k16_ss_ta(o, da, db, 1);
+  if constexpr (N == 16 && kF16) wgmma_nr_m64n16k16_ss_ta_h(o, da, db, 1);
+  else if constexpr (N == 16) wgmma_nr_m64n16k16_ss_ta(o, da, db, 1);
+  else if constexpr (kF16) wgmma_nr_m64n32k16_ss_ta_h(o, da, db, 1);
   else wgmma_nr_m64n32k16_ss_ta(o, da, db, 1);
 }
 
-template <int N, bool kBig>
+template <int N, int LM, bool kF16>
 __global__ void __launch_bounds__(kThreads, 1)
-    decode_narrow_kernel(const mla_decode_params p, const __grid_constant__ CUtensorMap kv_map, uint32_t vt_lbo,
+    decode_narrow_kernel(const mla_decode_params p, const __grid_constant__ KvMaps kv_maps, uint32_t vt_lbo,
                      uint32_t vt_sbo) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using L = Lay<N>;
@@ -441,7 +479,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (meta[SCHED_NUM_REQS] == 0) return;
   const int tid = threadIdx.x, wg = tid >> 7, t128 = tid & 127, wi = (tid >> 5) & 3, lane = tid & 31;
   const int er = meta[SCHED_END_REQ];
-  const bool issuer = t128 == 0;
+  const bool issuer = lm_cp(LM) || t128 == 0;  // TMA: one thread; cp.async: the warpgroup
+  const int myrow = t128 >> 1;
+  const float kvs = p.kv_scale;
+  const int cvbar = 7 + wg;  // this warpgroup's fp8 dequantization barrier
   const float sl2 = p.scale * kLog2e;
   float *red = reinterpret_cast<float *>(smem + L::kOffRed);
   float *redL = reinterpret_cast<float *>(smem + L::kOffRedL);
@@ -461,22 +502,29 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int j = 0; j < NC; j++) col[j] = 8 * (j >> 1) + 2 * (lane & 3) + (j & 1);
 
   if (tid == 0) {
-    for (int i = 0; i < 4; i++) mbar_init(sb + L::kOffBar + 8 * i, 1);
+    for (int i = 0; i < 4; i++) mbar_init(sb + L::kOffBar + 8 * i, lm_cp(LM) ? 128 : 1);
     fence_mbar_init();
   }
   __syncthreads();
 
   BufCursor cur = cursor_first(p, meta, mb, wg);
-  if (tid == 0) {
+  if (!lm_cp(LM) && tid == 0) {
     const BufCursor c0 = cursor_first(p, meta, mb, 0), c1 = cursor_first(p, meta, mb, 1);
-    const TileSrc s0 = tile_src(p, er, c0), s1 = tile_src(p, er, c1);
+    const TileSrc s0 = tile_src<LM>(p, er, c0, 0), s1 = tile_src<LM>(p, er, c1, 0);
     if (s0.valid) {
-      load_group<kBig>(p, &kv_map, s0, sb + L::kOffB0, sb + L::kOffBar + 8, 8, 9);
-      load_group<kBig>(p, &kv_map, s0, sb + L::kOffB0, sb + L::kOffBar, 0, 8);
+      load_group<LM>(p, kv_maps.m, s0, sb + L::kOffB0, sb + L::kOffBar + 8, 8, 9, 0);
+      load_group<LM>(p, kv_maps.m, s0, sb + L::kOffB0, sb + L::kOffBar, 0, 8, 0);
     }
     if (s1.valid) {
-      load_group<kBig>(p, &kv_map, s1, sb + L::kOffB1, sb + L::kOffBar + 24, 8, 9);
-      load_group<kBig>(p, &kv_map, s1, sb + L::kOffB1, sb + L::kOffBar + 16, 0, 8);
+      load_group<LM>(p, kv_maps.m, s1, sb + L::kOffB1, sb + L::kOffBar + 24, 8, 9, 0);
+      load_group<LM>(p, kv_maps.m, s1, sb + L::kOffB1, sb + L::kOffBar + 16, 0, 8, 0);
+    }
+  } else if (lm_cp(LM)) {
+    // each warpgroup fills its own buffer
+    const TileSrc sg = tile_src<LM>(p, er, cur, myrow);
+    if (sg.valid) {
+      load_group<LM>(p, kv_maps.m, sg, kb, bars + 8, 8, 9, t128);
+      load_group<LM>(p, kv_maps.m, sg, kb, bars, 0, 8, t128);
     }
   }
   uint32_t use = 0;  // loads of this warpgroup's buffer consumed (barrier parity)
@@ -529,7 +577,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       cursor_next(p, meta, mb, nx);
       TileSrc ld;
       ld.valid = 0;
-      if (issuer) ld = tile_src(p, er, nx);
+      if (issuer) ld = tile_src<LM>(p, er, nx, myrow);
 
       // ---- S^T = K Q^T (keys x rows): rope chunk first, then 0-7 ----
       float s[NR];
@@ -540,17 +588,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int c = ci == 0 ? 8 : ci - 1;
         if (ci < 2) {
           mbar_wait(bars + (ci == 0 ? 8 : 0), par);  // rope chunk, then chunks 0-7
+          group_ready<LM>(kbp, ci == 0 ? 8 : 0, ci == 0 ? 9 : 8, t128, kvs, nv, cvbar);
           wgmma_fence();
         }
 #pragma unroll
         for (int k = 0; k < 4; k++)
-          qk_wgmma<N>(s, desc_sw128(kb + c * kChunk + k * 32, 16, 1024), desc_sw128(sQ + c * L::kQChunk + k * 32, 16, 1024),
+          qk_wgmma<N, kF16>(s, desc_sw128(kb + c * kChunk + k * 32, 16, 1024), desc_sw128(sQ + c * L::kQChunk + k * 32, 16, 1024),
                       ci > 0 || k > 0);
       }
       wgmma_commit();
       wgmma_wait<0>();
       reg_fence(s);
-      if (ld.valid) load_group<kBig>(p, &kv_map, ld, kb, bars + 8, 8, 9);  // rope chunk: read by QK^T only
+      if (ld.valid) load_group<LM>(p, kv_maps.m, ld, kb, bars + 8, 8, 9, t128);  // rope chunk: read by QK^T only
 
       // ---- softmax down the columns ----
       bool need = false;
@@ -617,12 +666,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int q = 0; q < N / 16; q++) {
           const int cb = 2 * q + (mi >> 1), kh = mi & 1;
-          stsm_x4_t(sP + sw128_off(8 * cb + (lane & 7), 16 * wi + 8 * kh), pack_bf16(s[8 * q], s[8 * q + 1]),
-                    pack_bf16(s[8 * q + 2], s[8 * q + 3]), pack_bf16(s[8 * q + 4], s[8 * q + 5]),
-                    pack_bf16(s[8 * q + 6], s[8 * q + 7]));
+          stsm_x4_t(sP + sw128_off(8 * cb + (lane & 7), 16 * wi + 8 * kh), pack2<kF16>(s[8 * q], s[8 * q + 1]),
+                    pack2<kF16>(s[8 * q + 2], s[8 * q + 3]), pack2<kF16>(s[8 * q + 4], s[8 * q + 5]),
+                    pack2<kF16>(s[8 * q + 6], s[8 * q + 7]));
         }
       }
-      if (nv < 64) zero_tail8(kbp, nv, t128);
+      if (lm_tma16(LM) && nv < 64) zero_tail8(kbp, nv, t128);  // (cp.async modes zero-fill, fp8 converts to 0)
       fence_proxy_async();
       named_bar_sync(nb + NB_P - 1, 128);
 
@@ -632,12 +681,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int ks = 0; ks < 4; ks++)
 #pragma unroll
         for (int mt = 0; mt < 8; mt++)
-          pv_wgmma<N>(o[mt], desc_sw128(kb + mt * kChunk + ks * 2048, vt_lbo, vt_sbo), desc_sw128(sP + ks * 32, 16, 1024));
+          pv_wgmma<N, kF16>(o[mt], desc_sw128(kb + mt * kChunk + ks * 2048, vt_lbo, vt_sbo), desc_sw128(sP + ks * 32, 16, 1024));
       wgmma_commit();
       wgmma_wait<0>();
 #pragma unroll
       for (int mt = 0; mt < 8; mt++) reg_fence(o[mt]);
-      if (ld.valid) load_group<kBig>(p, &kv_map, ld, kb, bars, 0, 8);
+      if (ld.valid) load_group<LM>(p, kv_maps.m, ld, kb, bars, 0, 8, t128);
       use++;
       cur = nx;
     }
@@ -699,7 +748,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int idx = tid; idx < N * 128; idx += kThreads) {
         const int c = idx >> 7, d = (idx & 127) * 2;
         if (c < w.rows)
-          store_out_pair(p, w, mb, c, 256 * half + d, scr[c * L::kScr + d], scr[c * L::kScr + d + 1], lfin[c]);
+          store_out_pair<kF16>(p, w, mb, c, 256 * half + d, scr[c * L::kScr + d], scr[c * L::kScr + d + 1], lfin[c]);
       }
       __syncthreads();
     }
@@ -708,57 +757,95 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 
-template <bool kBig>
-cudaError_t launch_wide(const mla_decode_params *p, const CUtensorMap &map, cudaStream_t stream) {
+template <int LM, bool kF16>
+cudaError_t launch_wide(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
   // Set on every call (cheap): a static "done" flag would be wrong per device.
-  DEV_CUDA_OK(cudaFuncSetAttribute(decode_wide_kernel<kBig>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  DEV_CUDA_OK(cudaFuncSetAttribute(decode_wide_kernel<LM, kF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    (int)kSmemBytes));
   dim3 grid(p->num_sm_parts, mla_decode_m_blocks(p));
-  decode_wide_kernel<kBig><<<grid, kThreads, kSmemBytes, stream>>>(*p, map, kVtLbo, kVtSbo);
+  decode_wide_kernel<LM, kF16><<<grid, kThreads, kSmemBytes, stream>>>(*p, map, kVtLbo, kVtSbo);
   return cudaGetLastError();
 }
 
-template <int N, bool kBig>
-cudaError_t launch_narrow(const mla_decode_params *p, const CUtensorMap &map, cudaStream_t stream) {
-  DEV_CUDA_OK(cudaFuncSetAttribute(decode_narrow_kernel<N, kBig>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+template <int N, int LM, bool kF16>
+cudaError_t launch_narrow(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
+  DEV_CUDA_OK(cudaFuncSetAttribute(decode_narrow_kernel<N, LM, kF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    (int)Lay<N>::kSmem));
   dim3 grid(p->num_sm_parts, mla_decode_m_blocks(p));
-  decode_narrow_kernel<N, kBig><<<grid, kThreads, Lay<N>::kSmem, stream>>>(*p, map, kVtLbo, kVtSbo);
+  decode_narrow_kernel<N, LM, kF16><<<grid, kThreads, Lay<N>::kSmem, stream>>>(*p, map, kVtLbo, kVtSbo);
   return cudaGetLastError();
+}
+
+// One load mode and operand type: narrow for <= 16 / <= 32 rows, wide above.
+template <int LM, bool kF16>
+cudaError_t launch_mode(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
+  const int rows = mla_decode_rows(p);
+  if (rows <= 16) return launch_narrow<16, LM, kF16>(p, map, stream);
+  if (rows <= 32) return launch_narrow<32, LM, kF16>(p, map, stream);
+  return launch_wide<LM, kF16>(p, map, stream);
 }
 
 }  // namespace
 
+static_assert(kDtBF16 == MLA_DTYPE_BF16 && kDtF16 == MLA_DTYPE_F16 && kDtFP8 == MLA_DTYPE_FP8_E4M3 &&
+                  kDtFP8Block == MLA_DTYPE_FP8_E4M3_BLOCK,
+              "decode_common.cuh repeats the mla_dtype values");
+
 static int supported_page_size(int page_size) {
-  return page_size >= 8 && page_size <= 256 && (page_size & (page_size - 1)) == 0;
+  return page_size >= 1 && page_size <= 256 && (page_size & (page_size - 1)) == 0;
+}
+
+// Cache row bytes each cache dtype's load path expects (src/cache/cache.h).
+static int64_t expected_row_bytes(int kv_dtype) {
+  return kv_dtype == MLA_DTYPE_FP8_E4M3 ? 576 : kv_dtype == MLA_DTYPE_FP8_E4M3_BLOCK ? 656 : 1152;
 }
 
 extern "C" const char *mla_cuda_decode_unsupported(int kv_dtype, int act_dtype, int page_size) {
-  if (kv_dtype != MLA_DTYPE_BF16 || act_dtype != MLA_DTYPE_BF16)
-    return "the CUDA decode kernels take a bf16 cache with bf16 activations";
-  if (!supported_page_size(page_size)) return "the CUDA decode kernels take page sizes that are powers of two 8..256";
+  const int ok = (kv_dtype == MLA_DTYPE_BF16 && act_dtype == MLA_DTYPE_BF16) ||
+                 (kv_dtype == MLA_DTYPE_F16 && act_dtype == MLA_DTYPE_F16) ||
+                 ((kv_dtype == MLA_DTYPE_FP8_E4M3 || kv_dtype == MLA_DTYPE_FP8_E4M3_BLOCK) &&
+                  act_dtype == MLA_DTYPE_BF16);
+  if (!ok)
+    return "the CUDA decode kernels take a bf16 cache with bf16 activations, an f16 cache with f16 "
+           "activations, or an fp8 (e4m3 or e4m3 block-scaled) cache with bf16 activations";
+  if (!supported_page_size(page_size)) return "the CUDA decode kernels take page sizes that are powers of two 1..256";
   return NULL;
 }
 
 extern "C" int mla_cuda_decode(const mla_decode_params *p, void *stream_) {
   cudaStream_t stream = (cudaStream_t)stream_;
-  if (mla_cuda_decode_unsupported(p->kv_dtype, p->act_dtype, p->page_size) || p->row_bytes != 1152)
+  if (mla_cuda_decode_unsupported(p->kv_dtype, p->act_dtype, p->page_size) ||
+      p->row_bytes != expected_row_bytes(p->kv_dtype))
     return (int)cudaErrorNotSupported;
   if (p->batch_size == 0 || p->num_sm_parts == 0) return (int)cudaSuccess;
   // Built without sm_90a code (CMAKE_CUDA_ARCHITECTURES without 90a) the
   // kernel bodies are compiled out: refuse instead of returning garbage.
   cudaFuncAttributes fa;
-  cudaError_t e = cudaFuncGetAttributes(&fa, decode_wide_kernel<true>);
+  cudaError_t e = cudaFuncGetAttributes(&fa, decode_wide_kernel<LOAD_TMA_BIG, false>);
   if (e != cudaSuccess) return (int)e;
   if (fa.binaryVersion < 90) return (int)cudaErrorNotSupported;
-  CUtensorMap map;
-  e = make_kv_tmap(p, &map);
+  // Page size >= 8 loads through TMA (tensor maps built per call), smaller
+  // pages through a cp.async row gather.
+  KvMaps map;  // passed by value (kernel parameter)
+  memset(&map, 0, sizeof map);
+  const bool f16 = p->kv_dtype == MLA_DTYPE_F16, fp8 = p->kv_dtype == MLA_DTYPE_FP8_E4M3;
+  const bool fp8b = p->kv_dtype == MLA_DTYPE_FP8_E4M3_BLOCK;
+  const bool tma = p->page_size >= 8;
+  if (tma && (fp8 || fp8b)) {
+    e = make_kv_tmap_bytes(p, &map.m[0], 128, false);  // latent pairs (and the per-tensor rope)
+    if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map.m[1], 16, false);  // block scales
+    if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map.m[2], 128, true);  // bf16 rope, swizzled
+  } else if (tma) {
+    e = make_kv_tmap(p, &map.m[0]);
+  }
   if (e != cudaSuccess) return (int)e;
-  const int rows = mla_decode_rows(p);
   const bool big = p->page_size >= 64;
-  if (rows <= 16) e = big ? launch_narrow<16, true>(p, map, stream) : launch_narrow<16, false>(p, map, stream);
-  else if (rows <= 32) e = big ? launch_narrow<32, true>(p, map, stream) : launch_narrow<32, false>(p, map, stream);
-  else e = big ? launch_wide<true>(p, map, stream) : launch_wide<false>(p, map, stream);
+  if (fp8) e = tma ? launch_mode<LOAD_FP8_TMA, false>(p, map, stream) : launch_mode<LOAD_FP8, false>(p, map, stream);
+  else if (fp8b)
+    e = tma ? launch_mode<LOAD_FP8_BLOCK_TMA, false>(p, map, stream) : launch_mode<LOAD_FP8_BLOCK, false>(p, map, stream);
+  else if (!tma) e = f16 ? launch_mode<LOAD_GATHER, true>(p, map, stream) : launch_mode<LOAD_GATHER, false>(p, map, stream);
+  else if (big) e = f16 ? launch_mode<LOAD_TMA_BIG, true>(p, map, stream) : launch_mode<LOAD_TMA_BIG, false>(p, map, stream);
+  else e = f16 ? launch_mode<LOAD_TMA_SMALL, true>(p, map, stream) : launch_mode<LOAD_TMA_SMALL, false>(p, map, stream);
   if (e != cudaSuccess) return (int)e;
   return (int)combine_launch_pdl(p, stream);
 }

@@ -15,9 +15,11 @@ const char *mla_cuda_decode_unsupported(int kv_dtype, int act_dtype, int page_si
 
 /* Launches the split-KV kernel (narrow for max_q_len * H <= 32 rows, wide
  * above) and the combine on `stream` (a cudaStream_t). Every pointer in p is
- * device memory; p->kv is a bf16 cache layer. Returns 0 or a CUDA error code
- * (cudaErrorNotSupported for a dtype or page size the kernels do not take).
- * Asynchronous: nothing is waited for. */
+ * device memory; p->kv is a cache layer of p->kv_dtype with p->row_bytes per
+ * row (fp8: dequantized in the kernel with p->kv_scale or the rows' block
+ * scales). Returns 0 or a CUDA error code (cudaErrorNotSupported for a
+ * combination mla_cuda_decode_unsupported refuses, or a row_bytes that does
+ * not match the cache dtype). Asynchronous: nothing is waited for. */
 int mla_cuda_decode(const mla_decode_params *p, void *stream);
 
 #ifdef __cplusplus
