@@ -53,7 +53,9 @@ struct mla_backend_s {
   void *step_ws;              /* eager steps (device memory on CUDA), grown on demand */
   size_t step_ws_bytes;
   int32_t *stage_scratch;     /* [2 * max_bs] ids then seq_lens, staged together */
-  const int32_t *mha_indptr;  /* CUDA EXTEND through MHA: staged qo_indptr (device) */
+  int32_t *d_qo;              /* CUDA EXTEND through MHA: qo_indptr [max_bs+1] (device) */
+  int32_t *d_chunk_slots;     /* CUDA chunked prefix: the chunk plan's slots [max_bs * max_context] */
+  int32_t *d_chunk_cu;        /* and its cu_seq_lens [(max_context+1) * (max_bs+1)] */
   /* Graph steps (mla_backend_graph_*): fixed buffers. */
   int graph_max_bs, graph_max_ndt;
   int32_t *g_ids, *g_seq;     /* [graph_max_bs] device (CUDA) or host (CPU) */
@@ -82,6 +84,18 @@ static void dev_free(const mla_backend *be, void *p) {
   free(p);
 }
 
+/* Workspace memory of the backend's device (CUDA or host). */
+static void *dev_alloc(const mla_backend *be, size_t bytes) {
+#ifdef MLA_WITH_CUDA
+  if (be->on_cuda) {
+    void *p = NULL;
+    return mla_cuda_malloc(&p, bytes ? bytes : 16) ? NULL : p;
+  }
+#endif
+  (void)be;
+  return malloc(bytes ? bytes : 16);
+}
+
 void mla_backend_destroy(mla_backend *be) {
   if (!be) return;
   if (be->on_cuda) {
@@ -100,14 +114,17 @@ void mla_backend_destroy(mla_backend *be) {
   free(be->plan_ws);
   free(be->attn_ws);
   free(be->chunk_ws);
-  free(be->chunk_c);
-  free(be->chunk_r);
-  free(be->chunk_k);
-  free(be->chunk_v);
-  free(be->acc_o);
-  free(be->part_o);
-  free(be->part_lse);
-  free(be->main_lse);
+  dev_free(be, be->chunk_c);
+  dev_free(be, be->chunk_r);
+  dev_free(be, be->chunk_k);
+  dev_free(be, be->chunk_v);
+  dev_free(be, be->acc_o);
+  dev_free(be, be->part_o);
+  dev_free(be, be->part_lse);
+  dev_free(be, be->main_lse);
+  dev_free(be, be->d_qo);
+  dev_free(be, be->d_chunk_slots);
+  dev_free(be, be->d_chunk_cu);
   free(be);
 }
 
@@ -138,9 +155,6 @@ mla_status mla_backend_create(mla_ctx *ctx, const mla_backend_desc *desc, mla_ba
   mla_errbuf *eb = &ctx->err;
   MLA_REQUIRE_PTR(eb, desc);
   const int on_cuda = ctx->device == MLA_DEVICE_CUDA;
-  MLA_REQUIRE(eb, !on_cuda || desc->extend_impl != MLA_EXTEND_MHA_CHUNKED, MLA_ERR_UNSUPPORTED,
-              "extend_impl MHA_CHUNKED: the CUDA backend has no chunked-prefix path yet (its latent "
-              "gather and k/v expansion run on the CPU only)");
   mla_backend_desc d = *desc;
   if (d.qk_nope_dim == 0) d.qk_nope_dim = 128;
   if (d.v_dim == 0) d.v_dim = 128;
@@ -197,6 +211,8 @@ mla_status mla_backend_create(mla_ctx *ctx, const mla_backend_desc *desc, mla_ba
   if (st == MLA_OK && !(be->stage_scratch = malloc(sizeof(int32_t) * 2 * (size_t)d.max_bs)))
     st = mla_fail(eb, MLA_ERR_OUT_OF_MEMORY, __func__, "staging scratch");
   if (st == MLA_OK && on_cuda) st = mla_mirror_init(&be->mirror, be->rt, eb);
+  if (st == MLA_OK && on_cuda && !(be->d_qo = dev_alloc(be, sizeof(int32_t) * ((size_t)d.max_bs + 1))))
+    st = mla_fail(eb, MLA_ERR_OUT_OF_MEMORY, __func__, "device qo_indptr");
   if (st == MLA_OK && !on_cuda) {
     /* The largest plan the limits allow sizes the attention workspace. */
     mla_plan worst;
@@ -218,17 +234,25 @@ mla_status mla_backend_create(mla_ctx *ctx, const mla_backend_desc *desc, mla_ba
     size_t dqk = (size_t)d.qk_nope_dim + MLA_ROPE, dv = (size_t)d.v_dim;
     st = mla_chunk_plan_workspace_size(ctx, d.max_bs, (int)max_kv, cap, &be->chunk_ws_bytes);
     if (st == MLA_OK) {
+      /* Latent rows: fp32 on the CPU (dequantized fp8 stays exact); in the
+       * activation dtype on the GPU, where cuBLAS multiplies one dtype. */
+      const size_t les = on_cuda ? es : sizeof(float);
       be->chunk_ws = alloc_or_null(be->chunk_ws_bytes);
-      be->chunk_c = alloc_or_null((size_t)cap * MLA_LATENT * sizeof(float));
-      be->chunk_r = alloc_or_null((size_t)cap * MLA_ROPE * sizeof(float));
-      be->chunk_k = alloc_or_null((size_t)cap * H * dqk * es);
-      be->chunk_v = alloc_or_null((size_t)cap * H * dv * es);
-      be->acc_o = alloc_or_null((size_t)d.max_q_tokens * H * dv * sizeof(float));
-      be->part_o = alloc_or_null((size_t)d.max_q_tokens * H * dv * sizeof(float));
-      be->part_lse = alloc_or_null((size_t)d.max_q_tokens * H * sizeof(float));
-      be->main_lse = alloc_or_null((size_t)d.max_q_tokens * H * sizeof(float));
+      be->chunk_c = dev_alloc(be, (size_t)cap * MLA_LATENT * les);
+      be->chunk_r = dev_alloc(be, (size_t)cap * MLA_ROPE * les);
+      be->chunk_k = dev_alloc(be, (size_t)cap * H * dqk * es);
+      be->chunk_v = dev_alloc(be, (size_t)cap * H * dv * es);
+      be->acc_o = dev_alloc(be, (size_t)d.max_q_tokens * H * dv * sizeof(float));
+      be->part_o = dev_alloc(be, (size_t)d.max_q_tokens * H * dv * sizeof(float));
+      be->part_lse = dev_alloc(be, (size_t)d.max_q_tokens * H * sizeof(float));
+      be->main_lse = dev_alloc(be, (size_t)d.max_q_tokens * H * sizeof(float));
+      if (on_cuda) {
+        be->d_chunk_slots = dev_alloc(be, sizeof(int32_t) * (size_t)max_kv);
+        be->d_chunk_cu = dev_alloc(be, sizeof(int32_t) * ((size_t)d.max_context + 1) * ((size_t)d.max_bs + 1));
+      }
       if (!be->chunk_ws || !be->chunk_c || !be->chunk_r || !be->chunk_k || !be->chunk_v ||
-          !be->acc_o || !be->part_o || !be->part_lse || !be->main_lse)
+          !be->acc_o || !be->part_o || !be->part_lse || !be->main_lse ||
+          (on_cuda && (!be->d_chunk_slots || !be->d_chunk_cu)))
         st = mla_fail(eb, MLA_ERR_OUT_OF_MEMORY, __func__, "chunked-prefix buffers (chunk_capacity %d)", cap);
     }
   }
@@ -273,18 +297,6 @@ static mla_step_desc step_desc_of(const mla_backend *be, mla_mode mode, int bs, 
   d.page_size = be->desc.cache.page_size;
   d.num_sm = be->desc.num_sm;
   return d;
-}
-
-/* Workspace memory of the backend's device (CUDA or host). */
-static void *dev_alloc(const mla_backend *be, size_t bytes) {
-#ifdef MLA_WITH_CUDA
-  if (be->on_cuda) {
-    void *p = NULL;
-    return mla_cuda_malloc(&p, bytes ? bytes : 16) ? NULL : p;
-  }
-#endif
-  (void)be;
-  return malloc(bytes ? bytes : 16);
 }
 
 /* Host checks of a step batch (what mla_plan_build checks for these modes,
@@ -391,20 +403,31 @@ mla_status mla_backend_plan(mla_backend *be, const mla_batch *batch) {
     for (int i = 0; i < batch->batch_size; i++) has_prefix |= batch->prefix_lens[i] > 0;
   if (be->on_cuda && plan.mode != MLA_MODE_IDLE && plan.batch_size > 0) {
     /* CUDA: decode-type steps went above; what is left runs through MHA
-     * (EXTEND without prefix) or is not there yet. */
-    MLA_REQUIRE(&be->err, plan.mode == MLA_MODE_EXTEND && !has_prefix, MLA_ERR_UNSUPPORTED,
+     * (EXTEND without prefix, or chunked over a prefix) or is not there yet. */
+    MLA_REQUIRE(&be->err,
+                plan.mode == MLA_MODE_EXTEND && (!has_prefix || be->desc.extend_impl == MLA_EXTEND_MHA_CHUNKED),
+                MLA_ERR_UNSUPPORTED,
                 "%s: the CUDA backend takes DECODE, TARGET_VERIFY, DRAFT_EXTEND with a fixed window and "
-                "EXTEND without prefix (paged prefill over a prefix and varlen draft extend are CPU-only "
-                "for now)",
-                plan.mode == MLA_MODE_EXTEND ? "EXTEND with a prefix" : "DRAFT_EXTEND with extend_lens");
-    st = mla_mirror_stage(&be->mirror, plan.qo_indptr, plan.batch_size + 1, be->ctx->stream, &be->mha_indptr,
-                          &be->err);
+                "EXTEND through MHA (no prefix, or MLA_EXTEND_MHA_CHUNKED); the paged absorbed prefill and "
+                "varlen draft extend are CPU-only for now",
+                plan.mode == MLA_MODE_EXTEND ? "EXTEND with a prefix, extend_impl ABSORBED"
+                                             : "DRAFT_EXTEND with extend_lens");
+    st = mla_mirror_upload(&be->mirror, be->d_qo, plan.qo_indptr, plan.batch_size + 1, be->ctx->stream, &be->err);
     if (st != MLA_OK) return st;
   }
   if (has_prefix && be->desc.extend_impl == MLA_EXTEND_MHA_CHUNKED) {
     st = mla_chunk_plan_build(be->ctx, be->rt, batch->batch_size, batch->req_ids, batch->prefix_lens,
                               be->desc.chunk_capacity, be->chunk_ws, be->chunk_ws_bytes, &be->chunks);
     if (st != MLA_OK) return forward_fail(be, st, __func__, mla_ctx_last_error(be->ctx));
+    if (be->on_cuda) { /* the slots and per-chunk offsets the kernels read */
+      const mla_chunk_plan *cp = &be->chunks;
+      st = mla_mirror_upload(&be->mirror, be->d_chunk_slots, cp->slots, cp->slot_indptr[cp->num_chunks],
+                             be->ctx->stream, &be->err);
+      if (st == MLA_OK)
+        st = mla_mirror_upload(&be->mirror, be->d_chunk_cu, cp->cu_seq_lens,
+                               (int64_t)cp->num_chunks * (cp->batch_size + 1), be->ctx->stream, &be->err);
+      if (st != MLA_OK) return st;
+    }
   }
   if (!be->on_cuda) {
     st = size_attention_workspace(be, &plan);
@@ -583,7 +606,7 @@ static mla_ragged_args extend_ragged(const mla_backend *be, const mla_forward_ar
   r.scale = be->desc.scale;
   r.causal = 1;
   r.act_dtype = be->desc.act_dtype;
-  r.qo_indptr = be->on_cuda ? be->mha_indptr : be->plan.qo_indptr;
+  r.qo_indptr = be->on_cuda ? be->d_qo : be->plan.qo_indptr;
   r.kv_indptr = r.qo_indptr;
   r.q = a->q;
   r.k = a->k;
@@ -611,15 +634,16 @@ static mla_status run_mha_chunked(mla_backend *be, const mla_forward_args *a) {
   for (int c = 0; st == MLA_OK && c < cp->num_chunks; c++) {
     int n = cp->slot_indptr[c + 1] - cp->slot_indptr[c];
     if (n == 0) continue;
-    st = mla_gather_latent(be->ctx, be->cache, a->layer, n, cp->slots + cp->slot_indptr[c], MLA_DTYPE_F32,
-                           be->chunk_c, be->chunk_r);
+    const mla_dtype lat = be->on_cuda ? d->act_dtype : MLA_DTYPE_F32;
+    const int32_t *slots = (be->on_cuda ? be->d_chunk_slots : cp->slots) + cp->slot_indptr[c];
+    st = mla_gather_latent(be->ctx, be->cache, a->layer, n, slots, lat, be->chunk_c, be->chunk_r);
     if (st == MLA_OK)
-      st = mla_expand_kv(be->ctx, n, H, d->qk_nope_dim, d->v_dim, MLA_DTYPE_F32, d->act_dtype, be->chunk_c,
-                         be->chunk_r, a->kv_b_proj, be->chunk_k, be->chunk_v);
+      st = mla_expand_kv(be->ctx, n, H, d->qk_nope_dim, d->v_dim, lat, d->act_dtype, be->chunk_c, be->chunk_r,
+                         a->kv_b_proj, be->chunk_k, be->chunk_v);
     if (st == MLA_OK) {
       mla_ragged_args rc = r;
       rc.causal = 0;
-      rc.kv_indptr = cp->cu_seq_lens + (size_t)c * (cp->batch_size + 1);
+      rc.kv_indptr = (be->on_cuda ? be->d_chunk_cu : cp->cu_seq_lens) + (size_t)c * (cp->batch_size + 1);
       rc.k = be->chunk_k;
       rc.v = be->chunk_v;
       rc.out = be->part_o;
@@ -633,6 +657,15 @@ static mla_status run_mha_chunked(mla_backend *be, const mla_forward_args *a) {
     }
   }
   if (st != MLA_OK) return forward_fail(be, st, "mla_backend_forward", mla_ctx_last_error(be->ctx));
+  if (be->on_cuda) {
+#ifdef MLA_WITH_CUDA
+    int e = mla_cuda_f32_to(be->acc_o, a->out, (int)d->act_dtype, (int64_t)T * H * d->v_dim, 1.0f, be->ctx->stream);
+    if (!e && a->lse && (a->flags & MLA_FLAG_LSE_BASE2))
+      e = mla_cuda_f32_to(a->lse, a->lse, MLA_DTYPE_F32, (int64_t)T * H, 1.4426950408889634f, be->ctx->stream);
+    if (e) return mla_cuda_fail(&be->err, "mla_backend_forward", "output conversion", e);
+#endif
+    return MLA_OK;
+  }
   mla_convert(be->acc_o, MLA_DTYPE_F32, a->out, d->act_dtype, (int64_t)T * H * d->v_dim);
   if (a->lse && (a->flags & MLA_FLAG_LSE_BASE2))
     for (int64_t i = 0; i < (int64_t)T * H; i++) a->lse[i] *= 1.4426950408889634f; /* log2(e) */

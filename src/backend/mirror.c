@@ -91,6 +91,23 @@ mla_status mla_mirror_stage(mla_mirror *m, const int32_t *src, int n, void *stre
   return MLA_OK;
 }
 
+mla_status mla_mirror_upload(mla_mirror *m, int32_t *dst, const int32_t *src, int64_t n, void *stream,
+                             mla_errbuf *eb) {
+  const int64_t cap = (int64_t)(m->stage_bytes / sizeof(int32_t));
+  for (int64_t off = 0; off < n; off += cap) {
+    const int64_t k = n - off < cap ? n - off : cap;
+    void *h = NULL, *d = NULL;
+    int e = stage_begin(m, &h);
+    if (!e) {
+      memcpy(h, src + off, sizeof(int32_t) * (size_t)k);
+      e = stage_end(m, sizeof(int32_t) * (size_t)k, stream, &d);
+    }
+    if (!e) e = mla_cuda_memcpy_async(dst + off, d, sizeof(int32_t) * (size_t)k, stream);
+    if (e) return mla_cuda_fail(eb, "mla_backend", "upload", e);
+  }
+  return MLA_OK;
+}
+
 /* Segment layout in a staging buffer: [cap] int64 dst offsets, [cap] int32
  * src offsets, [cap] int32 counts, then the values. */
 #define SEG_CAP 4096
@@ -154,6 +171,15 @@ mla_status mla_mirror_sync(mla_mirror *m, mla_req_table *rt, void *stream, mla_e
   (void)stream;
   (void)eb;
   return MLA_OK;
+}
+mla_status mla_mirror_upload(mla_mirror *m, int32_t *dst, const int32_t *src, int64_t n, void *stream,
+                             mla_errbuf *eb) {
+  (void)m;
+  (void)dst;
+  (void)src;
+  (void)n;
+  (void)stream;
+  return mla_fail(eb, MLA_ERR_UNSUPPORTED, "mla_backend", "built without CUDA");
 }
 mla_status mla_mirror_stage(mla_mirror *m, const int32_t *src, int n, void *stream, const int32_t **dev,
                             mla_errbuf *eb) {

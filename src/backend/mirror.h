@@ -34,4 +34,9 @@ mla_status mla_mirror_sync(mla_mirror *m, mla_req_table *rt, void *stream, mla_e
 mla_status mla_mirror_stage(mla_mirror *m, const int32_t *src, int n, void *stream, const int32_t **dev,
                             mla_errbuf *eb);
 
+/* Copies n int32 host values to the device array dst (through staging, in
+ * stream order; returns once the host values are copied out). */
+mla_status mla_mirror_upload(mla_mirror *m, int32_t *dst, const int32_t *src, int64_t n, void *stream,
+                             mla_errbuf *eb);
+
 #endif /* MLA_BACKEND_MIRROR_H */

@@ -1,12 +1,14 @@
 /* mla_attention_absorbed for CUDA contexts: validates like the CPU path (same
  * statuses), uploads the host plan's arrays into the device workspace on the
  * context's stream and launches the sm_90a decode kernels (decode_sm90.cu).
+ * mla_cuda_step_attention (the device-built steps) shares the checks and the
+ * launch, reading metadata already on the device.
  *
- * Scope: bf16 cache and bf16 activations (other dtypes: UNSUPPORTED), page
- * sizes 8..256 (TMA K loads; smaller: UNSUPPORTED), 1..128 heads, q pointers
- * 16-byte aligned with strides that are multiples of 8 elements. The kernels
- * walk the plan's block table (page ids), the CPU path its kv_indices: the
- * two are checked to describe the same slots, so both paths see the same keys.
+ * Scope: what mla_cuda_decode_unsupported() accepts (bf16 activations with a
+ * bf16 or fp8 cache, f16 with f16; page sizes 1..256), 1..128 heads, q
+ * pointers 16-byte aligned with strides that are multiples of 8 elements.
+ * The kernels walk the plan's block table (page ids), the CPU path its
+ * kv_indices: both are checked to name the same page at every page start.
  *
  * Device workspace: [qo_indptr bs+1][kv_lens bs][block_table bs x width]
  * [sched_meta parts x 8][num_splits bs+1][o_accum total_splits x R x 512 f32]

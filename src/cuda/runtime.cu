@@ -1,6 +1,8 @@
 // Thin wrappers over the CUDA runtime for the C host code (see runtime.h).
 #include <cuda_runtime.h>
 
+#include "../core/convert.h"
+#include "mla.h"
 #include "runtime.h"
 
 extern "C" int mla_cuda_device_count(void) {
@@ -75,5 +77,25 @@ extern "C" int mla_cuda_scatter_segments(int32_t *dst, const int64_t *dst_off, c
                                          const int32_t *count, const int32_t *src, int n, void *stream) {
   if (n <= 0) return 0;
   scatter_segments_kernel<<<n, 256, 0, (cudaStream_t)stream>>>(dst, dst_off, src_off, count, src);
+  return (int)cudaGetLastError();
+}
+
+// fp32 -> activation dtype (round to nearest even), times a scale.
+__global__ void f32_to_kernel(const float *__restrict__ src, void *__restrict__ dst, int dtype, int64_t n,
+                              float scale) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    const float v = src[i] * scale;
+    // The CPU's conversions (convert.h), so both devices store the same bits.
+    if (dtype == MLA_DTYPE_F32) ((float *)dst)[i] = v;
+    else if (dtype == MLA_DTYPE_BF16) ((uint16_t *)dst)[i] = mla_f32_to_bf16(v);
+    else ((uint16_t *)dst)[i] = mla_f32_to_f16(v);
+  }
+}
+
+extern "C" int mla_cuda_f32_to(const float *src, void *dst, int dst_dtype, int64_t n, float scale, void *stream) {
+  if (n <= 0) return 0;
+  const int64_t want = (n + 255) / 256;
+  const int blocks = (int)(want < 8192 ? want : 8192);
+  f32_to_kernel<<<blocks, 256, 0, (cudaStream_t)stream>>>(src, dst, dst_dtype, n, scale);
   return (int)cudaGetLastError();
 }

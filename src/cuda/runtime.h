@@ -35,6 +35,8 @@ int mla_cuda_event_sync(void *ev);
  * counts[i] int32 values from src + src_offsets[i] to dst + dst_offsets[i]. */
 int mla_cuda_scatter_segments(int32_t *dst, const int64_t *dst_offsets, const int32_t *src_offsets,
                               const int32_t *counts, const int32_t *src, int n, void *stream);
+/* dst [n] (mla_dtype F32, BF16 or F16) = src [n] * scale, on the device. */
+int mla_cuda_f32_to(const float *src, void *dst, int dst_dtype, int64_t n, float scale, void *stream);
 /* 1 when p is device (or managed) memory, 0 for host memory. */
 int mla_cuda_is_device_ptr(const void *p);
 
