@@ -200,14 +200,16 @@ int main(void) {
     CK(cudaMemcpy(cb, d_cb, sizeof cb, cudaMemcpyDeviceToHost));
     TU_CHECK(!memcmp(cb, pc, sizeof cb), "the child reads the parent's prefix rows after copy-on-write");
 
-    /* The CPU kernels refuse a CUDA context rather than touching device memory. */
+    /* Ragged MHA and the backend run on CUDA contexts now: empty arguments
+     * are refused as invalid, nothing is launched. */
     mla_ragged_args ra;
     memset(&ra, 0, sizeof ra);
-    TU_STATUS(mla_attention_ragged(gpu, &ra), MLA_ERR_UNSUPPORTED);
+    TU_STATUS(mla_attention_ragged(gpu, &ra), MLA_ERR_INVALID_ARGUMENT);
     mla_backend_desc bd;
     memset(&bd, 0, sizeof bd);
     mla_backend *be = NULL;
-    TU_STATUS(mla_backend_create(gpu, &bd, &be), MLA_ERR_UNSUPPORTED);
+    TU_STATUS(mla_backend_create(gpu, &bd, &be), MLA_ERR_INVALID_ARGUMENT);
+    TU_CHECK(be == NULL, "no backend handed out on failure");
 
     mla_req_table_destroy(rt);
     CK(cudaFree(d_pc));
