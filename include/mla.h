@@ -676,6 +676,23 @@ MLA_API mla_status mla_backend_graph_step(mla_backend *be, mla_mode mode, int ba
  * the CPU). mla_backend_plan does it itself; call it before each replay. */
 MLA_API mla_status mla_backend_sync(mla_backend *be);
 
+/* Multi-step draft decode (EAGLE / MTP, topk = 1) on the graph inputs: one
+ * mla_backend_draft_prepare builds the metadata of num_steps DECODE steps
+ * (seq_lens are the lengths before drafting; step i attends seq_len + i + 1
+ * keys, so the table must hold those positions), then
+ * mla_backend_draft_select(be, i) makes mla_backend_forward run step i (host
+ * state only: each step's layers can be captured in a graph of their own).
+ * mla_backend_draft_init sizes the buffers once, after
+ * mla_backend_graph_init. */
+MLA_API mla_status mla_backend_draft_init(mla_backend *be, int max_steps /* 1..16 */);
+MLA_API mla_status mla_backend_draft_prepare(mla_backend *be, int batch_size, int num_steps);
+MLA_API mla_status mla_backend_draft_select(mla_backend *be, int step);
+/* The metadata of the step planned on the device (CUDA decode-type plan,
+ * graph step or selected draft step), as pointers into the backend's
+ * workspace (device memory on CUDA): e.g. the block table for other
+ * kernels. BAD_STATE when the current plan is a host plan. */
+MLA_API mla_status mla_backend_step_metadata(const mla_backend *be, mla_step_metadata *out);
+
 #ifdef __cplusplus
 }
 #endif

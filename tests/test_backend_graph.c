@@ -305,6 +305,198 @@ static void decode_loop(twin *t) {
   mla_backend_destroy(t->graph);
 }
 
+/* Multi-step draft: draft_prepare once, then step i (select + forward with
+ * draft token i's row and queries) on the graph backend, against an eager
+ * DECODE plan with seq_len + i + 1 keys on the eager backend, bit for bit;
+ * on CUDA the prepare and all steps are one captured graph. */
+static void draft_flow(twin *t) {
+  const char *dev = t->cuda ? "cuda" : "cpu";
+  enum { STEPS_N = 3, NB = 5 };
+  mla_backend_desc d = desc_of();
+  mla_backend *eb_ = NULL, *gb = NULL;
+  TU_STATUS(mla_backend_create(t->ctx, &d, &eb_), MLA_OK);
+  TU_STATUS(mla_backend_create(t->ctx, &d, &gb), MLA_OK);
+  if (!eb_ || !gb) return;
+  mla_req_table *rte, *rtg;
+  mla_backend_req_table(eb_, &rte);
+  mla_backend_req_table(gb, &rtg);
+  TU_STATUS(mla_backend_draft_init(gb, STEPS_N), MLA_ERR_BAD_STATE); /* graph buffers first */
+  TU_STATUS(mla_backend_graph_init(gb, MAXB, 0), MLA_OK);
+  TU_STATUS(mla_backend_draft_init(gb, 17), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_backend_draft_init(gb, STEPS_N), MLA_OK);
+  TU_STATUS(mla_backend_draft_select(gb, 0), MLA_ERR_BAD_STATE);
+  int32_t *g_ids = NULL, *g_seq = NULL;
+  TU_STATUS(mla_backend_graph_inputs(gb, &g_ids, &g_seq), MLA_OK);
+  mla_kv_cache *ce, *cg;
+  mla_backend_cache(eb_, &ce);
+  mla_backend_cache(gb, &cg);
+  /* requests with prompts whose rows are written directly into both caches */
+  int32_t ids[NB], seq[NB], slot_draft[NB][STEPS_N];
+  int errors = 0;
+  for (int i = 0; i < NB; i++) {
+    int32_t a = -1, b = -1;
+    const int n = tu_randint(&rng, 30, 250);
+    int32_t *sl = malloc(sizeof(int32_t) * n), *sl2 = malloc(sizeof(int32_t) * n);
+    if (mla_req_add(rte, &a) || mla_req_add(rtg, &b) || a != b || mla_req_extend(rte, a, n, sl) ||
+        mla_req_extend(rtg, b, n, sl2) || memcmp(sl, sl2, sizeof(int32_t) * n))
+      errors++;
+    uint16_t *hc = malloc(2 * (size_t)n * MLA_LATENT), *hr = malloc(2 * (size_t)n * MLA_ROPE);
+    rand_bf16(hc, (int64_t)n * MLA_LATENT);
+    rand_bf16(hr, (int64_t)n * MLA_ROPE);
+    void *dc = buf_new(t, 2 * (size_t)n * MLA_LATENT), *dr = buf_new(t, 2 * (size_t)n * MLA_ROPE);
+    int32_t *ds = buf_new(t, sizeof(int32_t) * n);
+    buf_put(t, dc, hc, 2 * (size_t)n * MLA_LATENT);
+    buf_put(t, dr, hr, 2 * (size_t)n * MLA_ROPE);
+    buf_put(t, ds, sl, sizeof(int32_t) * n);
+    if (mla_kv_cache_write(ce, 0, n, ds, dc, dr, MLA_DTYPE_BF16) || mla_kv_cache_write(cg, 0, n, ds, dc, dr, MLA_DTYPE_BF16))
+      errors++;
+    if (mla_ctx_synchronize(t->ctx)) errors++;
+    buf_free(t, dc);
+    buf_free(t, dr);
+    buf_free(t, ds);
+    free(hc);
+    free(hr);
+    free(sl);
+    free(sl2);
+    /* the draft tokens' slots */
+    int32_t s2[STEPS_N];
+    if (mla_req_extend(rte, a, STEPS_N, slot_draft[i]) || mla_req_extend(rtg, b, STEPS_N, s2) ||
+        memcmp(s2, slot_draft[i], sizeof s2))
+      errors++;
+    ids[i] = a;
+    seq[i] = n;
+  }
+  /* per step: q, one new row per request, the output; fixed buffers */
+  void *q_n[STEPS_N], *q_r[STEPS_N], *c[STEPS_N], *r[STEPS_N], *out[STEPS_N];
+  int32_t *slots[STEPS_N];
+  uint16_t *hq = malloc(2 * (size_t)NB * H * MLA_LATENT);
+  for (int k = 0; k < STEPS_N; k++) {
+    q_n[k] = buf_new(t, 2 * (size_t)NB * H * MLA_LATENT);
+    q_r[k] = buf_new(t, 2 * (size_t)NB * H * MLA_ROPE);
+    c[k] = buf_new(t, 2 * (size_t)NB * MLA_LATENT);
+    r[k] = buf_new(t, 2 * (size_t)NB * MLA_ROPE);
+    out[k] = buf_new(t, 2 * (size_t)NB * H * MLA_LATENT);
+    slots[k] = buf_new(t, sizeof(int32_t) * NB);
+    rand_bf16(hq, (int64_t)NB * H * MLA_LATENT);
+    buf_put(t, q_n[k], hq, 2 * (size_t)NB * H * MLA_LATENT);
+    rand_bf16(hq, (int64_t)NB * H * MLA_ROPE);
+    buf_put(t, q_r[k], hq, 2 * (size_t)NB * H * MLA_ROPE);
+    rand_bf16(hq, (int64_t)NB * MLA_LATENT);
+    buf_put(t, c[k], hq, 2 * (size_t)NB * MLA_LATENT);
+    rand_bf16(hq, (int64_t)NB * MLA_ROPE);
+    buf_put(t, r[k], hq, 2 * (size_t)NB * MLA_ROPE);
+    int32_t sk[NB];
+    for (int i = 0; i < NB; i++) sk[i] = slot_draft[i][k];
+    buf_put(t, slots[k], sk, sizeof sk);
+  }
+  uint16_t *oe = malloc(2 * (size_t)NB * H * MLA_LATENT), *og = malloc(2 * (size_t)NB * H * MLA_LATENT);
+#define DRAFT_FORWARD(be, k)                \
+  do {                                      \
+    mla_forward_args fa;                    \
+    memset(&fa, 0, sizeof fa);              \
+    fa.layer = 0;                           \
+    fa.num_new = NB;                        \
+    fa.new_slots = slots[k];                \
+    fa.new_c = c[k];                        \
+    fa.new_r = r[k];                        \
+    fa.q_nope = q_n[k];                     \
+    fa.q_rope = q_r[k];                     \
+    fa.out = out[k];                        \
+    if (mla_backend_forward((be), &fa)) {   \
+      errors++;                             \
+      printf("draft forward (%s): %s\n", dev, mla_backend_last_error(be)); \
+    }                                       \
+  } while (0)
+  /* graph backend: prepare once, then the steps */
+  buf_put(t, g_ids, ids, sizeof ids);
+  buf_put(t, g_seq, seq, sizeof seq);
+  if (mla_backend_sync(gb)) errors++;
+  if (!t->cuda) {
+    if (mla_backend_draft_prepare(gb, NB, STEPS_N)) errors++;
+    for (int k = 0; k < STEPS_N; k++) {
+      if (mla_backend_draft_select(gb, k)) errors++;
+      DRAFT_FORWARD(gb, k);
+    }
+  }
+#ifdef MLA_TEST_CUDA
+  else {
+    cudaStream_t s;
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    TU_STATUS(mla_ctx_set_stream(t->ctx, s), MLA_OK);
+    cudaGraph_t gr;
+    cudaGraphExec_t ex;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    if (mla_backend_draft_prepare(gb, NB, STEPS_N)) errors++;
+    for (int k = 0; k < STEPS_N; k++) {
+      if (mla_backend_draft_select(gb, k)) errors++;
+      DRAFT_FORWARD(gb, k);
+    }
+    CK(cudaStreamEndCapture(s, &gr));
+    CK(cudaGraphInstantiate(&ex, gr, 0));
+    CK(cudaGraphLaunch(ex, s));
+    CK(cudaStreamSynchronize(s));
+    CK(cudaGraphExecDestroy(ex));
+    CK(cudaGraphDestroy(gr));
+    TU_STATUS(mla_ctx_set_stream(t->ctx, NULL), MLA_OK);
+    CK(cudaStreamDestroy(s));
+  }
+#endif
+  if (mla_ctx_synchronize(t->ctx)) errors++;
+  int mismatch = 0;
+  uint16_t *gsave = malloc(2 * (size_t)NB * H * MLA_LATENT * STEPS_N);
+  for (int k = 0; k < STEPS_N; k++) buf_get(t, gsave + (size_t)k * NB * H * MLA_LATENT, out[k], 2 * (size_t)NB * H * MLA_LATENT);
+  /* eager: DECODE with seq + k + 1 keys */
+  for (int k = 0; k < STEPS_N; k++) {
+    int32_t sk[NB];
+    for (int i = 0; i < NB; i++) sk[i] = seq[i] + k + 1;
+    mla_batch b;
+    memset(&b, 0, sizeof b);
+    b.mode = MLA_MODE_DECODE;
+    b.batch_size = NB;
+    b.req_ids = ids;
+    b.seq_lens = sk;
+    if (mla_backend_plan(eb_, &b)) errors++;
+    DRAFT_FORWARD(eb_, k);
+    if (mla_ctx_synchronize(t->ctx)) errors++;
+    buf_get(t, oe, out[k], 2 * (size_t)NB * H * MLA_LATENT);
+    mismatch += memcmp(oe, gsave + (size_t)k * NB * H * MLA_LATENT, 2 * (size_t)NB * H * MLA_LATENT) != 0;
+  }
+  TU_CHECK(errors == 0, "%s draft: %d failed calls", dev, errors);
+  TU_CHECK(mismatch == 0, "%s draft: %d of %d steps differ from eager DECODE", dev, mismatch, STEPS_N);
+  /* the selected draft step's metadata: kv lengths seq + step + 1 */
+  {
+    mla_step_metadata m;
+    TU_STATUS(mla_backend_draft_select(gb, 1), MLA_OK);
+    TU_STATUS(mla_backend_step_metadata(gb, &m), MLA_OK);
+    int32_t kv[NB];
+    buf_get(t, kv, m.kv_lens, sizeof kv);
+    int bad = m.batch_size != NB;
+    for (int i = 0; i < NB; i++) bad += kv[i] != seq[i] + 2;
+    TU_CHECK(bad == 0, "%s draft: step 1 metadata kv_lens", dev);
+    TU_STATUS(mla_backend_step_metadata(gb, NULL), MLA_ERR_INVALID_ARGUMENT);
+    /* the eager backend's last DECODE: a host plan on the CPU, a device step on CUDA */
+    TU_STATUS(mla_backend_step_metadata(eb_, &m), t->cuda ? MLA_OK : MLA_ERR_BAD_STATE);
+  }
+  TU_STATUS(mla_backend_draft_select(gb, STEPS_N), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_backend_draft_prepare(gb, MAXB + 1, 2), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_backend_draft_prepare(gb, 2, STEPS_N + 1), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_backend_draft_init(gb, STEPS_N), MLA_ERR_BAD_STATE);
+  free(gsave);
+  free(hq);
+  free(oe);
+  free(og);
+  for (int k = 0; k < STEPS_N; k++) {
+    buf_free(t, q_n[k]);
+    buf_free(t, q_r[k]);
+    buf_free(t, c[k]);
+    buf_free(t, r[k]);
+    buf_free(t, out[k]);
+    buf_free(t, slots[k]);
+  }
+  mla_backend_destroy(eb_);
+  mla_backend_destroy(gb);
+}
+
 int main(void) {
   rng.s = tu_seed("test_backend_graph", 20261130);
   twin t;
@@ -313,6 +505,7 @@ int main(void) {
   TU_STATUS(mla_ctx_create(&cd, &t.ctx), MLA_OK);
   if (t.ctx) {
     decode_loop(&t);
+    draft_flow(&t);
     mla_ctx_destroy(t.ctx);
   }
 #ifdef MLA_TEST_CUDA
@@ -324,6 +517,7 @@ int main(void) {
     t.cuda = 1;
     if (t.ctx) {
       decode_loop(&t);
+      draft_flow(&t);
       mla_ctx_destroy(t.ctx);
     }
   } else {

@@ -441,6 +441,10 @@ PROTOTYPES = {
     "mla_backend_graph_inputs": (_S, [_P, _PP, _PP]),
     "mla_backend_graph_step": (_S, [_P, _enum, _int, _int]),
     "mla_backend_sync": (_S, [_P]),
+    "mla_backend_draft_init": (_S, [_P, _int]),
+    "mla_backend_draft_prepare": (_S, [_P, _int, _int]),
+    "mla_backend_draft_select": (_S, [_P, _int]),
+    "mla_backend_step_metadata": (_S, [_P, ctypes.POINTER(StepMetadata)]),
 }
 
 # ---- finding and loading the shared library ------------------------------------

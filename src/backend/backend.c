@@ -61,7 +61,11 @@ struct mla_backend_s {
   int32_t *g_ids, *g_seq;     /* [graph_max_bs] device (CUDA) or host (CPU) */
   void *g_ws;
   size_t g_ws_bytes;
-  int graph_step;             /* the active step uses g_ws */
+  int graph_step;             /* the active step uses g_ws (1) or d_ws (2: draft steps) */
+  /* Multi-step draft (mla_backend_draft_*): one workspace for every step. */
+  int draft_max_steps;
+  void *d_ws;
+  size_t d_ws_bytes;
 
   mla_errbuf err;
 };
@@ -106,6 +110,7 @@ void mla_backend_destroy(mla_backend *be) {
   }
   dev_free(be, be->step_ws);
   dev_free(be, be->g_ws);
+  dev_free(be, be->d_ws);
   dev_free(be, be->g_ids);
   dev_free(be, be->g_seq);
   free(be->stage_scratch);
@@ -542,6 +547,80 @@ mla_status mla_backend_graph_step(mla_backend *be, mla_mode mode, int batch_size
   return MLA_OK;
 }
 
+mla_status mla_backend_draft_init(mla_backend *be, int max_steps) {
+  if (!be) return MLA_ERR_INVALID_ARGUMENT;
+  mla_errbuf *eb = &be->err;
+  MLA_REQUIRE(eb, be->g_ws, MLA_ERR_BAD_STATE, "no graph buffers: call mla_backend_graph_init first");
+  MLA_REQUIRE(eb, !be->d_ws, MLA_ERR_BAD_STATE, "draft buffers exist already (mla_backend_draft_init twice)");
+  MLA_REQUIRE(eb, max_steps >= 1 && max_steps <= 16, MLA_ERR_INVALID_ARGUMENT, "max_steps = %d, expected 1..16",
+              max_steps);
+  mla_step_desc d = step_desc_of(be, MLA_MODE_DECODE, be->graph_max_bs, 0);
+  d.num_steps = max_steps;
+  size_t need = 0;
+  mla_status st = mla_step_workspace_size(be->ctx, &d, &need);
+  if (st != MLA_OK) return forward_fail(be, st, __func__, mla_ctx_last_error(be->ctx));
+  if (!(be->d_ws = dev_alloc(be, need)))
+    return mla_fail(eb, MLA_ERR_OUT_OF_MEMORY, __func__, "draft workspace of %zu bytes", need);
+  be->d_ws_bytes = need;
+  be->draft_max_steps = max_steps;
+  mla_clear_error(eb);
+  return MLA_OK;
+}
+
+mla_status mla_backend_draft_prepare(mla_backend *be, int batch_size, int num_steps) {
+  if (!be) return MLA_ERR_INVALID_ARGUMENT;
+  mla_errbuf *eb = &be->err;
+  be->planned = 0;
+  be->step_active = 0;
+  be->graph_step = 0;
+  MLA_REQUIRE(eb, be->d_ws, MLA_ERR_BAD_STATE, "no draft buffers: call mla_backend_draft_init first");
+  MLA_REQUIRE(eb, batch_size >= 1 && batch_size <= be->graph_max_bs, MLA_ERR_INVALID_ARGUMENT,
+              "batch_size = %d, expected 1..%d (mla_backend_graph_init)", batch_size, be->graph_max_bs);
+  MLA_REQUIRE(eb, num_steps >= 1 && num_steps <= be->draft_max_steps, MLA_ERR_INVALID_ARGUMENT,
+              "num_steps = %d, expected 1..%d (mla_backend_draft_init)", num_steps, be->draft_max_steps);
+  mla_step_desc d = step_desc_of(be, MLA_MODE_DECODE, batch_size, 0);
+  d.num_steps = num_steps;
+  const int32_t *r2t = be->on_cuda ? be->mirror.d_r2t : be->rt->req_to_token;
+  mla_step_inputs in = {r2t, be->desc.max_context, be->desc.max_reqs, be->g_ids, be->g_seq};
+  mla_status st = mla_step_prepare(be->ctx, &d, be->cache, &in, be->d_ws, be->d_ws_bytes);
+  if (st != MLA_OK) return forward_fail(be, st, __func__, mla_ctx_last_error(be->ctx));
+  be->step = d;
+  be->step_active = 1;
+  be->graph_step = 2;
+  plan_from_step(be, &d);
+  be->planned = 1;
+  mla_clear_error(eb);
+  return MLA_OK;
+}
+
+mla_status mla_backend_draft_select(mla_backend *be, int step) {
+  if (!be) return MLA_ERR_INVALID_ARGUMENT;
+  mla_errbuf *eb = &be->err;
+  MLA_REQUIRE(eb, be->planned && be->graph_step == 2, MLA_ERR_BAD_STATE,
+              "no draft steps prepared: call mla_backend_draft_prepare first");
+  MLA_REQUIRE(eb, step >= 0 && step < be->step.num_steps, MLA_ERR_INVALID_ARGUMENT, "step = %d, expected 0..%d",
+              step, be->step.num_steps - 1);
+  be->step.step = step;
+  mla_clear_error(eb);
+  return MLA_OK;
+}
+
+/* The last-error text is not logical state: queries on a const handle may
+ * still record why they failed. */
+static mla_errbuf *query_err(const mla_backend *be) { return (mla_errbuf *)&be->err; }
+
+mla_status mla_backend_step_metadata(const mla_backend *be, mla_step_metadata *out) {
+  if (!be) return MLA_ERR_INVALID_ARGUMENT;
+  MLA_REQUIRE_PTR(query_err(be), out);
+  MLA_REQUIRE(query_err(be), be->planned && be->step_active, MLA_ERR_BAD_STATE,
+              "the current plan is not a device-built step (no plan, or a host plan: mla_backend_get_plan)");
+  void *ws = be->graph_step == 2 ? be->d_ws : be->graph_step ? be->g_ws : be->step_ws;
+  const size_t bytes = be->graph_step == 2 ? be->d_ws_bytes : be->graph_step ? be->g_ws_bytes : be->step_ws_bytes;
+  mla_status st = mla_step_get_metadata(be->ctx, &be->step, ws, bytes, out);
+  if (st != MLA_OK) return forward_fail((mla_backend *)be, st, __func__, mla_ctx_last_error(be->ctx));
+  return MLA_OK;
+}
+
 mla_status mla_backend_sync(mla_backend *be) {
   if (!be) return MLA_ERR_INVALID_ARGUMENT;
   if (!be->on_cuda) return MLA_OK;
@@ -550,9 +629,6 @@ mla_status mla_backend_sync(mla_backend *be) {
   return st;
 }
 
-/* The last-error text is not logical state: queries on a const handle may
- * still record why they failed. */
-static mla_errbuf *query_err(const mla_backend *be) { return (mla_errbuf *)&be->err; }
 
 mla_status mla_backend_get_plan(const mla_backend *be, const mla_plan **plan) {
   if (!be) return MLA_ERR_INVALID_ARGUMENT;
@@ -587,8 +663,9 @@ static mla_status run_absorbed(mla_backend *be, const mla_forward_args *a) {
   aa.lse = a->lse;
   mla_status st;
   if (be->step_active)
-    st = mla_step_attention(be->ctx, &be->step, be->cache, a->layer, &aa, be->graph_step ? be->g_ws : be->step_ws,
-                            be->graph_step ? be->g_ws_bytes : be->step_ws_bytes);
+    st = mla_step_attention(be->ctx, &be->step, be->cache, a->layer, &aa,
+                            be->graph_step == 2 ? be->d_ws : be->graph_step ? be->g_ws : be->step_ws,
+                            be->graph_step == 2 ? be->d_ws_bytes : be->graph_step ? be->g_ws_bytes : be->step_ws_bytes);
   else
     st = mla_attention_absorbed(be->ctx, be->cache, a->layer, &be->plan, &aa, be->attn_ws, be->attn_ws_bytes);
   if (st != MLA_OK) return forward_fail(be, st, "mla_backend_forward", mla_ctx_last_error(be->ctx));
