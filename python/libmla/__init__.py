@@ -22,7 +22,7 @@ from . import _lib
 from ._lib import (BLOCK_TABLE_PAD, FLAG_LSE_BASE2, FLAG_OUT_F32, FP8_BLOCK, FP8_BLOCK_ROW_BYTES,
                    LATENT, MAX_HEAD_DIM, MAX_HEADS, MAX_PAGE_SIZE, REQ_PAD, ROPE, ROW, SLOT_UNUSED,
                    DType, Device, ExtendImpl, Mode, Sched, Status)
-from .api import (Backend, ChunkPlan, ChunkPlanner, Context, DcpPlan, DcpPlanner, DraftPlan,
+from .api import (Backend, ChunkPlan, ChunkPlanner, Context, DcpPlan, DcpPlanner, DevicePlan, DraftPlan,
                   DraftPlanner, KVCache, MLAError, Plan, Planner, RequestTable, Step, StepMetadata,
                   attention_absorbed, attention_ragged, batch, bf16_to_f32, convert, dcp_plan,
                   expand_kv, f32_to_bf16, gather_latent, merge_states, plan)
@@ -33,7 +33,7 @@ library_path = _lib.path  # the libmla.so that was loaded
 library_version = _lib.version  # its mla_version_string()
 
 __all__ = [
-    "Backend", "ChunkPlan", "ChunkPlanner", "Context", "DType", "DcpPlan", "DcpPlanner", "Device",
+    "Backend", "ChunkPlan", "ChunkPlanner", "Context", "DType", "DcpPlan", "DcpPlanner", "Device", "DevicePlan",
     "DraftPlan", "DraftPlanner", "ExtendImpl", "ForwardBatch", "ForwardMode", "KVCache", "MLAError",
     "Mode", "Plan", "Planner", "RequestTable", "Sched", "SglangMLABackend", "Step", "StepMetadata",
     "SglangMLAMultiStepDraftBackend", "Status", "attention_absorbed", "attention_ragged", "batch",

@@ -1654,12 +1654,92 @@ class Step:
 # ---- backend --------------------------------------------------------------------------------
 
 
+class _CudaArray:
+    """A __cuda_array_interface__ (version 2, no stream) over library-owned device memory, so
+    torch can wrap it without a copy; torch keeps this object, hence `owner`, alive while the
+    tensor lives."""
+
+    def __init__(self, ptr, shape, typestr, owner):
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr,
+                                         "data": (int(ptr), False), "strides": None, "version": 2}
+        self._owner = owner
+
+
+def wrap_device_memory(ptr, shape, dtype, device_index, owner):
+    """A torch CUDA tensor viewing library-owned device memory (no copy): dtype "i32" or "u8".
+    Needs torch imported; ValueError when torch would have copied."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        raise ValueError("library-owned device buffers are handed out as torch tensors: import "
+                         "torch first")
+    typestr = {"i32": "<i4", "u8": "|u1"}[dtype]
+    t = torch.as_tensor(_CudaArray(ptr, shape, typestr, owner), device="cuda:%d" % device_index)
+    if t.data_ptr() != int(ptr):  # as_tensor copied: the engine would write the wrong memory
+        raise ValueError("torch copied a library-owned device buffer instead of wrapping it")
+    return t
+
+
+def _host_view_i32(ptr, n, owner):
+    """A writable int32 numpy view [n] of library-owned host memory that keeps owner alive."""
+    buf = (ctypes.c_int32 * n).from_address(ptr)
+    buf._owner = owner
+    return np.frombuffer(buf, dtype=np.int32)
+
+
+class DevicePlan:
+    """A planned step whose metadata was built on the device (mla_step_*): a CUDA backend's
+    DECODE / TARGET_VERIFY / fixed-window DRAFT_EXTEND step, or a graph step (any device). It
+    has the step's shape but no host arrays: mla_backend_get_plan answers UNSUPPORTED for it.
+
+    mode, batch_size, q_len (queries per row), num_q_tokens, num_draft_tokens, graph (a
+    graph step over the fixed inputs), on_device (True). Reading a host array (kv_lens,
+    block_table, ...) raises ValueError."""
+
+    on_device = True
+    _ARRAYS = Plan._ARRAYS
+
+    def __init__(self, mode, batch_size, num_draft_tokens, source=None, generation=0, graph=False):
+        self.mode = Mode(mode)
+        self.batch_size = int(batch_size)
+        self.num_draft_tokens = int(num_draft_tokens) if self.mode != Mode.DECODE else 0
+        self.q_len = 1 if self.mode == Mode.DECODE else self.num_draft_tokens
+        self.max_q_len = self.q_len
+        self.num_q_tokens = self.batch_size * self.q_len
+        self.causal = self.mode != Mode.DECODE
+        self.graph = bool(graph)
+        self._source = source
+        self._generation = generation
+
+    @property
+    def valid(self):
+        return self._source is None or self._source._generation == self._generation
+
+    def __getattr__(self, name):
+        if name in DevicePlan._ARRAYS:
+            raise ValueError("%s: this %s step's metadata was built on the device (mla_step_*); "
+                             "there is no host plan to read" % (name, self.mode.name))
+        raise AttributeError(name)
+
+    def __repr__(self):
+        return "<libmla.DevicePlan %s bs=%d q=%d%s%s>" % (
+            self.mode.name, self.batch_size, self.num_q_tokens, " graph" if self.graph else "",
+            "" if self.valid else " STALE")
+
+
 class Backend(_Handle):
     """mla_backend: cache + request table + plan + workspaces, one forward call per layer.
 
     Flow per step: extend the requests in `req_table` (the slots returned are
     this step's out_cache_loc), plan() once, then forward() per layer (it
     writes this step's latent rows, then runs attention for the planned mode).
+
+    CUDA contexts: plan() builds DECODE, TARGET_VERIFY and fixed-window
+    DRAFT_EXTEND steps on the device (it returns a DevicePlan: no host
+    arrays), EXTEND without prefix runs ragged MHA on the GPU; every tensor of
+    forward() (new_slots too) is device memory, and the calls follow torch's
+    current stream. CUDA graphs: graph_init() once, graph_inputs() (the fixed
+    request-id / length buffers), then per step write them, sync() outside
+    the graph, graph_step() + forward() per layer inside it.
     """
 
     _LAST_ERROR = "mla_backend_last_error"
@@ -1714,6 +1794,10 @@ class Backend(_Handle):
         self._fwd = _c.mla_backend_forward
         self._pplan = ctypes.POINTER(_lib.Plan)()
         self._i = ctypes.c_int()
+        self._cuda = ctx.device == "cuda"
+        self.graph_max_bs = None  # set by graph_init
+        self.graph_max_draft_tokens = None
+        self._graph_inputs = None
 
     def close(self):
         h, self._h = getattr(self, "_h", None), None
@@ -1723,18 +1807,36 @@ class Backend(_Handle):
                     o._h = None
             _c.mla_backend_destroy(h)
 
+    def _follow_stream(self):
+        """CUDA: launch on torch's current stream of the context's device (when the context
+        follows torch and torch is imported)."""
+        ctx = self.ctx
+        if ctx._follow_torch:
+            raw = _raw_stream_fn or _torch_raw_stream()
+            if raw is not None:
+                s = raw(ctx.device_id)
+                if s != ctx._stream:
+                    ctx._check(_c.mla_ctx_set_stream(ctx._h, s or None), "mla_ctx_set_stream")
+                    ctx._stream = s
 
     def plan(self, mode, req_ids=None, seq_lens=None, extend_lens=None, prefix_lens=None,
              num_draft_tokens=0, *, batch_args=None):
         """Plan a batch (once per forward step, shared by all layers); returns the Plan (valid
-        until the next plan() call)."""
+        until the next plan() call), or a DevicePlan (no host arrays) for a step the library
+        built on the device (CUDA decode-type steps)."""
         b = batch_args or _BatchArgs(mode, req_ids, seq_lens, extend_lens, prefix_lens,
                                      num_draft_tokens)
         self._generation += 1
         self._plan = None
+        if self._cuda:
+            self._follow_stream()
         self._check(_c.mla_backend_plan(self.handle, _byref(b.c)), "mla_backend_plan")
-        self._check(_c.mla_backend_get_plan(self._h, _byref(self._pplan)), "mla_backend_get_plan")
-        p = Plan(_lib.Plan.from_buffer_copy(self._pplan.contents), self, self._generation)
+        st = _c.mla_backend_get_plan(self._h, _byref(self._pplan))
+        if st == Status.ERR_UNSUPPORTED:
+            p = DevicePlan(b.mode, b.bs, b.c.num_draft_tokens, self, self._generation)
+        else:
+            self._check(st, "mla_backend_get_plan")
+            p = Plan(_lib.Plan.from_buffer_copy(self._pplan.contents), self, self._generation)
         self._check(_c.mla_backend_uses_mha(self._h, _byref(self._i)), "mla_backend_uses_mha")
         self._uses_mha = bool(self._i.value)
         self._chunked = self._uses_mha and b.prefix_any
@@ -1753,14 +1855,75 @@ class Backend(_Handle):
         self._check(_c.mla_backend_uses_mha(self.handle, _byref(self._i)), "mla_backend_uses_mha")
         return bool(self._i.value)
 
+    # -- CUDA graphs (mla_backend_graph_*)
+
+    def graph_init(self, max_bs, max_draft_tokens=0):
+        """Allocate the graph buffers (once): fixed request-id / length inputs of max_bs rows
+        (all padding rows to begin with) and a workspace for every step up to max_bs rows and
+        max_draft_tokens queries per row (0: DECODE only)."""
+        if self._cuda:
+            self._follow_stream()
+        self._check(_c.mla_backend_graph_init(self.handle, int(max_bs), int(max_draft_tokens)),
+                    "mla_backend_graph_init")
+        self.graph_max_bs = int(max_bs)
+        self.graph_max_draft_tokens = int(max_draft_tokens)
+        self._graph_inputs = None
+
+    def graph_inputs(self):
+        """(req_ids, seq_lens): the fixed int32 [graph_max_bs] inputs of graph steps, owned by
+        the library and wrapped without a copy: torch CUDA tensors on a CUDA context (needs
+        torch imported), writable numpy arrays on a CPU context. Write row i of a step of
+        batch size bs into [i] (padding rows: REQ_PAD, seq_len 1); seq_lens follow the mode as
+        in mla_batch. Valid until the backend is closed."""
+        if self._graph_inputs is None:
+            ids, seq = ctypes.c_void_p(), ctypes.c_void_p()
+            self._check(_c.mla_backend_graph_inputs(self.handle, _byref(ids), _byref(seq)),
+                        "mla_backend_graph_inputs")
+            n = self.graph_max_bs
+            pi, ps = ids.value, seq.value
+            if self._cuda:
+                self._graph_inputs = (wrap_device_memory(pi, (n,), "i32", self.ctx.device_id, self),
+                                      wrap_device_memory(ps, (n,), "i32", self.ctx.device_id, self))
+            else:
+                self._graph_inputs = (_host_view_i32(pi, n, self), _host_view_i32(ps, n, self))
+        return self._graph_inputs
+
+    def graph_step(self, mode, batch_size, num_draft_tokens=0):
+        """Build a step's metadata from the graph inputs' first batch_size rows (enqueued on
+        CUDA: capture it with the layers' forward() calls); forward() then runs this step.
+        mode: decode, target_verify or draft_extend (a window of num_draft_tokens). Returns
+        the DevicePlan."""
+        m = _parse_mode(mode)
+        ndt = int(num_draft_tokens or 0)
+        self._generation += 1
+        self._plan = None
+        if self._cuda:
+            self._follow_stream()
+        self._check(_c.mla_backend_graph_step(self.handle, int(m), int(batch_size), ndt),
+                    "mla_backend_graph_step")
+        p = DevicePlan(m, batch_size, ndt, self, self._generation, graph=True)
+        self._uses_mha = self._chunked = False
+        self._tq = p.num_q_tokens
+        self._plan = p
+        return p
+
+    def sync(self):
+        """Bring the device copy of the request table up to date (enqueued on the current
+        stream; a no-op on the CPU). Call it after changing the table and before replaying a
+        graph, outside the captured region."""
+        if self._cuda:
+            self._follow_stream()
+        self._check(_c.mla_backend_sync(self.handle), "mla_backend_sync")
+
     def forward(self, layer, *, new_slots=None, new_c=None, new_r=None, q_nope=None, q_rope=None,
                 q=None, k=None, v=None, kv_b_proj=None, out=None, lse=None, return_lse=False,
                 lse_base2=False):
         """Run one layer of the planned batch.
 
-        new_slots [N] (host int32), new_c [N, 512], new_r [N, 64]: this step's
-        latent rows, written before attention (omit when N = 0). Absorbed
-        modes: q_nope [Tq, H, 512], q_rope [Tq, H, 64], out [Tq, H, 512]. MHA
+        new_slots [N] int32, new_c [N, 512], new_r [N, 64]: this step's latent
+        rows, written before attention (omit when N = 0); new_slots is host
+        memory on a CPU context, a device tensor on a CUDA one. Absorbed modes:
+        q_nope [Tq, H, 512], q_rope [Tq, H, 64], out [Tq, H, 512]. MHA
         (uses_mha): q [Tq, H, nope+64], k [Tq, H, nope+64], v [Tq, H, v_dim],
         out [Tq, H, v_dim], plus kv_b_proj [H, nope+v_dim, 512] when chunked.
         lse [Tq, H] fp32. Returns out, or (out, lse).
@@ -1773,8 +1936,13 @@ class Backend(_Handle):
         a.layer = int(layer)
         a.flags = _lib.FLAG_LSE_BASE2 if lse_base2 else 0
         if new_slots is not None or new_c is not None or new_r is not None:
-            sa, sp = int32_array(new_slots, "new_slots")
-            n = sa.shape[0]
+            if self._cuda:  # device slots, as the CUDA cache write reads them
+                n = check(new_c, "new_c", dtypes=acts, shape=(None, _lib.LATENT), device=dev,
+                          bf16=bf).shape[0]
+                sp = ptr_of(new_slots, "new_slots", dtypes=("i32",), shape=(n,), device=dev)
+            else:
+                sa, sp = int32_array(new_slots, "new_slots")
+                n = sa.shape[0]
             a.num_new = n
             a.new_slots = sp
             a.new_c = ptr_of(new_c, "new_c", dtypes=acts, shape=(n, _lib.LATENT), device=dev, bf16=bf)
@@ -1814,6 +1982,8 @@ class Backend(_Handle):
                                writable=True)
         else:
             a.q_nope = a.q_rope = a.q = a.k = a.v = a.kv_b_proj = a.out = None
+        if self._cuda:
+            self._follow_stream()
         st = self._fwd(self.handle, _byref(a))
         if st:
             self._check(st, "mla_backend_forward")

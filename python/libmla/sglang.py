@@ -10,12 +10,16 @@ What differs, and why:
   allocator); the engine asks it for slots (alloc_req / extend_req, the
   slots being out_cache_loc) instead of keeping its own pools.
 * Metadata is read from host copies (seq_lens_cpu, extend_prefix_lens_cpu,
-  ...) when the batch carries them: planning is host work.
-* CUDA graphs: on the CPU the capture/replay hooks rebuild the plan (plain
-  metadata). Real graph capture needs libmla's CUDA attention kernels, which
-  are not built yet (a CUDA context answers MLA_ERR_UNSUPPORTED for
-  attention); the hooks already pad batches the way a captured graph needs
-  (padding rows are REQ_PAD rows reading only the reserved slot 0).
+  ...) when the batch carries them: eager planning is host work. On a CUDA
+  context the library then builds decode-type steps on the device (no host
+  plan: forward_metadata.plan is a DevicePlan).
+* CUDA graphs run over libmla's graph steps (mla_backend_graph_*): fixed,
+  library-owned request-id / length inputs written by the capture / replay
+  hooks outside the graph, and the metadata build recorded in the graph by
+  the first layer's forward call of each pass. On a CPU context the same
+  hooks and calls run eagerly (what CI tests). Padding rows are REQ_PAD rows
+  with seq_len 1 that read only the reserved page 0 (their new latent rows
+  go to the dummy slot 0).
 """
 
 import enum
@@ -26,8 +30,8 @@ import numpy as np
 from . import _lib
 from ._lib import Mode
 from ._tensor import inspect
-from .api import (Backend, Context, DraftPlanner, Planner, _BatchArgs, attention_absorbed,
-                  mla_dtype)
+from .api import (Backend, Context, DevicePlan, DraftPlanner, Planner, _BatchArgs,
+                  attention_absorbed, mla_dtype, wrap_device_memory)
 
 
 class ForwardMode(enum.IntEnum):
@@ -148,27 +152,61 @@ def _is_contig(x):
 
 
 class MLAMetadata:
-    """What init_forward_metadata leaves for the forward calls (forward_metadata).
+    """What init_forward_metadata (or a CUDA-graph hook) leaves for the forward calls
+    (forward_metadata).
 
-    plan: the libmla Plan; it carries both families of metadata a kernel
-    might want: FlashInfer-style qo_indptr / kv_indptr / kv_indices and
-    FlashMLA-style block_table / sched_meta (tile-scheduler metadata) /
-    num_splits.
+    mode, batch_size, num_q_tokens, padded_rows, uses_mha; graph: the step runs as a graph
+    step over the backend's fixed inputs (set by the CUDA-graph hooks). plan: the libmla
+    Plan, carrying both families of host metadata a kernel might want (FlashInfer-style
+    qo_indptr / kv_indptr / kv_indices, FlashMLA-style block_table / sched_meta / num_splits),
+    or a DevicePlan (has_host_plan False: the step's shape, no arrays) when the library built
+    the metadata on the device: CUDA decode-type steps and CUDA graph steps (the C backend
+    keeps that metadata to itself). On a CPU context a graph step's plan is a host plan of
+    the same padded batch, built alongside for inspection (the step equals it bit for bit).
     """
 
-    def __init__(self, mode, plan, uses_mha, padded_rows=0):
+    def __init__(self, mode, plan, uses_mha, padded_rows=0, graph=False):
         self.mode = mode
         self.plan = plan
         self.uses_mha = uses_mha
         self.padded_rows = padded_rows
+        self.graph = graph
 
     @property
-    def block_kv_indices(self):  # FlashMLA's name for the block table
+    def has_host_plan(self):
+        return not getattr(self.plan, "on_device", False)
+
+    @property
+    def batch_size(self):
+        return self.plan.batch_size
+
+    @property
+    def num_q_tokens(self):
+        return self.plan.num_q_tokens
+
+    @property
+    def block_kv_indices(self):
+        """FlashMLA's name for the block table (ValueError without a host plan)."""
         return self.plan.block_table
+
+
+class _GraphStep:
+    """The graph step a CUDA-graph hook set up: forward runs mla_backend_graph_step at the
+    first layer of each pass (the layer id of the first forward call after the hook)."""
+
+    __slots__ = ("mode", "bs", "ndt", "first_layer", "plan")
+
+    def __init__(self, mode, bs, ndt):
+        self.mode, self.bs, self.ndt = mode, bs, ndt
+        self.first_layer = None
+        self.plan = None  # the backend's DevicePlan of the last graph step run from here
 
 
 def _layer_id(layer):
     return int(getattr(layer, "layer_id", layer))
+
+
+_GRAPH_MODES = (Mode.DECODE, Mode.TARGET_VERIFY, Mode.DRAFT_EXTEND)
 
 
 class SglangMLABackend:
@@ -179,6 +217,9 @@ class SglangMLABackend:
     prefill path. scale is the model's softmax scale (sglang: layer.scaling).
     dtype is the activation dtype (q, latent rows, output): "bf16", "f16" or
     "f32"; kv_cache_dtype the cache's: "bf16", "f16", "fp8", "fp8_block".
+    device "cuda" (or ctx a CUDA Context): every tensor is a torch CUDA
+    tensor on the context's device (out_cache_loc too) and the calls follow
+    torch's current stream.
     """
 
     def __init__(self, *, num_heads, num_layers, num_pages, scale, max_reqs, max_context_len,
@@ -191,6 +232,7 @@ class SglangMLABackend:
                              "(DeepSeek-V2/V3 geometry)" % (kv_lora_rank, qk_rope_head_dim))
         self.ctx = ctx if ctx is not None else Context(device, num_threads=num_threads)
         self.device = self.ctx.device
+        self.is_cuda = self.device == "cuda"
         self.max_bs = int(max_bs or max_reqs)
         self.max_num_tokens = int(max_num_tokens or max(self.max_bs * max(1, num_draft_tokens),
                                                         max_context_len))
@@ -212,12 +254,16 @@ class SglangMLABackend:
         self.req_table = self.backend.req_table
         self.forward_metadata = None
         self.cuda_graph_max_bs = None
+        self.cuda_graph_req_pool_indices = self.cuda_graph_seq_lens = None
+        self._gstep = None  # the graph step of the last CUDA-graph hook (None: eager metadata)
+        self._gplanner = None  # CPU: host plans of graph steps, for inspection
 
     # ---- the pools (sglang: req_to_token_pool + token_to_kv_pool) -------------------------
 
     @property
     def req_to_token(self):
-        """int32 [max_reqs, max_context] view: slot of each position of each request."""
+        """int32 [max_reqs, max_context] view: slot of each position of each request (host
+        memory on every device: the table is host state, the backend keeps a device copy)."""
         return self.req_table.req_to_token
 
     def alloc_req(self):
@@ -227,7 +273,8 @@ class SglangMLABackend:
         self.req_table.free(req_id)
 
     def extend_req(self, req_id, n):
-        """Append n positions to a request; returns their slots (this step's out_cache_loc)."""
+        """Append n positions to a request; returns their slots (this step's out_cache_loc;
+        host int32: a CUDA engine copies them to the device for forward)."""
         return self.req_table.extend(req_id, n)
 
     def fork_req(self, req_id, prefix_len):
@@ -241,14 +288,38 @@ class SglangMLABackend:
         """Write latent rows (sglang: token_to_kv_pool.set_mla_kv_buffer). c [N, 512] with r
         [N, 64], or c [N, 576] holding both."""
         c, r = self._split_latent(c, r)
-        self.cache.write(_layer_id(layer), loc, c, r, dtype=self.dtype)
+        self.cache.write(_layer_id(layer), self._slots(loc), c, r, dtype=self.dtype)
 
     def get_key_buffer(self, layer):
-        """One layer's raw cache bytes [num_slots, row_bytes] (CPU: a numpy view)."""
-        return self.cache.layer_view(_layer_id(layer))
+        """One layer's raw cache bytes [num_slots, row_bytes]: a numpy view on the CPU, a torch
+        uint8 CUDA tensor viewing the device cache on CUDA (no copy)."""
+        lid = _layer_id(layer)
+        if self.is_cuda:
+            c = self.cache
+            return wrap_device_memory(c.layer_data(lid), (c.num_slots, c.row_bytes), "u8",
+                                      self.ctx.device_id, c)
+        return self.cache.layer_view(lid)
 
     def get_cuda_graph_seq_len_fill_value(self):
         return 1
+
+    def _slots(self, loc):
+        """out_cache_loc as the cache write takes it: host int32 on the CPU; on CUDA a device
+        int32 tensor (a CUDA tensor of another integer type, sglang's int64 say, is converted
+        on the device, which a graph capture records; host arrays are copied up)."""
+        if not self.is_cuda:
+            if isinstance(loc, np.ndarray) and loc.dtype == np.int32 and loc.ndim == 1:
+                return loc
+            return _host(loc)
+        torch = sys.modules.get("torch")
+        if getattr(loc, "is_cuda", False):
+            if loc.dtype != torch.int32:
+                loc = loc.to(torch.int32)
+            return loc.reshape(-1)
+        if torch is None:
+            raise ValueError("argument 'out_cache_loc': a CUDA backend writes through device "
+                             "slots: pass a torch CUDA tensor")
+        return torch.from_numpy(np.array(_host(loc), np.int32)).to("cuda:%d" % self.ctx.device_id)
 
     # ---- metadata -----------------------------------------------------------------------
 
@@ -311,56 +382,179 @@ class SglangMLABackend:
                               seq_lens=None, extend_prefix_lens=None, extend_seq_lens=None,
                               num_draft_tokens=None):
         """Plan the step (once; every layer's forward reuses it). Takes a ForwardBatch-like
-        object or the same fields as keywords."""
+        object or the same fields as keywords. On CUDA the request ids and lengths are read
+        on the host (a CUDA tensor is copied back: pass the *_cpu twins to avoid the sync);
+        decode-type steps are then built on the device (forward_metadata.plan is a
+        DevicePlan)."""
         b, padded = self._batch_from(forward_batch, forward_mode, req_pool_indices, seq_lens,
                                      extend_prefix_lens, extend_seq_lens, num_draft_tokens)
         return self._plan(b, padded)
 
     def _plan(self, b, padded):
+        self._gstep = None
         p = self.backend.plan(b.mode, batch_args=b)
         self.forward_metadata = MLAMetadata(p.mode, p, self.backend._uses_mha, padded)
         return self.forward_metadata
 
-    # ---- CUDA graphs (CPU: plain metadata rebuild) ------------------------------------------
+    # ---- CUDA graphs ------------------------------------------------------------------------
+    #
+    # Over the C graph steps (mla_backend_graph_*): init_cuda_graph_state allocates the fixed
+    # inputs (request ids and lengths, max_bs rows, library-owned) and the step workspace; each
+    # hook writes the inputs (capture: every row padding; replay: the real rows, then padding)
+    # and syncs the device copy of the request table, outside the graph; forward then runs
+    # mla_backend_graph_step at the first layer of each pass (so a pass captured in a CUDA
+    # graph contains the metadata build, which replays read from the inputs), then the layer.
+    # On a CPU context the same calls run eagerly from host buffers.
 
-    def init_cuda_graph_state(self, max_bs, max_num_tokens, kv_indices_buf=None):
-        """Fix the largest batch a graph is captured for. On the CPU there is nothing to
-        preallocate beyond the plan workspace (sized at creation); with the CUDA kernels this
-        is where the fixed device copies of the plan arrays would live."""
+    def init_cuda_graph_state(self, max_bs, max_num_tokens, kv_indices_buf=None, *,
+                              max_draft_tokens=None):
+        """Allocate the graph buffers for batches up to max_bs rows (once; a later call may
+        only ask for less). max_draft_tokens: the largest TARGET_VERIFY / DRAFT_EXTEND
+        window a graph will take (default: the backend's num_draft_tokens, else
+        max_num_tokens // max_bs when that exceeds 1). The fixed inputs are
+        cuda_graph_req_pool_indices / cuda_graph_seq_lens (int32 [max_bs]: torch CUDA tensors
+        viewing library memory on CUDA, numpy arrays on the CPU)."""
         if max_bs > self.max_bs or max_num_tokens > self.max_num_tokens:
             raise ValueError("init_cuda_graph_state: max_bs %d / max_num_tokens %d exceed the "
                              "backend's %d / %d" % (max_bs, max_num_tokens, self.max_bs,
                                                     self.max_num_tokens))
+        if max_draft_tokens is None:
+            max_draft_tokens = self.num_draft_tokens or (
+                max_num_tokens // max_bs if max_bs > 0 and max_num_tokens // max_bs > 1 else 0)
+        ndt = min(int(max_draft_tokens), 64)
+        be = self.backend
+        if be.graph_max_bs is None:
+            be.graph_init(max_bs, ndt)
+        elif max_bs > be.graph_max_bs or ndt > be.graph_max_draft_tokens:
+            raise ValueError("init_cuda_graph_state: the graph buffers exist for max_bs %d and %d "
+                             "draft tokens (they are allocated once)"
+                             % (be.graph_max_bs, be.graph_max_draft_tokens))
+        self.cuda_graph_req_pool_indices, self.cuda_graph_seq_lens = be.graph_inputs()
+        if not self.is_cuda and self._gplanner is None:
+            gb, gq = be.graph_max_bs, be.graph_max_bs * max(be.graph_max_draft_tokens, 1)
+            self._gplanner = Planner(self.ctx, max_bs=gb, max_q_tokens=gq,
+                                     max_kv_tokens=gb * self.max_context_len,
+                                     max_context=self.max_context_len, page_size=self.page_size)
         self.cuda_graph_max_bs = int(max_bs)
         self.cuda_graph_max_num_tokens = int(max_num_tokens)
+
+    def _graph_mode(self, forward_mode, spec_info):
+        mode = _mode_of(forward_mode if forward_mode is not None else Mode.DECODE)
+        if mode != Mode.IDLE and mode not in _GRAPH_MODES:
+            raise ValueError("forward_mode = %s: CUDA graphs take decode, target_verify and "
+                             "draft_extend (a fixed window) steps" % mode.name)
+        ndt = getattr(spec_info, "draft_token_num", None) if spec_info is not None else None
+        ndt = int(ndt if ndt is not None else self.num_draft_tokens)
+        if mode in (Mode.TARGET_VERIFY, Mode.DRAFT_EXTEND) and not \
+                1 <= ndt <= self.backend.graph_max_draft_tokens:
+            raise ValueError("spec_info.draft_token_num = %d: the graph state takes 1..%d draft "
+                             "tokens (init_cuda_graph_state's max_draft_tokens)"
+                             % (ndt, self.backend.graph_max_draft_tokens))
+        return mode, (0 if mode == Mode.DECODE else ndt)
+
+    def _graph_md(self, mode, bs, ndt, rid, sl):
+        """Host plan of the padded batch (CPU: checks the rows, for inspection) or the step's
+        DevicePlan (CUDA), and the metadata the forward calls run from."""
+        if self.is_cuda:
+            plan = DevicePlan(mode, bs, ndt, graph=True)
+        else:
+            plan = self._gplanner.build(self.req_table, mode, num_heads=self.num_heads,
+                                        batch_args=_BatchArgs(mode, rid, sl, num_draft_tokens=ndt))
+        return plan
+
+    def _set_graph(self, mode, bs, ndt, plan, padded):
+        self.backend.sync()
+        self._gstep = _GraphStep(mode, bs, ndt)
+        self.forward_metadata = MLAMetadata(mode, plan, False, padded, graph=True)
+        return self.forward_metadata
 
     def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens,
                                                  encoder_lens=None, forward_mode=None,
                                                  spec_info=None):
-        """Capture-time metadata: the captured batch is dummy data, so every row is a padding
-        row (REQ_PAD, seq_len = the fill value) of the captured size bs."""
+        """Capture-time metadata, called before the captured pass (and its warm-up passes),
+        outside the graph: the captured batch is dummy data, so every row of the fixed
+        inputs' first bs becomes a padding row (REQ_PAD, seq_len 1). The captured pass's first
+        forward call records the graph step."""
         self._require_graph_state(bs)
+        mode, ndt = self._graph_mode(forward_mode, spec_info)
+        if mode == Mode.IDLE:
+            return self._plan(_BatchArgs(Mode.IDLE), 0)
         fill = self.get_cuda_graph_seq_len_fill_value()
-        ndt = getattr(spec_info, "draft_token_num", None) if spec_info is not None else None
-        b, padded = self._batch_from(None, forward_mode or Mode.DECODE,
-                                     np.full(bs, _lib.REQ_PAD, np.int32),
-                                     np.full(bs, fill, np.int32), None, None, ndt)
-        return self._plan(b, padded)
+        rid, sl = np.full(bs, _lib.REQ_PAD, np.int32), np.full(bs, fill, np.int32)
+        plan = self._graph_md(mode, bs, ndt, rid, sl)
+        ids, seq = self.backend.graph_inputs()
+        if self.is_cuda:
+            ids[:bs].fill_(_lib.REQ_PAD)
+            seq[:bs].fill_(fill)
+        else:
+            ids[:bs], seq[:bs] = rid, sl
+        return self._set_graph(mode, bs, ndt, plan, bs)
 
     def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens,
                                                 seq_lens_sum=None, encoder_lens=None,
                                                 forward_mode=None, spec_info=None,
                                                 seq_lens_cpu=None, num_real=None):
-        """Replay-time metadata for a captured size bs: rows past num_real (or past the given
-        arrays, or with req id REQ_PAD) are padding rows."""
+        """Replay-time metadata for a captured size bs, before graph.replay(), outside the
+        graph: the rows go into the fixed inputs, rows past num_real (or past the given
+        arrays) become padding rows (REQ_PAD, seq_len 1; a REQ_PAD id in the arrays is one
+        too), and the request table's device copy is synced. On CUDA, CUDA tensors are
+        copied on the device (no host sync; seq_lens is preferred over seq_lens_cpu then), the
+        rows are checked by the device (an out-of-range row is emptied and reported by
+        ctx.synchronize()) and padded_rows counts the rows padded here only; on the CPU the
+        rows are checked here."""
         self._require_graph_state(bs)
-        ndt = getattr(spec_info, "draft_token_num", None) if spec_info is not None else None
-        b, padded = self._batch_from(None, forward_mode or Mode.DECODE, req_pool_indices,
-                                     seq_lens_cpu if seq_lens_cpu is not None else seq_lens,
-                                     None, None, ndt, pad_to=bs, num_real=num_real)
-        if b.bs != bs and b.mode != Mode.IDLE:
-            raise ValueError("replay: %d rows for a graph of batch size %d" % (b.bs, bs))
-        return self._plan(b, padded)
+        mode, ndt = self._graph_mode(forward_mode, spec_info)
+        if mode == Mode.IDLE:
+            return self._plan(_BatchArgs(Mode.IDLE), 0)
+        if self.is_cuda:
+            sl_src = seq_lens if getattr(seq_lens, "is_cuda", False) or seq_lens_cpu is None \
+                else seq_lens_cpu
+            padded = self._write_device_inputs(bs, req_pool_indices, sl_src, num_real)
+            plan = self._graph_md(mode, bs, ndt, None, None)
+        else:
+            b, padded = self._batch_from(None, mode, req_pool_indices,
+                                         seq_lens_cpu if seq_lens_cpu is not None else seq_lens,
+                                         None, None, ndt, pad_to=bs, num_real=num_real)
+            if b.bs != bs:
+                raise ValueError("replay: %d rows for a graph of batch size %d" % (b.bs, bs))
+            rid, sl = b.keep[0], b.keep[1]
+            plan = self._graph_md(mode, bs, ndt, rid, sl)  # checks the rows first
+            ids, seq = self.backend.graph_inputs()
+            ids[:bs], seq[:bs] = rid, sl
+        return self._set_graph(mode, bs, ndt, plan, padded)
+
+    def _write_device_inputs(self, bs, req_pool_indices, seq_lens, num_real):
+        """CUDA: rows [0, n) from the engine's tensors, [n, bs) padding, enqueued on torch's
+        current stream. Returns the number of rows padded here."""
+        torch = sys.modules["torch"]
+        ids, seq = self.backend.graph_inputs()
+        n = bs if num_real is None else max(0, min(int(num_real), bs))
+
+        def put(dst, src, name):
+            if src is None:
+                raise ValueError("argument '%s' is required" % name)
+            if not getattr(src, "is_cuda", False):
+                src = torch.from_numpy(np.array(_host(src), np.int32))
+            src = src.reshape(-1)
+            m = min(n, int(src.shape[0]))
+            if m:
+                dst[:m].copy_(src[:m])  # converts the dtype (sglang's int64) on the way
+            return m
+
+        m = min(put(ids, req_pool_indices, "req_pool_indices"), put(seq, seq_lens, "seq_lens"))
+        if m < bs:
+            ids[m:bs].fill_(_lib.REQ_PAD)
+            seq[m:bs].fill_(self.get_cuda_graph_seq_len_fill_value())
+        return bs - m
+
+    def _run_graph_step(self, lid):
+        """At the first layer of a pass (or when something else planned since): build the
+        graph step's metadata from the fixed inputs (captured with the layers)."""
+        g = self._gstep
+        if g.first_layer is None:
+            g.first_layer = lid
+        if lid == g.first_layer or g.plan is None or self.backend._plan is not g.plan:
+            g.plan = self.backend.graph_step(g.mode, g.bs, g.ndt)
 
     def _require_graph_state(self, bs):
         if self.cuda_graph_max_bs is None:
@@ -385,49 +579,62 @@ class SglangMLABackend:
         return md
 
     def _absorbed(self, q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, return_lse,
-                  out_cache_loc=None):
+                  out_cache_loc=None, out=None, lse=None):
         md = self._meta()
-        p = md.plan
-        T, H = p.num_q_tokens, self.num_heads
+        T, H = md.num_q_tokens, self.num_heads
         lid = _layer_id(layer)
+        if md.graph:
+            self._run_graph_step(lid)
         new = None
         if save_kv_cache and k is not None:
             loc = out_cache_loc if out_cache_loc is not None else forward_batch.out_cache_loc
             c, r = self._split_latent(k, k_rope)
-            new = (loc if isinstance(loc, np.ndarray) and loc.dtype == np.int32 else _host(loc),
-                   c, r)
+            new = (self._slots(loc), c, r)
         if q_rope is not None:
             q_nope, q_r = q.reshape(T, H, _lib.LATENT), q_rope.reshape(T, H, _lib.ROPE)
         else:
             qall = q.reshape(T, H, _lib.ROW)
             q_nope, q_r = qall[:, :, :_lib.LATENT], qall[:, :, _lib.LATENT:]
-        if _is_contig(q_nope) and _is_contig(q_r):
+        contig = _is_contig(q_nope) and _is_contig(q_r)
+        if not contig and (md.graph or not md.has_host_plan):
+            # A step built from device metadata runs through mla_backend_forward, which takes
+            # no strides: contiguous copies (captured with the pass under a CUDA graph).
+            q_nope, q_r, contig = _contig(q_nope), _contig(q_r), True
+        o3 = None if out is None else out.reshape(T, H, _lib.LATENT)
+        return_lse = return_lse or lse is not None
+        if contig:
             # One C call: the latent write, then attention.
             res = self.backend.forward(lid, new_slots=new[0] if new else None,
                                        new_c=new[1] if new else None, new_r=new[2] if new else None,
-                                       q_nope=q_nope, q_rope=q_r, return_lse=return_lse)
+                                       q_nope=q_nope, q_rope=q_r, out=o3, lse=lse,
+                                       return_lse=return_lse)
         else:
             # q_nope / q_rope are strided views of one [T, H, 576] tensor: mla_forward_args has
             # no strides, so write the rows and call the kernel that takes them.
             if new:
                 self.cache.write(lid, new[0], new[1], new[2], dtype=self.dtype)
-            res = attention_absorbed(self.ctx, self.cache, lid, p, q_nope, q_r, scale=self.scaling,
-                                     return_lse=return_lse, dtype=self.dtype)
+            res = attention_absorbed(self.ctx, self.cache, lid, md.plan, q_nope, q_r,
+                                     scale=self.scaling, out=o3, lse=lse, return_lse=return_lse,
+                                     dtype=self.dtype)
         if return_lse:
             o, lse = res
             return o.reshape(T, H * _lib.LATENT), lse
         return res.reshape(T, H * _lib.LATENT)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, q_rope=None,
-                       k_rope=None, return_lse=False):
+                       k_rope=None, return_lse=False, out=None, lse=None):
         """Decode: q [bs, H * 576] (or q_nope [bs, H, 512] with q_rope [bs, H, 64]); k this
         step's latent rows [bs, 576] (or [bs, 512] with k_rope [bs, 64]), written to
-        forward_batch.out_cache_loc first; v is unused (MLA's V is the latent). Returns
-        o [bs, H * 512] (and lse [bs, H] with return_lse, for DCP merging)."""
-        return self._absorbed(q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, return_lse)
+        forward_batch.out_cache_loc first (padding rows: slot 0); v is unused (MLA's V is the
+        latent). out [bs, H * 512] (or [bs, H, 512]) and lse [bs, H] fp32: optional outputs
+        (fixed buffers under a CUDA graph). Returns o [bs, H * 512] (and lse [bs, H] with
+        return_lse or lse=, for DCP merging)."""
+        return self._absorbed(q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, return_lse,
+                              out=out, lse=lse)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, q_rope=None,
-                       k_rope=None, *, latent=None, kv_b_proj=None, return_lse=False):
+                       k_rope=None, *, latent=None, kv_b_proj=None, return_lse=False, out=None,
+                       lse=None):
         """EXTEND, TARGET_VERIFY and DRAFT_EXTEND.
 
         Absorbed modes (verify, draft extend, extend over a prefix with
@@ -437,12 +644,12 @@ class SglangMLABackend:
         latent (c [T, 512], r [T, 64]) or [T, 576] are this step's latent rows
         to store (sglang's model stores them itself: then pass latent=None and
         use set_kv_buffer); kv_b_proj [H, nope + v_dim, 512] for chunked
-        prefixes. Returns o [T, H * v_dim].
+        prefixes. Returns o [T, H * v_dim]. out / lse: optional outputs as in forward_decode.
         """
         md = self._meta()
         if not md.uses_mha:
             return self._absorbed(q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope,
-                                  return_lse)
+                                  return_lse, out=out, lse=lse)
         p = md.plan
         T, H = p.num_q_tokens, self.num_heads
         dqk = self.qk_nope_head_dim + _lib.ROPE
@@ -460,12 +667,13 @@ class SglangMLABackend:
                 c, r = self._split_latent(latent[0], latent[1])
             else:
                 c, r = self._split_latent(latent, None)
-            new = dict(new_slots=_host(forward_batch.out_cache_loc), new_c=c, new_r=r)
+            new = dict(new_slots=self._slots(forward_batch.out_cache_loc), new_c=c, new_r=r)
+        o3 = None if out is None else out.reshape(T, H, self.v_head_dim)
         res = self.backend.forward(_layer_id(layer), q=_contig(q.reshape(T, H, dqk)),
                                    k=_contig(k.reshape(T, H, dqk)),
                                    v=_contig(v.reshape(T, H, self.v_head_dim)), kv_b_proj=kv_b_proj,
-                                   return_lse=return_lse, **new)
-        if return_lse:
+                                   out=o3, lse=lse, return_lse=return_lse, **new)
+        if return_lse or lse is not None:
             o, lse = res
             return o.reshape(T, H * self.v_head_dim), lse
         return res.reshape(T, H * self.v_head_dim)

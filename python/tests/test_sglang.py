@@ -277,3 +277,240 @@ def test_decode_example_runs():
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "example OK" in r.stdout
+
+
+def _graph_pair(ctx, **kw):
+    """Two backends with one descriptor: the same request-table calls give the same slots."""
+    args = dict(max_reqs=10, max_bs=6, num_pages=96, max_context_len=200)
+    args.update(kw)
+    return _backend(ctx, **args), _backend(ctx, **args)
+
+
+def test_cuda_graph_lifecycle_matches_eager_decode_loop(ctx, rng):
+    """sglang's CUDA-graph lifecycle on the CPU (graph steps run eagerly from the fixed host
+    inputs): capture per bucket, then a decode loop with requests joining and leaving, padded
+    to buckets, with target-verify steps now and then. Each step's outputs equal a plain
+    init_forward_metadata + forward_decode of the same padded batch on a twin backend bit for
+    bit, and the float64 reference on the real rows."""
+    eager, graph = _graph_pair(ctx)
+    m = Model(eager, rng)  # one mirror: both caches get the same rows at the same slots
+    L, NDT, BUCKETS = 2, 3, (2, 4, 6)
+
+    class Spec:
+        draft_token_num = NDT
+
+    graph.init_cuda_graph_state(max_bs=6, max_num_tokens=6 * NDT)
+    ids, seq = graph.cuda_graph_req_pool_indices, graph.cuda_graph_seq_lens
+    assert ids.shape == (6,) and ids.dtype == np.int32 and seq.shape == (6,)
+    assert list(ids) == [libmla.REQ_PAD] * 6 and list(seq) == [1] * 6  # padding until written
+    # capture: per bucket and mode, the metadata hook, then two passes (warm-up + "capture");
+    # the passes write dummy rows to slot 0 and read only page 0
+    for mode, q_len in (("decode", 1), ("target_verify", NDT)):
+        for bs in BUCKETS:
+            md = graph.init_forward_metadata_capture_cuda_graph(
+                bs, bs * q_len, np.zeros(bs, np.int32), np.ones(bs, np.int32),
+                forward_mode=mode, spec_info=Spec() if q_len > 1 else None)
+            assert md.graph and md.padded_rows == bs and md.num_q_tokens == bs * q_len
+            assert list(ids[:bs]) == [libmla.REQ_PAD] * bs
+            for _ in range(2):
+                for lid in range(L):
+                    q = rng.standard_normal((bs * q_len, H * 576)).astype(np.float32)
+                    k = rng.standard_normal((bs * q_len, 576)).astype(np.float32)
+                    fb = libmla.ForwardBatch(mode, ids[:bs], seq[:bs],
+                                             out_cache_loc=np.zeros(bs * q_len, np.int32))
+                    o = (graph.forward_decode if q_len == 1 else graph.forward_extend)(
+                        q, k, None, Layer(lid), fb)
+                    assert o.shape == (bs * q_len, H * 512) and np.isfinite(o).all()
+                    p = graph.backend.get_plan()  # the forward ran the backend's graph step
+                    assert p.graph and p.batch_size == bs and p.num_q_tokens == bs * q_len
+    with pytest.raises(ValueError, match="draft_extend"):
+        graph.init_forward_metadata_capture_cuda_graph(2, 2, None, None, forward_mode="extend")
+    with pytest.raises(ValueError, match="takes 1..3 draft tokens"):
+        Spec.draft_token_num = NDT + 1  # past the graph state's max_draft_tokens
+        try:
+            graph.init_forward_metadata_capture_cuda_graph(2, 8, None, None,
+                                                           forward_mode="target_verify",
+                                                           spec_info=Spec())
+        finally:
+            Spec.draft_token_num = NDT
+
+    live = {}  # req id -> length
+    order = []
+    steps = verifies = mismatches = 0
+    for step in range(24):
+        while len(order) < 3 or (len(order) < 6 and rng.uniform() < 0.3):
+            a, b = eager.alloc_req(), graph.alloc_req()
+            assert a == b
+            n = int(rng.integers(1, 120))
+            loc = eager.extend_req(a, n)
+            np.testing.assert_array_equal(graph.extend_req(b, n), loc)
+            for lid in range(L):
+                kv = m.latent(lid, loc)
+                eager.set_kv_buffer(Layer(lid), loc, kv)
+                graph.set_kv_buffer(Layer(lid), loc, kv)
+            live[a] = n
+            order.append(a)
+        if len(order) > 3 and rng.uniform() < 0.3:
+            rid = order.pop(int(rng.integers(0, len(order))))
+            eager.free_req(rid)
+            graph.free_req(rid)
+            del live[rid]
+        nreal = len(order)
+        bs = min(b for b in BUCKETS if b >= nreal)
+        verify = step % 5 == 4
+        q_len = NDT if verify else 1
+        mode = "target_verify" if verify else "decode"
+        # this step's positions: one token per request, or NDT drafts to verify
+        locs = []
+        for rid in order:
+            loc = eager.extend_req(rid, q_len)
+            np.testing.assert_array_equal(graph.extend_req(rid, q_len), loc)
+            locs.append(loc)
+        kv_lens = [live[r] + q_len for r in order]
+        seq_real = [live[r] + (0 if verify else 1) for r in order]  # verify: drafts excluded
+        # sglang-style padded inputs: ids 0 and seq 1 past the real rows, slot 0 for them
+        rid_pad = np.array(order + [0] * (bs - nreal), np.int32)
+        seq_pad = np.array(seq_real + [1] * (bs - nreal), np.int32)
+        loc_pad = np.concatenate(locs + [np.zeros((bs - nreal) * q_len, np.int32)]).astype(np.int32)
+        md = graph.init_forward_metadata_replay_cuda_graph(
+            bs, rid_pad, seq_pad, forward_mode=mode, spec_info=Spec() if verify else None,
+            seq_lens_cpu=seq_pad, num_real=nreal)
+        assert md.graph and md.padded_rows == bs - nreal
+        assert list(ids[:bs]) == order + [libmla.REQ_PAD] * (bs - nreal)
+        assert list(seq[:bs]) == seq_real + [1] * (bs - nreal)
+        np.testing.assert_array_equal(md.plan.kv_lens[:nreal], kv_lens)  # CPU: host plan too
+        # the same padded batch, planned eagerly
+        eb = libmla.ForwardBatch(mode, np.array(order + [libmla.REQ_PAD] * (bs - nreal), np.int32),
+                                 seq_pad, out_cache_loc=loc_pad, spec_info=Spec())
+        eager.init_forward_metadata(eb)
+        assert not eager.forward_metadata.graph
+        gb = libmla.ForwardBatch(mode, rid_pad, seq_pad, out_cache_loc=loc_pad, spec_info=Spec())
+        T = bs * q_len
+        for lid in range(L):
+            kv = np.concatenate([m.latent(lid, np.concatenate(locs)),
+                                 rng.standard_normal((T - nreal * q_len, 576)).astype(np.float32)])
+            q = rng.standard_normal((T, H * 576)).astype(np.float32)
+            if step % 2:  # sglang's [T, H * 576] q (strided halves) and [T, 576] k
+                fwd_e = eager.forward_decode if not verify else eager.forward_extend
+                fwd_g = graph.forward_decode if not verify else graph.forward_extend
+                oe, le = fwd_e(q, kv, None, Layer(lid), eb, return_lse=True)
+                og, lg = fwd_g(q, kv, None, Layer(lid), gb, return_lse=True)
+            else:  # q_nope + q_rope, k + k_rope (the one-call path)
+                q3 = q.reshape(T, H, 576)
+                parts = dict(q_rope=np.ascontiguousarray(q3[..., 512:]),
+                             k_rope=np.ascontiguousarray(kv[:, 512:]), return_lse=True)
+                qn, kc = np.ascontiguousarray(q3[..., :512]), np.ascontiguousarray(kv[:, :512])
+                oe, le = eager.forward_decode(qn, kc, None, lid, eb, **parts)
+                og, lg = graph.forward_decode(qn, kc, None, lid, gb, **parts)
+            n = nreal * q_len
+            if not (np.array_equal(oe[:n], og[:n]) and np.array_equal(le[:n], lg[:n])):
+                mismatches += 1
+            if step % 6 == 5 or verify:
+                o_ref, l_ref = m.ref_absorbed(lid, q[:n], order, [q_len] * nreal, kv_lens, verify)
+                ref.assert_close(og[:n], o_ref, *TOL["f32"], what="graph step %d layer %d" % (step, lid))
+                ref.assert_close(lg[:n], l_ref, 1e-4, 1e-5, "graph lse step %d" % step)
+        assert graph.backend.get_plan().graph
+        for rid in order:
+            if verify:  # accept one draft: the bonus token's position stays for the next step
+                eager.truncate_req(rid, live[rid] + 1)
+                graph.truncate_req(rid, live[rid] + 1)
+            live[rid] += 1
+        steps += 1
+        verifies += verify
+    assert mismatches == 0, "%d layer steps of the graph lifecycle differ from eager" % mismatches
+    assert steps == 24 and verifies == 4
+    # the graph-state checks
+    with pytest.raises(ValueError, match="max_bs"):
+        graph.init_forward_metadata_replay_cuda_graph(7, order, [1] * len(order))
+    with pytest.raises(ValueError, match="allocated once"):
+        graph.init_cuda_graph_state(6, 6 * NDT, max_draft_tokens=NDT + 1)
+    graph.init_cuda_graph_state(4, 4)  # a smaller state over the same buffers
+    with pytest.raises(ValueError, match="max_bs = 4"):
+        graph.init_forward_metadata_capture_cuda_graph(6, 6, None, None)
+    # a bad row is refused on the CPU before the inputs are written
+    before = ids.copy()
+    with pytest.raises(libmla.MLAError):
+        graph.init_forward_metadata_replay_cuda_graph(2, [9, order[0]], [5, 1])  # 9: not live
+    np.testing.assert_array_equal(ids, before)
+
+
+def test_cuda_graph_first_layer_rebuilds_step(ctx, rng):
+    """The graph step runs at the first layer of each pass: a pass whose inputs changed
+    in between (a replay) sees the new rows even though forward is called with the same
+    metadata object, and an eager plan in between does not leak into the graph pass."""
+    eager, graph = _graph_pair(ctx)
+    m = Model(eager, rng)
+    reqs = []
+    for n in (40, 90):
+        a = graph.alloc_req()
+        assert eager.alloc_req() == a
+        loc = graph.extend_req(a, n)
+        eager.extend_req(a, n)
+        for lid in range(2):
+            kv = m.latent(lid, loc)
+            graph.set_kv_buffer(lid, loc, kv)
+            eager.set_kv_buffer(lid, loc, kv)
+        reqs.append(a)
+    graph.init_cuda_graph_state(2, 2)
+    graph.init_forward_metadata_capture_cuda_graph(2, 2, None, None)
+    q = rng.standard_normal((2, H * 576)).astype(np.float32)
+    ids, seq = graph.cuda_graph_req_pool_indices, graph.cuda_graph_seq_lens
+    # the engine writes the inputs itself (as a replay hook would), keeping the metadata
+    ids[:2], seq[:2] = reqs, [40, 90]
+    o1 = graph.forward_decode(q, None, None, 1, None, save_kv_cache=False)  # first layer: 1
+    ids[:2], seq[:2] = reqs[::-1], [90, 40]
+    o0 = graph.forward_decode(q, None, None, 0, None, save_kv_cache=False)  # same pass: no step
+    o_ref, _ = m.ref_absorbed(0, q, reqs, [1, 1], [40, 90], False)
+    ref.assert_close(o0, o_ref, *TOL["f32"], what="layer 0 in the pass begun with the old inputs")
+    # a plan on the same backend between passes: the next pass's first layer rebuilds
+    graph.backend.plan("decode", [reqs[0]], [40])
+    o1b = graph.forward_decode(q, None, None, 1, None, save_kv_cache=False)
+    o_ref, _ = m.ref_absorbed(1, q, reqs[::-1], [1, 1], [90, 40], False)
+    ref.assert_close(o1b, o_ref, *TOL["f32"], what="new pass after a plan")
+    assert not np.array_equal(o1, o1b)
+
+
+def test_backend_graph_calls(ctx, rng):
+    """libmla.Backend's wrappers of mla_backend_graph_*: the fixed inputs as writable views of
+    the library's buffers, graph steps as DevicePlans equal to the host-plan path, the
+    library's refusals as MLAErrors."""
+    be = libmla.Backend(ctx, num_layers=1, num_pages=16, page_size=16, num_heads=H, scale=SCALE,
+                        max_reqs=4, max_context=64, max_bs=4, max_q_tokens=16, act_dtype="f32")
+    for call in (be.graph_inputs, lambda: be.graph_step("decode", 1)):
+        with pytest.raises(libmla.MLAError) as e:
+            call()
+        assert e.value.status == libmla.Status.ERR_BAD_STATE and "graph_init" in str(e.value)
+    be.graph_init(4, 2)
+    ids, seq = be.graph_inputs()
+    assert be.graph_inputs()[0] is ids and ids.flags.writeable and ids.dtype == np.int32
+    assert list(ids) == [libmla.REQ_PAD] * 4 and list(seq) == [1] * 4
+    with pytest.raises(libmla.MLAError) as e:
+        be.graph_init(4, 2)
+    assert e.value.status == libmla.Status.ERR_BAD_STATE
+    a = be.req_table.add()
+    slots = be.req_table.extend(a, 20)
+    be.cache.write(0, slots, rng.standard_normal((20, 512)).astype(np.float32),
+                   rng.standard_normal((20, 64)).astype(np.float32))
+    ids[0], seq[0] = a, 20  # row 1 stays a padding row
+    be.sync()  # a no-op on the CPU
+    p = be.graph_step("decode", 2)
+    assert isinstance(p, libmla.api.DevicePlan) and p.graph and p.on_device
+    assert p.num_q_tokens == 2 and be.get_plan() is p and p.valid
+    with pytest.raises(ValueError, match="built on the device"):
+        p.kv_lens
+    qn = rng.standard_normal((2, H, 512)).astype(np.float32)
+    qr = rng.standard_normal((2, H, 64)).astype(np.float32)
+    o, lse = be.forward(0, q_nope=qn, q_rope=qr, return_lse=True)
+    hp = be.plan("decode", [a, libmla.REQ_PAD], [20, 1])  # the same batch, planned on the host
+    assert not p.valid and hp.valid and not getattr(hp, "on_device", False)
+    o2, lse2 = be.forward(0, q_nope=qn, q_rope=qr, return_lse=True)
+    np.testing.assert_array_equal(o, o2)
+    np.testing.assert_array_equal(lse, lse2)
+    for args in (("decode", 5), ("target_verify", 1, 3), ("extend", 1)):
+        with pytest.raises(libmla.MLAError) as e:
+            be.graph_step(*args)
+        assert e.value.status == libmla.Status.ERR_INVALID_ARGUMENT, args
+    ids[0] = 9  # no such request row (max_reqs 4): the CPU step refuses it
+    with pytest.raises(libmla.MLAError) as e:
+        be.graph_step("decode", 1)
+    assert e.value.status == libmla.Status.ERR_OUT_OF_RANGE
