@@ -541,6 +541,14 @@ typedef struct mla_step_desc {
    * num_steps = 0: one ordinary step (`step` must be 0). */
   int32_t num_steps;
   int32_t step;
+  /* Decode context parallel (DECODE only): dcp_world N > 1 (power of two)
+   * ranks, position p of a request living on rank p mod N at local slot =
+   * global slot / N. req_to_token stays global (its page size is page_size *
+   * N; N divides it, so slot mod N = position mod N), the cache is this
+   * rank's (page_size, the same page ids), and the step attends the rank's
+   * keys; merge the ranks' (o, lse) with mla_merge_states. 0 or 1: off. */
+  int32_t dcp_world;
+  int32_t dcp_rank;
 } mla_step_desc;
 
 typedef struct mla_step_inputs {

@@ -7,6 +7,7 @@
  * workspace carries no stale state). Refusals: out-of-range request ids,
  * lengths and slots (OUT_OF_RANGE, workspace untouched), and every bad
  * descriptor field. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -224,6 +225,148 @@ static void draft_case(int P, int H, int num_steps) {
   sw_free(&w);
 }
 
+/* Decode context parallel on one CPU: a global request table (page size
+ * Pg) and a global cache as the single-device reference; N rank caches of
+ * page size Pg / N holding position p of every request at rank p mod N,
+ * local slot = global slot / N. Each rank's DCP step (same req_to_token)
+ * attends its shard with LSE; merging the N states equals the reference
+ * (f32 activations: within 2e-5), including requests shorter than N (ranks
+ * with no keys: lse = -inf) and padding rows. */
+static void dcp_case(int Pg, int N, int H) {
+  char name[64];
+  snprintf(name, sizeof name, "dcp Pg=%d N=%d H=%d", Pg, N, H);
+  const int bs = 7, max_ctx = 700;
+  int lens[7] = {1, N - 1 > 0 ? N - 1 : 1, 300, 650, 64, 17, 1};
+  int pages = 4;
+  for (int i = 0; i < bs; i++) pages += (lens[i] + Pg - 1) / Pg + 1;
+  mla_kv_cache_desc gd = {1, pages, Pg, MLA_DTYPE_BF16, NULL}, ld = {1, pages, Pg / N, MLA_DTYPE_BF16, NULL};
+  mla_kv_cache *gc = NULL, *lc[8] = {0};
+  mla_req_table *rt = NULL;
+  mla_req_table_desc rd = {bs + 2, max_ctx, pages, Pg};
+  TU_STATUS(mla_kv_cache_create(cpu, &gd, &gc), MLA_OK);
+  for (int r = 0; r < N; r++) TU_STATUS(mla_kv_cache_create(cpu, &ld, &lc[r]), MLA_OK);
+  TU_STATUS(mla_req_table_create(cpu, &rd, gc, &rt), MLA_OK);
+  int32_t ids[8], seq[8];
+  for (int i = 0; i < bs; i++) {
+    TU_STATUS(mla_req_add(rt, &ids[i]), MLA_OK);
+    int32_t *sl = malloc(sizeof(int32_t) * lens[i]);
+    TU_STATUS(mla_req_extend(rt, ids[i], lens[i], sl), MLA_OK);
+    float *c = malloc(sizeof(float) * lens[i] * MLA_LATENT), *r = malloc(sizeof(float) * lens[i] * MLA_ROPE);
+    for (int64_t k = 0; k < (int64_t)lens[i] * MLA_LATENT; k++) c[k] = (float)tu_normal(&rng);
+    for (int64_t k = 0; k < (int64_t)lens[i] * MLA_ROPE; k++) r[k] = (float)tu_normal(&rng);
+    TU_STATUS(mla_kv_cache_write(gc, 0, lens[i], sl, c, r, MLA_DTYPE_F32), MLA_OK);
+    for (int p = 0; p < lens[i]; p++) {
+      TU_CHECK(sl[p] % N == p % N, "%s: slot %d of position %d not on rank p mod N", name, sl[p], p);
+      const int32_t loc = sl[p] / N;
+      TU_STATUS(mla_kv_cache_write(lc[sl[p] % N], 0, 1, &loc, c + (int64_t)p * MLA_LATENT, r + (int64_t)p * MLA_ROPE,
+                                   MLA_DTYPE_F32),
+                MLA_OK);
+    }
+    seq[i] = lens[i];
+    free(sl);
+    free(c);
+    free(r);
+  }
+  ids[bs - 1] = MLA_REQ_PAD; /* a padding row */
+  seq[bs - 1] = 1;
+  const int32_t *r2t = NULL;
+  mla_req_table_data(rt, &r2t);
+  mla_step_inputs in = {r2t, max_ctx, bs + 2, ids, seq};
+  const int64_t nq = (int64_t)bs * H;
+  float *qn = malloc(sizeof(float) * nq * MLA_LATENT), *qr = malloc(sizeof(float) * nq * MLA_ROPE);
+  for (int64_t k = 0; k < nq * MLA_LATENT; k++) qn[k] = (float)tu_normal(&rng);
+  for (int64_t k = 0; k < nq * MLA_ROPE; k++) qr[k] = (float)tu_normal(&rng);
+  mla_absorbed_args a;
+  memset(&a, 0, sizeof a);
+  a.num_heads = H;
+  a.scale = SW_SCALE;
+  a.act_dtype = MLA_DTYPE_F32;
+  a.q_nope = qn;
+  a.q_rope = qr;
+  /* reference: one device, all keys */
+  mla_step_desc d;
+  memset(&d, 0, sizeof d);
+  d.mode = MLA_MODE_DECODE;
+  d.batch_size = bs;
+  d.max_kv_len = max_ctx;
+  d.num_heads = H;
+  d.page_size = Pg;
+  d.num_sm = 5;
+  size_t wsb = 0;
+  TU_STATUS(mla_step_workspace_size(cpu, &d, &wsb), MLA_OK);
+  void *ws = malloc(wsb);
+  float *o_ref = malloc(sizeof(float) * nq * MLA_LATENT), *l_ref = malloc(sizeof(float) * nq);
+  a.out = o_ref;
+  a.lse = l_ref;
+  TU_STATUS(mla_step_prepare(cpu, &d, gc, &in, ws, wsb), MLA_OK);
+  TU_STATUS(mla_step_attention(cpu, &d, gc, 0, &a, ws, wsb), MLA_OK);
+  free(ws);
+  /* the ranks */
+  float *o_r[8], *l_r[8];
+  for (int r = 0; r < N; r++) {
+    mla_step_desc dr = d;
+    dr.page_size = Pg / N;
+    dr.dcp_world = N;
+    dr.dcp_rank = r;
+    TU_STATUS(mla_step_workspace_size(cpu, &dr, &wsb), MLA_OK);
+    ws = malloc(wsb);
+    o_r[r] = malloc(sizeof(float) * nq * MLA_LATENT);
+    l_r[r] = malloc(sizeof(float) * nq);
+    a.out = o_r[r];
+    a.lse = l_r[r];
+    TU_STATUS(mla_step_prepare(cpu, &dr, lc[r], &in, ws, wsb), MLA_OK);
+    mla_step_metadata m;
+    TU_STATUS(mla_step_get_metadata(cpu, &dr, ws, wsb, &m), MLA_OK);
+    int bad = 0;
+    for (int i = 0; i < bs; i++) {
+      const int kv = seq[i];
+      bad += m.kv_lens[i] != (kv > r ? (kv - r + N - 1) / N : 0);
+    }
+    TU_CHECK(bad == 0, "%s rank %d: local kv lengths", name, r);
+    TU_STATUS(mla_step_attention(cpu, &dr, lc[r], 0, &a, ws, wsb), MLA_OK);
+    free(ws);
+  }
+  float *o_m = malloc(sizeof(float) * nq * MLA_LATENT), *l_m = malloc(sizeof(float) * nq);
+  TU_STATUS(mla_merge_states(cpu, N, bs, H, MLA_LATENT, MLA_DTYPE_F32, 0, (const void *const *)o_r,
+                             (const float *const *)l_r, o_m, l_m),
+            MLA_OK);
+  double worst = 0, lworst = 0;
+  for (int64_t k = 0; k < (int64_t)(bs - 1) * H * MLA_LATENT; k++) {
+    const double e = fabs((double)o_m[k] - o_ref[k]);
+    if (!(e <= worst)) worst = e;
+  }
+  for (int64_t k = 0; k < (int64_t)(bs - 1) * H; k++) {
+    const double e = fabs((double)l_m[k] - l_ref[k]);
+    if (!(e <= lworst)) lworst = e;
+  }
+  TU_CHECK(worst < 2e-5 && lworst < 2e-5, "%s: merged ranks vs one device: max |o| err %.3g, lse err %.3g", name,
+           worst, lworst);
+  /* refusals */
+  mla_step_desc bad_d = d;
+  bad_d.dcp_world = 3;
+  TU_STATUS(mla_step_workspace_size(cpu, &bad_d, &wsb), MLA_ERR_INVALID_ARGUMENT);
+  bad_d.dcp_world = N;
+  bad_d.dcp_rank = N;
+  TU_STATUS(mla_step_workspace_size(cpu, &bad_d, &wsb), MLA_ERR_INVALID_ARGUMENT);
+  bad_d.dcp_rank = 0;
+  bad_d.mode = MLA_MODE_TARGET_VERIFY;
+  bad_d.num_draft_tokens = 2;
+  TU_STATUS(mla_step_workspace_size(cpu, &bad_d, &wsb), MLA_ERR_UNSUPPORTED);
+  for (int r = 0; r < N; r++) {
+    free(o_r[r]);
+    free(l_r[r]);
+    mla_kv_cache_destroy(lc[r]);
+  }
+  free(o_m);
+  free(l_m);
+  free(o_ref);
+  free(l_ref);
+  free(qn);
+  free(qr);
+  mla_req_table_destroy(rt);
+  mla_kv_cache_destroy(gc);
+}
+
 static void refusals(void) {
   sw_world w;
   if (sw_make(&w, cpu, &rng, MLA_MODE_DECODE, 0, 16, 4, 4) != 0 || sw_batch(&w, cpu, &rng, 4, 1) != 0) {
@@ -323,6 +466,9 @@ int main(void) {
   draft_case(16, 16, 3);
   draft_case(1, 3, 4);
   draft_case(64, 128, 2);
+  dcp_case(16, 2, 16);
+  dcp_case(64, 4, 3);
+  dcp_case(8, 8, 1);
   refusals();
   mla_ctx_destroy(cpu);
   return tu_finish("test_step");

@@ -293,6 +293,8 @@ class StepDesc(ctypes.Structure):
         ("num_sm", _i32),
         ("num_steps", _i32),
         ("step", _i32),
+        ("dcp_world", _i32),
+        ("dcp_rank", _i32),
     ]
 
 

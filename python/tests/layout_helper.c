@@ -180,6 +180,8 @@ int main(void) {
   F(mla_step_desc, num_sm);
   F(mla_step_desc, num_steps);
   F(mla_step_desc, step);
+  F(mla_step_desc, dcp_world);
+  F(mla_step_desc, dcp_rank);
 
   S(mla_step_inputs);
   F(mla_step_inputs, req_to_token);

@@ -79,14 +79,30 @@ static mla_status step_geom(mla_ctx *ctx, const char *fn, const mla_step_desc *d
   if (d->step < 0 || d->step >= (d->num_steps > 0 ? d->num_steps : 1))
     return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "desc->step = %d, expected 0..%d", (int)d->step,
                     (d->num_steps > 0 ? d->num_steps : 1) - 1);
+  if (d->dcp_world < 0 || d->dcp_world > 64 || (d->dcp_world > 0 && !mla_is_pow2(d->dcp_world)) ||
+      d->dcp_rank < 0 || d->dcp_rank >= (d->dcp_world > 0 ? d->dcp_world : 1))
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn,
+                    "desc->dcp_world = %d, dcp_rank = %d: expected world 0 or a power of two 1..64, rank 0..world-1",
+                    (int)d->dcp_world, (int)d->dcp_rank);
+  if (d->dcp_world > 1 && d->mode != MLA_MODE_DECODE)
+    return mla_fail(eb, MLA_ERR_UNSUPPORTED, fn,
+                    "desc->dcp_world = %d with mode %d: context-parallel steps are DECODE (a shard's keys are "
+                    "not a contiguous causal window)",
+                    (int)d->dcp_world, (int)d->mode);
+  if ((int64_t)d->page_size * (d->dcp_world > 0 ? d->dcp_world : 1) > 256 * 64)
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "desc->page_size x dcp_world too large");
   memset(g, 0, sizeof *g);
   g->mode = (int32_t)d->mode;
   g->batch_size = d->batch_size;
   g->q_len = d->mode == MLA_MODE_DECODE ? 1 : d->num_draft_tokens;
   g->kv_extra = d->mode == MLA_MODE_TARGET_VERIFY ? d->num_draft_tokens : 0;
   g->max_kv_len = d->max_kv_len;
+  const int world = d->dcp_world > 0 ? d->dcp_world : 1;
   g->page_shift = log2_of(d->page_size);
-  g->width = (int32_t)mla_cdiv(d->max_kv_len, d->page_size);
+  g->gpage_shift = g->page_shift + log2_of(world);
+  g->dcp_world = world;
+  g->dcp_rank = d->dcp_rank;
+  g->width = (int32_t)mla_cdiv(mla_cdiv(d->max_kv_len, world), d->page_size);
   int num_sm = d->num_sm;
   if (num_sm == 0) num_sm = ctx->device == MLA_DEVICE_CUDA ? ctx->sm_count : mla_ctx_workers(ctx);
   g->num_parts = mla_sched_num_parts(num_sm < 1 ? 1 : num_sm, g->q_len, d->num_heads);

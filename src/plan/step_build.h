@@ -83,15 +83,24 @@ static inline MLA_SB_HD int mla_split_schedule_body(const int32_t *kv_lens /* [b
   return req < bs ? -1 : 0;
 }
 
-/* Fixed shape of a step, resolved from mla_step_desc and the cache. */
+/* Fixed shape of a step, resolved from mla_step_desc and the cache.
+ *
+ * Decode context parallel (dcp_world = N > 1): position p of a request lives
+ * on rank p mod N, at local slot = global slot / N. With the global pages
+ * N times the local ones (req_to_token is global, page size P * N), local
+ * key q of rank r is global position q * N + r, and its local page index is
+ * the global one: the block table is the global table, the kv length the
+ * rank's count of positions. */
 typedef struct mla_step_geom {
   int32_t mode;         /* mla_mode */
   int32_t batch_size;
   int32_t q_len;        /* queries per row */
   int32_t kv_extra;     /* kv_len = seq_len + kv_extra (TARGET_VERIFY: ndt) */
-  int32_t max_kv_len;
-  int32_t page_shift;   /* log2(page_size) */
-  int32_t width;        /* block-table width = ceil(max_kv_len / page_size) */
+  int32_t max_kv_len;   /* bound on the (global) kv length */
+  int32_t page_shift;   /* log2(page_size) of the cache the kernels read */
+  int32_t gpage_shift;  /* log2 of req_to_token's page size (page_shift + log2(N)) */
+  int32_t dcp_world, dcp_rank; /* 1, 0 without context parallelism */
+  int32_t width;        /* block-table width = local pages of max_kv_len */
   int32_t num_parts;    /* split-schedule parts */
   int32_t max_splits;   /* batch_size + num_parts: a part cuts at most one request */
   int32_t max_reqs;
@@ -99,25 +108,32 @@ typedef struct mla_step_geom {
   int64_t num_pages;    /* pages of the cache */
 } mla_step_geom;
 
-/* kv length of row i, or -1 when its request id or length is out of range. */
+/* Keys of rank r among global kv keys (all of them without DCP). */
+static inline MLA_SB_HD int32_t mla_step_local_kv(const mla_step_geom *g, int64_t kv) {
+  if (g->dcp_world <= 1) return (int32_t)kv;
+  return kv > g->dcp_rank ? (int32_t)((kv - g->dcp_rank + g->dcp_world - 1) / g->dcp_world) : 0;
+}
+
+/* (Local) kv length of row i, or -1 when its request id or length is out of range. */
 static inline MLA_SB_HD int32_t mla_step_row_kv(const mla_step_geom *g, int32_t req_id, int32_t seq_len) {
   if (req_id != MLA_REQ_PAD && (req_id < 0 || req_id >= g->max_reqs)) return -1;
   if (seq_len < 0) return -1;
   const int64_t kv = (int64_t)seq_len + g->kv_extra;
   if (kv > g->max_kv_len) return -1;
-  return (int32_t)kv;
+  return mla_step_local_kv(g, kv);
 }
 
-/* Block-table entry j of a row with kv_len keys: the page holding positions
- * [j*P, (j+1)*P), MLA_BLOCK_TABLE_PAD past the row's pages, or -2 when the
- * slot at the page start is not the first slot of a page inside the cache. */
+/* Block-table entry j of a row with kv_len (local) keys: the page holding
+ * local keys [j*P, (j+1)*P) (global positions [j*P*N, (j+1)*P*N)),
+ * MLA_BLOCK_TABLE_PAD past the row's pages, or -2 when the slot at the
+ * global page start is not the first slot of a page inside the cache. */
 static inline MLA_SB_HD int32_t mla_step_page(const mla_step_geom *g, const int32_t *req_to_token,
                                               int32_t req_id, int32_t kv_len, int32_t j) {
   if ((int64_t)j << g->page_shift >= kv_len) return MLA_BLOCK_TABLE_PAD;
   if (req_id == MLA_REQ_PAD) return 0;
-  const int32_t slot = req_to_token[(int64_t)req_id * g->stride + ((int64_t)j << g->page_shift)];
-  const int32_t page = slot >> g->page_shift;
-  if (slot < 0 || (slot & ((1 << g->page_shift) - 1)) != 0 || page >= g->num_pages) return -2;
+  const int32_t slot = req_to_token[(int64_t)req_id * g->stride + ((int64_t)j << g->gpage_shift)];
+  const int32_t page = slot >> g->gpage_shift;
+  if (slot < 0 || (slot & ((1 << g->gpage_shift) - 1)) != 0 || page >= g->num_pages) return -2;
   return page;
 }
 
