@@ -197,6 +197,15 @@ MLA_API mla_status mla_kv_cache_read(const mla_kv_cache *cache, int layer, int n
                                      const int32_t *slots /* [T] */,
                                      void *c_out /* [T, 512] */, void *r_out /* [T, 64] */,
                                      mla_dtype dst_dtype);
+/* Decode context parallel: this rank's share of a KV write. global_slots
+ * are the allocator's (global) slots; a row whose slot mod world != rank
+ * belongs to another rank and is skipped, the others go to local slot
+ * global / world of this rank's cache. world: power of two 1..64. */
+MLA_API mla_status mla_kv_cache_write_shard(mla_kv_cache *cache, int layer, int num_tokens,
+                                            const int32_t *global_slots /* [T] */,
+                                            const void *c /* [T, 512] */, const void *r /* [T, 64] */,
+                                            mla_dtype src_dtype, int world, int rank);
+
 /* Copy rows src_slots[i] -> dst_slots[i] in every layer (bytes as stored).
  * The slot arrays are host memory for every cache (this is allocator work). */
 MLA_API mla_status mla_kv_cache_copy_rows(mla_kv_cache *cache, int num_rows,

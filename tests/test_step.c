@@ -255,13 +255,12 @@ static void dcp_case(int Pg, int N, int H) {
     for (int64_t k = 0; k < (int64_t)lens[i] * MLA_LATENT; k++) c[k] = (float)tu_normal(&rng);
     for (int64_t k = 0; k < (int64_t)lens[i] * MLA_ROPE; k++) r[k] = (float)tu_normal(&rng);
     TU_STATUS(mla_kv_cache_write(gc, 0, lens[i], sl, c, r, MLA_DTYPE_F32), MLA_OK);
-    for (int p = 0; p < lens[i]; p++) {
-      TU_CHECK(sl[p] % N == p % N, "%s: slot %d of position %d not on rank p mod N", name, sl[p], p);
-      const int32_t loc = sl[p] / N;
-      TU_STATUS(mla_kv_cache_write(lc[sl[p] % N], 0, 1, &loc, c + (int64_t)p * MLA_LATENT, r + (int64_t)p * MLA_ROPE,
-                                   MLA_DTYPE_F32),
-                MLA_OK);
-    }
+    /* each rank writes its share of the rows (mla_kv_cache_write_shard) */
+    int misplaced = 0;
+    for (int p = 0; p < lens[i]; p++) misplaced += sl[p] % N != p % N;
+    TU_CHECK(misplaced == 0, "%s: %d positions whose slot is not on rank p mod N", name, misplaced);
+    for (int rk = 0; rk < N; rk++)
+      TU_STATUS(mla_kv_cache_write_shard(lc[rk], 0, lens[i], sl, c, r, MLA_DTYPE_F32, N, rk), MLA_OK);
     seq[i] = lens[i];
     free(sl);
     free(c);
@@ -341,6 +340,16 @@ static void dcp_case(int Pg, int N, int H) {
   }
   TU_CHECK(worst < 2e-5 && lworst < 2e-5, "%s: merged ranks vs one device: max |o| err %.3g, lse err %.3g", name,
            worst, lworst);
+  /* shard-write refusals: bad world / rank, a local slot past the rank's cache; nothing written */
+  {
+    int32_t gs[2] = {0, pages * Pg + N * 3}; /* the second row's local slot is out of range on rank (N*3) % N = 0 */
+    float cz[2 * MLA_LATENT] = {0}, rz[2 * MLA_ROPE] = {0};
+    TU_STATUS(mla_kv_cache_write_shard(lc[0], 0, 2, gs, cz, rz, MLA_DTYPE_F32, 3, 0), MLA_ERR_INVALID_ARGUMENT);
+    TU_STATUS(mla_kv_cache_write_shard(lc[0], 0, 2, gs, cz, rz, MLA_DTYPE_F32, N, N), MLA_ERR_INVALID_ARGUMENT);
+    TU_STATUS(mla_kv_cache_write_shard(lc[0], 0, 2, gs, cz, rz, MLA_DTYPE_F32, N, 0), MLA_ERR_OUT_OF_RANGE);
+    gs[1] = -1;
+    TU_STATUS(mla_kv_cache_write_shard(lc[0], 0, 2, gs, cz, rz, MLA_DTYPE_F32, N, 0), MLA_ERR_OUT_OF_RANGE);
+  }
   /* refusals */
   mla_step_desc bad_d = d;
   bad_d.dcp_world = 3;

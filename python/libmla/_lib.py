@@ -380,6 +380,7 @@ PROTOTYPES = {
     "mla_kv_cache_layer_data": (_S, [_P, _int, _PP]),
     "mla_kv_cache_set_fp8_scale": (_S, [_P, _int, ctypes.c_float]),
     "mla_kv_cache_write": (_S, [_P, _int, _int, _P, _P, _P, _enum]),
+    "mla_kv_cache_write_shard": (_S, [_P, _int, _int, _P, _P, _P, _enum, _int, _int]),
     "mla_kv_cache_read": (_S, [_P, _int, _int, _P, _P, _P, _enum]),
     "mla_kv_cache_copy_rows": (_S, [_P, _int, _P, _P]),
     # request table

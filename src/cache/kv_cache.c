@@ -316,7 +316,7 @@ static mla_status require_device(mla_errbuf *eb, const char *fn, const char *nam
 #endif
 
 static mla_status device_write(mla_kv_cache *cache, int layer, int n, const int32_t *slots, const void *c,
-                               const void *r, mla_dtype src) {
+                               const void *r, mla_dtype src, int world, int rank) {
   mla_errbuf *eb = &cache->err;
 #ifdef MLA_WITH_CUDA
   const char *fn = "mla_kv_cache_write";
@@ -326,10 +326,10 @@ static mla_status device_write(mla_kv_cache *cache, int layer, int n, const int3
   if (st != MLA_OK) return st;
   mla_ctx *ctx = cache->ctx;
   int e = mla_cuda_kv_write(cache->layers[layer], cache->num_slots, (int)cache->dtype, cache->row_bytes,
-                            cache->fp8_scales[layer], n, slots, c, r, (int)src, ctx->d_bad, ctx->stream);
+                            cache->fp8_scales[layer], n, slots, c, r, (int)src, ctx->d_bad, world, rank, ctx->stream);
   return e ? mla_cuda_fail(eb, fn, "kv write launch", e) : MLA_OK;
 #else
-  (void)layer, (void)n, (void)slots, (void)c, (void)r, (void)src;
+  (void)layer, (void)n, (void)slots, (void)c, (void)r, (void)src, (void)world, (void)rank;
   return mla_fail(eb, MLA_ERR_INTERNAL, "mla_kv_cache_write", "device cache without CUDA");
 #endif
 }
@@ -381,12 +381,17 @@ typedef struct write_job {
   const void *r;        /* [T, 64] */
   mla_dtype src_dtype;
   int64_t num_buckets;
+  int world, rank;      /* > 1: slots are global, rows of other ranks skipped */
 } write_job;
 
 /* Row t of the job into its slot. */
 static void write_one(const write_job *j, int t) {
   mla_kv_cache *cache = j->cache;
   int64_t slot = j->slots[t];
+  if (j->world > 1) {
+    if (slot % j->world != j->rank) return;
+    slot /= j->world;
+  }
   if (j->src_dtype == cache->dtype) {
     /* 16-bit source into the same 16-bit cache: bits as given. */
     unsigned char *row = cache->layers[j->layer] + (size_t)slot * cache->row_bytes;
@@ -428,11 +433,11 @@ mla_status mla_kv_cache_write(mla_kv_cache *cache, int layer, int num_tokens,
   MLA_REQUIRE_PTR(eb, slots);
   MLA_REQUIRE_PTR(eb, c);
   MLA_REQUIRE_PTR(eb, r);
-  if (cache->on_device) return device_write(cache, layer, num_tokens, slots, c, r, src_dtype);
+  if (cache->on_device) return device_write(cache, layer, num_tokens, slots, c, r, src_dtype, 1, 0);
   st = check_slots(eb, __func__, "slots", cache, num_tokens, slots);
   if (st != MLA_OK) return st;
 
-  write_job j = {cache, layer, num_tokens, slots, c, r, src_dtype, 1};
+  write_job j = {cache, layer, num_tokens, slots, c, r, src_dtype, 1, 1, 0};
   int workers = mla_ctx_workers(cache->ctx);
   if (num_tokens < PARALLEL_MIN_ROWS || workers == 1) {
     for (int t = 0; t < num_tokens; t++) write_one(&j, t);
@@ -440,6 +445,35 @@ mla_status mla_kv_cache_write(mla_kv_cache *cache, int layer, int num_tokens,
     j.num_buckets = (int64_t)workers * 8;
     mla_parallel_for(cache->ctx, j.num_buckets, 1, write_bucket_range, &j);
   }
+  return MLA_OK;
+}
+
+mla_status mla_kv_cache_write_shard(mla_kv_cache *cache, int layer, int num_tokens,
+                                    const int32_t *global_slots /* [T] */, const void *c /* [T, 512] */,
+                                    const void *r /* [T, 64] */, mla_dtype src_dtype, int world, int rank) {
+  if (!cache) return MLA_ERR_INVALID_ARGUMENT;
+  mla_errbuf *eb = &cache->err;
+  MLA_REQUIRE(eb, world >= 1 && world <= 64 && mla_is_pow2(world) && rank >= 0 && rank < world,
+              MLA_ERR_INVALID_ARGUMENT, "world = %d, rank = %d: expected a power of two 1..64 and 0..world-1",
+              world, rank);
+  MLA_REQUIRE(eb, layer >= 0 && layer < cache->num_layers, MLA_ERR_OUT_OF_RANGE,
+              "layer = %d, expected 0..%d", layer, cache->num_layers - 1);
+  MLA_REQUIRE(eb, num_tokens >= 0, MLA_ERR_INVALID_ARGUMENT, "num_tokens = %d, expected >= 0", num_tokens);
+  mla_status st = check_act_dtype(eb, __func__, "src_dtype", src_dtype);
+  if (st != MLA_OK) return st;
+  if (num_tokens == 0) return MLA_OK;
+  MLA_REQUIRE_PTR(eb, global_slots);
+  MLA_REQUIRE_PTR(eb, c);
+  MLA_REQUIRE_PTR(eb, r);
+  if (cache->on_device) return device_write(cache, layer, num_tokens, global_slots, c, r, src_dtype, world, rank);
+  for (int t = 0; t < num_tokens; t++) {
+    const int32_t g = global_slots[t];
+    MLA_REQUIRE(eb, g >= 0 && (g % world != rank || g / world < cache->num_slots), MLA_ERR_OUT_OF_RANGE,
+                "global_slots[%d] = %d: negative, or local slot %d outside this rank's %lld", t, (int)g,
+                (int)(g / world), (long long)cache->num_slots);
+  }
+  write_job j = {cache, layer, num_tokens, global_slots, c, r, src_dtype, 1, world, rank};
+  for (int t = 0; t < num_tokens; t++) write_one(&j, t);
   return MLA_OK;
 }
 

@@ -53,12 +53,17 @@ __global__ void __launch_bounds__(kThreads) kv_write_kernel(unsigned char *layer
                                                             int cache_dtype, size_t row_bytes,
                                                             float fp8_scale, const int32_t *slots,
                                                             const void *c, const void *r, int src_dtype,
-                                                            int *bad) {
+                                                            int *bad, int world, int rank) {
   __shared__ float red_amax[4];
   __shared__ int red_nan[4];
   const int64_t t = blockIdx.x;
   const int tid = threadIdx.x;
-  const int32_t slot = slots[t];
+  int32_t slot = slots[t];
+  // Context parallel (world > 1): a global slot; only this rank's rows, at slot / world.
+  if (world > 1 && slot >= 0) {
+    if (slot % world != rank) return;
+    slot /= world;
+  }
   if (slot < 0 || slot >= num_slots) {  // checked per row: the host cannot see device slots
     if (tid == 0) atomicAdd(bad, 1);
     return;
@@ -149,11 +154,11 @@ __global__ void __launch_bounds__(kThreads) kv_read_kernel(const unsigned char *
 
 extern "C" int mla_cuda_kv_write(void *layer, int64_t num_slots, int cache_dtype, size_t row_bytes,
                                  float fp8_scale, int num_tokens, const int32_t *slots, const void *c,
-                                 const void *r, int src_dtype, int *bad, void *stream) {
+                                 const void *r, int src_dtype, int *bad, int world, int rank, void *stream) {
   if (num_tokens <= 0) return 0;
   kv_write_kernel<<<num_tokens, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<unsigned char *>(layer), num_slots, cache_dtype, row_bytes, fp8_scale, slots, c, r,
-      src_dtype, bad);
+      src_dtype, bad, world, rank);
   return static_cast<int>(cudaGetLastError());
 }
 

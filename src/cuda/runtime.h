@@ -44,7 +44,7 @@ int mla_cuda_is_device_ptr(const void *p);
  * int32; out-of-range slots are skipped and counted into *bad (device int). */
 int mla_cuda_kv_write(void *layer, int64_t num_slots, int cache_dtype, size_t row_bytes, float fp8_scale,
                       int num_tokens, const int32_t *slots, const void *c, const void *r, int src_dtype,
-                      int *bad, void *stream);
+                      int *bad, int world, int rank, void *stream); /* world > 1: global slots, this rank's rows */
 int mla_cuda_kv_read(const void *layer, int64_t num_slots, int cache_dtype, size_t row_bytes,
                      float fp8_scale, int num_tokens, const int32_t *slots, void *c, void *r, int dst_dtype,
                      int *bad, void *stream);
