@@ -1739,7 +1739,10 @@ class Backend(_Handle):
     forward() (new_slots too) is device memory, and the calls follow torch's
     current stream. CUDA graphs: graph_init() once, graph_inputs() (the fixed
     request-id / length buffers), then per step write them, sync() outside
-    the graph, graph_step() + forward() per layer inside it.
+    the graph, graph_step() + forward() per layer inside it. Multi-step draft
+    decode over the same inputs: draft_init() once, then draft_prepare()
+    (every step's metadata) and, per step, draft_select(i) + forward() per
+    layer. step_metadata(): the device-built step's arrays.
     """
 
     _LAST_ERROR = "mla_backend_last_error"
@@ -1798,6 +1801,7 @@ class Backend(_Handle):
         self.graph_max_bs = None  # set by graph_init
         self.graph_max_draft_tokens = None
         self._graph_inputs = None
+        self.draft_max_steps = None  # set by draft_init
 
     def close(self):
         h, self._h = getattr(self, "_h", None), None
@@ -1906,6 +1910,68 @@ class Backend(_Handle):
         self._tq = p.num_q_tokens
         self._plan = p
         return p
+
+    # -- multi-step draft decode (mla_backend_draft_*), over the graph inputs
+
+    def draft_init(self, max_steps):
+        """Allocate the draft workspace (once, after graph_init): up to max_steps (1..16) draft
+        steps of up to graph_max_bs rows each."""
+        if self._cuda:
+            self._follow_stream()
+        self._check(_c.mla_backend_draft_init(self.handle, int(max_steps)), "mla_backend_draft_init")
+        self.draft_max_steps = int(max_steps)
+
+    def draft_prepare(self, batch_size, num_steps):
+        """Build the metadata of num_steps DECODE draft steps at once from the graph inputs'
+        first batch_size rows (seq_lens: the lengths before drafting; step i attends
+        seq_len + i + 1 keys, so every request must already hold those positions). Enqueued
+        on CUDA, like graph_step: capture it with the steps' forward() calls. Step 0 is
+        selected. Returns the DevicePlan (num_steps, step: the selected step)."""
+        self._generation += 1
+        self._plan = None
+        if self._cuda:
+            self._follow_stream()
+        self._check(_c.mla_backend_draft_prepare(self.handle, int(batch_size), int(num_steps)),
+                    "mla_backend_draft_prepare")
+        p = DevicePlan(Mode.DECODE, batch_size, 0, self, self._generation, graph=True)
+        p.num_steps, p.step = int(num_steps), 0
+        self._uses_mha = self._chunked = False
+        self._tq = p.num_q_tokens
+        self._plan = p
+        return p
+
+    def draft_select(self, step):
+        """Make forward() run draft step `step` (0..num_steps-1) of the last draft_prepare: host
+        state only, so each step's forward calls can be captured after it."""
+        self._check(_c.mla_backend_draft_select(self.handle, int(step)), "mla_backend_draft_select")
+        if self._plan is not None:
+            self._plan.step = int(step)
+
+    def step_metadata(self):
+        """The metadata of the step built on the device (a CUDA decode-type plan, a graph step,
+        or the selected draft step) as a StepMetadata: views into the backend's workspace
+        (read-only numpy on a CPU context, torch int32 CUDA tensors on a CUDA one, which needs
+        torch imported), overwritten by the next step built there. MLAError (ERR_BAD_STATE)
+        when the current plan is a host plan."""
+        m = _lib.StepMetadata()
+        self._check(_c.mla_backend_step_metadata(self.handle, _byref(m)),
+                    "mla_backend_step_metadata")
+        return StepMetadata(self, m)
+
+    def _ws_view(self, ptr, shape):
+        """An int32 view of library-owned workspace memory (what StepMetadata asks for)."""
+        if not self._cuda:
+            return _view_i32(ptr, shape, self)
+        n = 1
+        for d in shape:
+            n *= d
+        if n == 0 or not ptr:
+            torch = sys.modules.get("torch")
+            if torch is None:
+                raise ValueError("library-owned device buffers are handed out as torch tensors: "
+                                 "import torch first")
+            return torch.empty(shape, dtype=torch.int32, device="cuda:%d" % self.ctx.device_id)
+        return wrap_device_memory(ptr, shape, "i32", self.ctx.device_id, self)
 
     def sync(self):
         """Bring the device copy of the request table up to date (enqueued on the current

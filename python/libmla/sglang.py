@@ -2,8 +2,8 @@
 
 The method names and arguments follow sglang's attention-backend interface
 (init_forward_metadata, forward_decode, forward_extend, the CUDA-graph
-init/capture/replay hooks, a multi-step draft backend with one plan per
-step) over plain tensors, so an engine author can map one onto the other.
+init/capture/replay hooks, a multi-step draft backend whose steps are built
+in one call) over plain tensors, so an engine author can map one onto the other.
 What differs, and why:
 
 * libmla owns the KV cache and req_to_token (its request table with a page
@@ -20,6 +20,9 @@ What differs, and why:
   hooks and calls run eagerly (what CI tests). Padding rows are REQ_PAD rows
   with seq_len 1 that read only the reserved page 0 (their new latent rows
   go to the dummy slot 0).
+* Multi-step drafts run over the C backend's draft steps
+  (mla_backend_draft_*) on the same fixed inputs: one prepare builds every
+  step, each step's forward selects its own.
 """
 
 import enum
@@ -579,12 +582,14 @@ class SglangMLABackend:
         return md
 
     def _absorbed(self, q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope, return_lse,
-                  out_cache_loc=None, out=None, lse=None):
-        md = self._meta()
-        T, H = md.num_q_tokens, self.num_heads
+                  out_cache_loc=None, out=None, lse=None, md=None):
+        # md given: a draft step's metadata, whose step the draft backend has selected already
         lid = _layer_id(layer)
-        if md.graph:
-            self._run_graph_step(lid)
+        if md is None:
+            md = self._meta()
+            if md.graph:
+                self._run_graph_step(lid)
+        T, H = md.num_q_tokens, self.num_heads
         new = None
         if save_kv_cache and k is not None:
             loc = out_cache_loc if out_cache_loc is not None else forward_batch.out_cache_loc
@@ -679,136 +684,340 @@ class SglangMLABackend:
         return res.reshape(T, H * self.v_head_dim)
 
 
+def _nrows(x):
+    return int(x.shape[0]) if hasattr(x, "shape") else len(x)
+
+
 class _DraftStep:
-    """Step i of a multi-step draft: its own plan over the shared cache."""
+    """Step i of a multi-step draft (sglang: attn_backends[i]): its forward runs the C
+    backend's draft step i (mla_backend_draft_select) of the metadata that the parent built
+    for every step at once (mla_backend_draft_prepare)."""
 
     def __init__(self, parent, step):
         self.parent = parent
         self.step = step
-        self.planner = Planner(parent.base.ctx, max_bs=parent.base.max_bs,
-                               max_q_tokens=parent.base.max_bs,
-                               max_kv_tokens=parent.base.max_bs * parent.base.max_context_len,
-                               max_context=parent.base.max_context_len,
-                               page_size=parent.base.page_size)
         self.forward_metadata = None
+        self._planner = None
+
+    @property
+    def planner(self):
+        """CPU contexts: the Planner of this step's host plan (built for inspection)."""
+        if self._planner is None:
+            b = self.parent.base
+            self._planner = Planner(b.ctx, max_bs=b.max_bs, max_q_tokens=b.max_bs,
+                                    max_kv_tokens=b.max_bs * b.max_context_len,
+                                    max_context=b.max_context_len, page_size=b.page_size)
+        return self._planner
 
     def forward_decode(self, q, k, v, layer, forward_batch=None, save_kv_cache=True, q_rope=None,
-                       k_rope=None, return_lse=False):
-        """Step i's decode: one query per request over keys [0, seq_len + i + 1); k is the
-        step's latent row per request, stored at forward_batch.out_cache_loc (or, when that
-        is None, at position seq_len + i of each request)."""
-        base = self.parent.base
-        md = self.forward_metadata
-        if md is None or not md.plan.valid:
-            raise ValueError("no forward metadata: call init_forward_metadata first")
+                       k_rope=None, return_lse=False, out=None, lse=None):
+        """Step i's decode: one query per row over keys [0, seq_len + i + 1). q [bs, H * 576]
+        (or q_nope [bs, H, 512] with q_rope [bs, H, 64]); k the step's latent row per row
+        [bs, 576] (or [bs, 512] with k_rope [bs, 64]), stored at forward_batch.out_cache_loc
+        first (padding rows: slot 0), or, without one, at position seq_len + i of each
+        request (known on the host only: CPU contexts and CUDA eager steps given host rows;
+        a CUDA graph pass needs out_cache_loc as a device tensor). v is unused. out / lse:
+        optional outputs (fixed buffers under a CUDA graph). Returns o [bs, H * 512] (and
+        lse [bs, H] with return_lse or lse=)."""
+        par = self.parent
+        lid = _layer_id(layer)
+        md = par._enter(self.step, lid)
         loc = getattr(forward_batch, "out_cache_loc", None) if forward_batch is not None else None
         if loc is None and save_kv_cache and k is not None:
-            loc = self.parent.step_slots(self.step)
-        # The functional path over the shared cache: the base backend holds one plan (its
-        # own step's), each draft step holds its own.
-        return self._run(base, q, k, layer, save_kv_cache, q_rope, k_rope, return_lse, loc)
+            loc = par.step_slots(self.step)
+        return par.base._absorbed(q, k, lid, None, save_kv_cache, q_rope, k_rope, return_lse,
+                                  out_cache_loc=loc, out=out, lse=lse, md=md)
 
-    def _run(self, base, q, k, layer, save_kv_cache, q_rope, k_rope, return_lse, loc):
-        p = self.forward_metadata.plan
-        T, H = p.num_q_tokens, base.num_heads
-        lid = _layer_id(layer)
-        if save_kv_cache and k is not None:
-            c, r = base._split_latent(k, k_rope)
-            base.cache.write(lid, _host(loc), c, r, dtype=base.dtype)
-        if q_rope is not None:
-            q_nope, q_r = q.reshape(T, H, _lib.LATENT), q_rope.reshape(T, H, _lib.ROPE)
-        else:
-            qall = q.reshape(T, H, _lib.ROW)
-            q_nope, q_r = qall[:, :, :_lib.LATENT], qall[:, :, _lib.LATENT:]
-        res = attention_absorbed(base.ctx, base.cache, lid, p, q_nope, q_r, scale=base.scaling,
-                                 return_lse=return_lse, dtype=base.dtype)
-        if return_lse:
-            return res[0].reshape(T, H * _lib.LATENT), res[1]
-        return res.reshape(T, H * _lib.LATENT)
+    def step_metadata(self):
+        """This step's device-built metadata (see SglangMLAMultiStepDraftBackend.step_metadata)."""
+        return self.parent.step_metadata(self.step)
 
 
 class SglangMLAMultiStepDraftBackend:
-    """Multi-step draft decode (EAGLE / MTP, topk = 1): one plan per step over the base
-    backend's cache and request table, like sglang's list of per-step backends.
+    """Multi-step draft decode (EAGLE / MTP, topk = 1) over the base backend's cache and
+    request table, shaped like sglang's multi-step draft backends: attn_backends[i] is step
+    i's backend (forward_decode), init_forward_metadata builds every step's metadata in one
+    call, and the CUDA-graph hooks work over the same fixed inputs.
 
-    Before init_forward_metadata, every request must hold its num_steps draft
-    positions (extend it by num_steps: step i's token sits at position
-    seq_len + i). Step i attends to keys [0, seq_len + i + 1).
+    It runs on the C backend's draft steps (mla_backend_draft_*): the base backend's graph
+    inputs (request ids, lengths before drafting; allocated on first use at the base's full
+    max_bs with its num_draft_tokens, unless base.init_cuda_graph_state made them first) and
+    a draft workspace for speculative_num_steps steps (1..16). init_forward_metadata writes
+    the rows there and runs mla_backend_draft_prepare at once; each step's forward selects
+    its step (mla_backend_draft_select), then runs the layer. Under the CUDA-graph hooks the
+    prepare runs instead at the first forward call of each pass (step and layer of the first
+    call after the hook), so a captured pass records it and each replay rebuilds every
+    step's metadata from the inputs the replay hook wrote.
+
+    Before init_forward_metadata (or a replay), every request must hold its num_steps draft
+    positions (extend it by num_steps: step i's token sits at position seq_len + i). Step i
+    attends keys [0, seq_len + i + 1); a padding row (REQ_PAD, seq_len 1) reads i + 2 keys
+    of the reserved page 0. On a CPU context each step's forward_metadata.plan is also a host
+    plan of that step (for inspection; the rows are checked against it before the inputs are
+    written), and draft_plan the one-call mla_draft_plan of the batch (host_draft_plan,
+    default on CPU only; eager batches without padding rows). Another plan on the base
+    backend in between makes an eager draft's metadata stale (ValueError: call
+    init_forward_metadata again); a graph pass rebuilds it.
     """
 
-    def __init__(self, base, speculative_num_steps, topk=1):
+    def __init__(self, base, speculative_num_steps, topk=1, *, host_draft_plan=None):
         if topk != 1:
             raise ValueError("topk = %d: the multi-step draft backend supports topk = 1" % topk)
+        n = int(speculative_num_steps)
+        if not 1 <= n <= 16:
+            raise ValueError("speculative_num_steps = %d, expected 1..16" % n)
         self.base = base
         self.topk = topk
-        self.speculative_num_steps = int(speculative_num_steps)
-        self.attn_backends = [_DraftStep(self, i) for i in range(self.speculative_num_steps)]
-        self.draft_planner = DraftPlanner(base.ctx, max_bs=base.max_bs,
-                                          num_steps=self.speculative_num_steps,
-                                          max_context=base.max_context_len)
+        self.speculative_num_steps = n
+        self.attn_backends = [_DraftStep(self, i) for i in range(n)]
+        self.host_draft_plan = (not base.is_cuda) if host_draft_plan is None \
+            else bool(host_draft_plan)
+        self.draft_planner = DraftPlanner(base.ctx, max_bs=base.max_bs, num_steps=n,
+                                          max_context=base.max_context_len) \
+            if self.host_draft_plan else None
         self.draft_plan = None
-        self._req = self._seq = None
         self.cuda_graph_max_bs = None
+        self.cuda_graph_req_pool_indices = self.cuda_graph_seq_lens = None
+        self._bs = 0  # rows of the current metadata (0: none)
+        self._graph = False  # set by the CUDA-graph hooks: prepare at each pass's first call
+        self._first = None  # (step, layer) of the first forward call after a graph hook
+        self._plan = None  # the backend's DevicePlan of the last draft_prepare run from here
+        self._req = self._seq = None  # host rows, where known
 
-    def init_forward_metadata(self, forward_batch=None, *, req_pool_indices=None, seq_lens=None):
+    # ---- buffers ----------------------------------------------------------------------------
+
+    def _buffers(self):
+        """The base backend's graph inputs, after making sure the graph and draft buffers
+        exist."""
+        b, be = self.base, self.base.backend
+        if be.graph_max_bs is None:
+            # Only what the base would ask for itself: every row, its verify window.
+            be.graph_init(b.max_bs, min(b.num_draft_tokens, 64))
+        if be.draft_max_steps is None:
+            be.draft_init(self.speculative_num_steps)
+        elif be.draft_max_steps < self.speculative_num_steps:
+            raise ValueError("speculative_num_steps = %d: the backend's draft buffers hold %d "
+                             "steps (they are allocated once)"
+                             % (self.speculative_num_steps, be.draft_max_steps))
+        return be.graph_inputs()
+
+    def _host_plans(self, rid, sl):
+        """CPU: each step's host plan (step i: seq_len + i + 1 keys, padding rows too, as the
+        draft steps do). Raises MLAError for a row the steps cannot take (not live, too few
+        positions) before anything is written."""
+        H = self.base.num_heads
+        return [st.planner.build(self.base.req_table, Mode.DECODE, rid,
+                                 (sl + i + 1).astype(np.int32), num_heads=H)
+                for i, st in enumerate(self.attn_backends)]
+
+    def _set(self, bs, rid, sl, graph, padded, plans):
+        self._bs, self._req, self._seq = bs, rid, sl
+        self._graph, self._first, self._plan = graph, None, None
+        for i, st in enumerate(self.attn_backends):
+            p = plans[i] if plans is not None else DevicePlan(Mode.DECODE, bs, 0, graph=True)
+            st.forward_metadata = MLAMetadata(Mode.DECODE, p, False, padded, graph=True)
+
+    def _write_host(self, bs, rid, sl):
+        """CPU: the rows into the fixed inputs; returns what was there (to restore)."""
+        ids, seq = self.base.backend.graph_inputs()
+        old = (ids[:bs].copy(), seq[:bs].copy())
+        ids[:bs], seq[:bs] = rid, sl
+        return old
+
+    def _require_rows(self, bs):
+        lim = self.base.backend.graph_max_bs
+        if bs < 1 or bs > lim:
+            raise ValueError("batch size %d: the draft steps take 1..%d rows (the backend's graph "
+                             "inputs)" % (bs, lim))
+
+    # ---- metadata ---------------------------------------------------------------------------
+
+    def init_forward_metadata(self, forward_batch=None, *, req_pool_indices=None, seq_lens=None,
+                              seq_lens_cpu=None):
+        """Build every step's metadata in one call (mla_backend_draft_prepare) for the batch
+        (req_pool_indices, seq_lens before drafting; REQ_PAD rows are padding, seq_len 1).
+        Takes a ForwardBatch-like object or the fields as keywords. On CUDA, CUDA tensors are
+        copied into the inputs on the device (no host sync); host arrays are copied up."""
         fb = forward_batch
-        rid = _host(req_pool_indices if req_pool_indices is not None else fb.req_pool_indices)
-        sl = _host(seq_lens if seq_lens is not None else _field(fb, "seq_lens"))
-        self._build(rid, sl)
-
-    def _build(self, rid, sl):
-        self._req, self._seq = rid, sl
-        real = rid != _lib.REQ_PAD
-        for i, step in enumerate(self.attn_backends):
-            p = step.planner.build(self.base.req_table, Mode.DECODE, rid,
-                                   np.where(real, sl + i + 1, sl).astype(np.int32),
-                                   num_heads=self.base.num_heads)
-            step.forward_metadata = MLAMetadata(Mode.DECODE, p, False,
-                                                int(np.count_nonzero(~real)))
-        if real.all() and rid.shape[0]:
-            # FlashInfer-style metadata of every step in one call (kv_indptr [steps, bs+1]).
-            self.draft_plan = self.draft_planner.build(self.base.req_table, rid, sl)
+        ids_src = req_pool_indices if req_pool_indices is not None else \
+            getattr(fb, "req_pool_indices", None)
+        if seq_lens is None and seq_lens_cpu is None and fb is not None:
+            seq_lens = getattr(fb, "seq_lens", None)
+            seq_lens_cpu = getattr(fb, "seq_lens_cpu", None)
+        if ids_src is None or (seq_lens is None and seq_lens_cpu is None):
+            raise ValueError("init_forward_metadata: req_pool_indices and seq_lens are required")
+        bs = _nrows(ids_src)
+        self._buffers()
+        self._require_rows(bs)
+        base, be = self.base, self.base.backend
+        self._bs = 0
+        self.draft_plan = None
+        if not base.is_cuda:
+            rid = _host(ids_src)
+            sl = _host(seq_lens_cpu if seq_lens_cpu is not None else seq_lens)
+            if sl.shape[0] != bs:
+                raise ValueError("seq_lens: %d rows, req_pool_indices has %d" % (sl.shape[0], bs))
+            plans = self._host_plans(rid, sl)
+            old = self._write_host(bs, rid, sl)
+            try:
+                p = be.draft_prepare(bs, self.speculative_num_steps)
+            except Exception:
+                self._write_host(bs, old[0], old[1])
+                raise
+            padded = int(np.count_nonzero(rid == _lib.REQ_PAD))
         else:
-            self.draft_plan = None
+            on_dev = getattr(seq_lens, "is_cuda", False)
+            seq_src = seq_lens if on_dev or seq_lens_cpu is None else seq_lens_cpu
+            if _nrows(seq_src) != bs:
+                raise ValueError("seq_lens: %d rows, req_pool_indices has %d"
+                                 % (_nrows(seq_src), bs))
+            base._write_device_inputs(bs, ids_src, seq_src, None)
+            plans = None
+            # host copies of the rows where they come without a device sync
+            rid = None if getattr(ids_src, "is_cuda", False) else _host(ids_src)
+            host_sl = seq_lens_cpu if seq_lens_cpu is not None else (None if on_dev else seq_lens)
+            sl = _host(host_sl)
+            padded = int(np.count_nonzero(rid == _lib.REQ_PAD)) if rid is not None else 0
+            be.sync()
+            p = be.draft_prepare(bs, self.speculative_num_steps)
+        self._set(bs, rid, sl, False, padded, plans)
+        self._plan = p
+        if self.host_draft_plan and rid is not None and sl is not None and \
+                not (rid == _lib.REQ_PAD).any():
+            # FlashInfer-style metadata of every step in one call (kv_indptr [steps, bs+1]).
+            self.draft_plan = self.draft_planner.build(base.req_table, rid, sl)
+        return self.attn_backends[0].forward_metadata
+
+    def _enter(self, i, lid):
+        """Before step i's layer lid: (graph passes) build every step at the pass's first
+        call, then select step i. Returns the step's metadata."""
+        if self._bs == 0:
+            raise ValueError("no forward metadata: call init_forward_metadata first")
+        be = self.base.backend
+        if self._graph:
+            key = (i, lid)
+            if self._first is None:
+                self._first = key
+            if key == self._first or self._plan is None or be._plan is not self._plan:
+                self._plan = be.draft_prepare(self._bs, self.speculative_num_steps)
+        elif self._plan is None or be._plan is not self._plan:
+            raise ValueError("stale draft metadata: the backend built another step since "
+                             "init_forward_metadata (call it again)")
+        if self._plan.step != i:
+            be.draft_select(i)
+        return self.attn_backends[i].forward_metadata
 
     def step_slots(self, i):
-        """Slots of step i's tokens (position seq_len + i of each request; 0 for padding)."""
+        """Slots of step i's tokens (position seq_len + i of each request; 0 for padding),
+        host int32, from the host rows of the last metadata call."""
+        if self._bs == 0:
+            raise ValueError("no forward metadata: call init_forward_metadata first")
+        if self._req is None or self._seq is None or (self._graph and self.base.is_cuda):
+            raise ValueError("the rows are not known on the host here: pass "
+                             "forward_batch.out_cache_loc (a device tensor under a CUDA graph)")
         rt = self.base.req_to_token
-        out = np.zeros(self._req.shape[0], np.int32)
+        out = np.zeros(self._bs, np.int32)
         for j, (r, s) in enumerate(zip(self._req, self._seq)):
             if r != _lib.REQ_PAD:
                 out[j] = rt[r, s + i]
         return out
 
+    def step_metadata(self, step):
+        """Step `step`'s metadata as the library built it (Backend.step_metadata: qo_indptr,
+        kv_lens, block_table, sched_meta, num_splits; numpy views on the CPU, torch int32
+        tensors on CUDA, valid until the next prepare). Selects that step. After a graph hook
+        it builds the steps from the inputs first unless a pass did (on CUDA: enqueued on
+        the current stream, outside the graph, e.g. after a replay: the same metadata as
+        the replay's)."""
+        be = self.base.backend
+        if self._bs == 0:
+            raise ValueError("no forward metadata: call init_forward_metadata first")
+        if self._plan is None or be._plan is not self._plan:
+            if not self._graph:
+                raise ValueError("stale draft metadata: the backend built another step since "
+                                 "init_forward_metadata (call it again)")
+            self._plan = be.draft_prepare(self._bs, self.speculative_num_steps)
+        be.draft_select(step)
+        return be.step_metadata()
+
+    # ---- CUDA graphs ------------------------------------------------------------------------
+
     def init_cuda_graph_state(self, max_bs, max_num_tokens):
+        """Make sure the fixed inputs (shared with the base backend: cuda_graph_req_pool_indices
+        / cuda_graph_seq_lens) and the draft workspace exist, for batches up to max_bs rows."""
         if max_bs > self.base.max_bs:
-            raise ValueError("init_cuda_graph_state: max_bs %d exceeds %d" % (max_bs, self.base.max_bs))
+            raise ValueError("init_cuda_graph_state: max_bs %d exceeds %d"
+                             % (max_bs, self.base.max_bs))
+        ids, seq = self._buffers()
+        lim = self.base.backend.graph_max_bs
+        if max_bs > lim:
+            raise ValueError("init_cuda_graph_state: the graph buffers exist for max_bs %d (they "
+                             "are allocated once)" % lim)
         self.cuda_graph_max_bs = int(max_bs)
+        self.cuda_graph_req_pool_indices, self.cuda_graph_seq_lens = ids, seq
 
     def init_forward_metadata_capture_cuda_graph(self, forward_batch=None, *, bs=None):
+        """Capture-time metadata (outside the graph, before the warm-up and captured passes):
+        rows [0, bs) of the inputs become padding rows; each pass's first forward call then
+        runs the draft prepare (recorded by a capture)."""
         bs = bs if bs is not None else forward_batch.batch_size
         self._require(bs)
-        self._build(np.full(bs, _lib.REQ_PAD, np.int32), np.ones(bs, np.int32))
+        base = self.base
+        ids, seq = base.backend.graph_inputs()
+        rid, sl = np.full(bs, _lib.REQ_PAD, np.int32), np.ones(bs, np.int32)
+        if base.is_cuda:
+            ids[:bs].fill_(_lib.REQ_PAD)
+            seq[:bs].fill_(1)
+            plans = None
+        else:
+            plans = self._host_plans(rid, sl)
+            ids[:bs], seq[:bs] = rid, sl
+        base.backend.sync()
+        self.draft_plan = None
+        self._set(bs, rid, sl, True, bs, plans)
+        return self.attn_backends[0].forward_metadata
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch=None, bs=None, *,
                                                 req_pool_indices=None, seq_lens=None,
-                                                num_real=None):
+                                                seq_lens_cpu=None, num_real=None):
+        """Replay-time metadata for a captured size bs (outside the graph, before replay()):
+        the real rows go into the inputs, rows past num_real (or past the given arrays)
+        become padding rows, and the request table's device copy is synced. On CUDA, CUDA
+        tensors are copied on the device (no host sync; seq_lens is preferred over
+        seq_lens_cpu then); on the CPU the rows are checked first (MLAError, inputs
+        untouched)."""
         fb = forward_batch
-        rid = _host(req_pool_indices if req_pool_indices is not None else fb.req_pool_indices)
-        sl = _host(seq_lens if seq_lens is not None else _field(fb, "seq_lens"))
-        bs = bs if bs is not None else rid.shape[0]
+        ids_src = req_pool_indices if req_pool_indices is not None else fb.req_pool_indices
+        if seq_lens is None and seq_lens_cpu is None and fb is not None:
+            seq_lens = getattr(fb, "seq_lens", None)
+            seq_lens_cpu = getattr(fb, "seq_lens_cpu", None)
+        bs = bs if bs is not None else _nrows(ids_src)
         self._require(bs)
-        if num_real is not None:
-            rid, sl = rid[:num_real], sl[:num_real]
-        n = bs - rid.shape[0]
-        if n > 0:
-            rid = np.concatenate([rid, np.full(n, _lib.REQ_PAD, np.int32)])
-            sl = np.concatenate([sl, np.ones(n, np.int32)])
-        self._build(rid.astype(np.int32), sl.astype(np.int32))
+        base = self.base
+        if base.is_cuda:
+            on_dev = getattr(seq_lens, "is_cuda", False)
+            seq_src = seq_lens if on_dev or seq_lens_cpu is None else seq_lens_cpu
+            padded = base._write_device_inputs(bs, ids_src, seq_src, num_real)
+            rid = sl = plans = None
+        else:
+            b, padded = base._batch_from(None, Mode.DECODE, ids_src,
+                                         seq_lens_cpu if seq_lens_cpu is not None else seq_lens,
+                                         None, None, 0, pad_to=bs, num_real=num_real)
+            if b.bs != bs:
+                raise ValueError("replay: %d rows for a graph of batch size %d" % (b.bs, bs))
+            rid, sl = b.keep[0], b.keep[1]
+            plans = self._host_plans(rid, sl)  # checks the rows first
+            self._write_host(bs, rid, sl)
+        base.backend.sync()
+        self.draft_plan = None
+        self._set(bs, rid, sl, True, padded, plans)
+        return self.attn_backends[0].forward_metadata
 
     def _require(self, bs):
         if self.cuda_graph_max_bs is None:
             raise ValueError("call init_cuda_graph_state first")
+        if bs < 1:
+            raise ValueError("bs = %d: a draft graph has at least one row" % bs)
         if bs > self.cuda_graph_max_bs:
             raise ValueError("bs = %d exceeds the graph state's max_bs = %d"
                              % (bs, self.cuda_graph_max_bs))

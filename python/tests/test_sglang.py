@@ -255,7 +255,8 @@ def test_multi_step_draft(ctx, rng):
     draft.init_forward_metadata_capture_cuda_graph(bs=4)
     draft.init_forward_metadata_replay_cuda_graph(bs=4, req_pool_indices=reqs, seq_lens=seq)
     p = draft.attn_backends[1].forward_metadata.plan
-    assert p.batch_size == 4 and list(p.kv_lens) == [11, 35, 18, 1]
+    # a padding row (seq_len 1) reads i + 2 keys of page 0 at step i, as the library's steps do
+    assert p.batch_size == 4 and list(p.kv_lens) == [11, 35, 18, 3]
     with pytest.raises(ValueError, match="topk"):
         libmla.SglangMLAMultiStepDraftBackend(be, 2, topk=2)
 
@@ -514,3 +515,305 @@ def test_backend_graph_calls(ctx, rng):
     with pytest.raises(libmla.MLAError) as e:
         be.graph_step("decode", 1)
     assert e.value.status == libmla.Status.ERR_OUT_OF_RANGE
+
+
+def _check_step_metadata(sm, hp, what):
+    """The library's step metadata (views) against the host plan of the same step."""
+    assert sm.batch_size == hp.batch_size and sm.q_len == 1, what
+    assert not sm.kv_lens.flags.writeable, what
+    np.testing.assert_array_equal(sm.kv_lens, hp.kv_lens, err_msg=what)
+    np.testing.assert_array_equal(sm.qo_indptr, np.arange(hp.batch_size + 1), err_msg=what)
+    w = hp.block_table.shape[1]
+    np.testing.assert_array_equal(sm.block_table[:, :w], hp.block_table, err_msg=what)
+    assert (sm.block_table[:, w:] == libmla.BLOCK_TABLE_PAD).all(), what
+    np.testing.assert_array_equal(sm.num_splits, hp.num_splits, err_msg=what)
+    np.testing.assert_array_equal(sm.sched_meta, hp.sched_meta, err_msg=what)
+
+
+def test_multi_step_draft_rounds_match_plain_decode(ctx, rng):
+    """The draft backend over the C draft steps (one mla_backend_draft_prepare for every
+    step, a select per step), eagerly (init_forward_metadata) and through the CUDA-graph
+    hooks run eagerly on the CPU, over rounds with requests joining and leaving, padded
+    batches and random acceptance: every step's output on the real rows equals a plain
+    SglangMLABackend decode of the same padded batch with seq_len + i + 1 on a twin backend
+    bit for bit, the library's step metadata equals the host plan, and the real rows are
+    close to the float64 reference."""
+    graph, eager = _graph_pair(ctx)
+    m = Model(eager, rng)
+    L, STEPS, BUCKETS = 2, 3, (2, 4, 6)
+    draft = libmla.SglangMLAMultiStepDraftBackend(graph, speculative_num_steps=STEPS)
+    assert len(draft.attn_backends) == STEPS
+    draft.init_cuda_graph_state(6, 6)
+    ids, seq = draft.cuda_graph_req_pool_indices, draft.cuda_graph_seq_lens
+    assert ids is graph.backend.graph_inputs()[0] and ids.shape == (6,)
+    # capture per bucket: the hook, then two passes ("warm-up" + "captured") over every
+    # step and layer; each pass begins with the draft prepare
+    for bs in BUCKETS:
+        md = draft.init_forward_metadata_capture_cuda_graph(bs=bs)
+        assert md.graph and md.padded_rows == bs and md.num_q_tokens == bs
+        assert list(ids[:bs]) == [libmla.REQ_PAD] * bs and list(seq[:bs]) == [1] * bs
+        for _ in range(2):
+            for i, st in enumerate(draft.attn_backends):
+                for lid in range(L):
+                    q = rng.standard_normal((bs, H * 576)).astype(np.float32)
+                    k = rng.standard_normal((bs, 576)).astype(np.float32)
+                    fb = libmla.ForwardBatch("decode", ids[:bs], seq[:bs],
+                                             out_cache_loc=np.zeros(bs, np.int32))
+                    o = st.forward_decode(q, k, None, Layer(lid), fb)
+                    assert o.shape == (bs, H * 512) and np.isfinite(o).all()
+                    p = graph.backend.get_plan()
+                    assert p.graph and p.num_steps == STEPS and p.step == i and p.batch_size == bs
+    live, order = {}, []
+    mismatches, rounds, graph_rounds, padded_rounds, ref_checks = [], 0, 0, 0, 0
+    for rnd in range(10):
+        while len(order) < 2 or (len(order) < 6 and rng.uniform() < 0.35):
+            a = eager.alloc_req()
+            assert graph.alloc_req() == a
+            n = int(rng.integers(1, 110))
+            loc = eager.extend_req(a, n)
+            np.testing.assert_array_equal(graph.extend_req(a, n), loc)
+            for lid in range(L):
+                kv = m.latent(lid, loc)
+                eager.set_kv_buffer(lid, loc, kv)
+                graph.set_kv_buffer(lid, loc, kv)
+            live[a] = n
+            order.append(a)
+        if len(order) > 2 and rng.uniform() < 0.35:
+            rid = order.pop(int(rng.integers(0, len(order))))
+            eager.free_req(rid)
+            graph.free_req(rid)
+            del live[rid]
+        nreal = len(order)
+        bs = min(b for b in BUCKETS if b >= nreal)
+        if rnd == 3:
+            bs = 6  # at least one round with padding rows in each flow
+        graph_mode = rnd % 2 == 1
+        seq_real = [live[r] for r in order]
+        dslots = []  # the drafts' slots, allocated up front
+        for rid in order:
+            loc = eager.extend_req(rid, STEPS)
+            np.testing.assert_array_equal(graph.extend_req(rid, STEPS), loc)
+            dslots.append(loc)
+        ids_pad = np.array(order + [libmla.REQ_PAD] * (bs - nreal), np.int32)
+        seq_pad = np.array(seq_real + [1] * (bs - nreal), np.int32)
+        if graph_mode:  # sglang's padded replay arrays: id 0, seq 1 past the real rows
+            md = draft.init_forward_metadata_replay_cuda_graph(
+                bs=bs, req_pool_indices=np.array(order + [0] * (bs - nreal), np.int64),
+                seq_lens=seq_pad.astype(np.int64), num_real=nreal)
+            assert md.graph and draft.draft_plan is None
+            graph_rounds += 1
+        else:
+            md = draft.init_forward_metadata(libmla.ForwardBatch("decode", ids_pad, seq_pad))
+            assert (draft.draft_plan is None) == (bs > nreal)
+        assert md.padded_rows == bs - nreal and md.num_q_tokens == bs
+        np.testing.assert_array_equal(ids[:bs], ids_pad)
+        np.testing.assert_array_equal(seq[:bs], seq_pad)
+        padded_rounds += bs > nreal
+        for i, st in enumerate(draft.attn_backends):
+            hp = st.forward_metadata.plan  # CPU: the host plan of the step, for inspection
+            np.testing.assert_array_equal(hp.kv_lens, seq_pad + i + 1)
+            if draft.draft_plan is not None:  # the one-call host draft plan agrees
+                ip, ix = draft.draft_plan.step(i)
+                np.testing.assert_array_equal(ip, hp.kv_indptr)
+                np.testing.assert_array_equal(ix, hp.kv_indices)
+            loc_i = np.array([d[i] for d in dslots] + [0] * (bs - nreal), np.int32)
+            np.testing.assert_array_equal(draft.step_slots(i), loc_i)
+            # the twin: a plain decode of the same padded batch, step i's lengths
+            eager.init_forward_metadata(forward_mode="decode", req_pool_indices=ids_pad,
+                                        seq_lens=seq_pad + i + 1)
+            efb = libmla.ForwardBatch("decode", ids_pad, seq_pad + i + 1, out_cache_loc=loc_i)
+            dfb = libmla.ForwardBatch("decode", ids_pad, seq_pad, out_cache_loc=loc_i) \
+                if (rnd + i) % 3 else None  # None: the draft stores at step_slots(i)
+            for lid in range(L):
+                kv = m.latent(lid, loc_i)
+                q = rng.standard_normal((bs, H * 576)).astype(np.float32)
+                if (rnd + i + lid) % 2:  # sglang's [bs, H * 576] q, [bs, 576] k
+                    og, lg = st.forward_decode(q, kv, None, Layer(lid), dfb, return_lse=True)
+                    oe, le = eager.forward_decode(q, kv, None, Layer(lid), efb, return_lse=True)
+                else:  # q_nope + q_rope, k + k_rope; fixed output buffers
+                    q3 = q.reshape(bs, H, 576)
+                    qn = np.ascontiguousarray(q3[..., :512])
+                    qr = np.ascontiguousarray(q3[..., 512:])
+                    kc, kr = np.ascontiguousarray(kv[:, :512]), np.ascontiguousarray(kv[:, 512:])
+                    og = np.full((bs, H * 512), np.nan, np.float32)
+                    lg = np.full((bs, H), np.nan, np.float32)
+                    r = st.forward_decode(qn, kc, None, lid, dfb, q_rope=qr, k_rope=kr, out=og,
+                                          lse=lg)
+                    assert np.shares_memory(r[0], og) and r[1] is lg
+                    oe, le = eager.forward_decode(qn, kc, None, lid, efb, q_rope=qr, k_rope=kr,
+                                                  return_lse=True)
+                # Real rows: the same bits. Padding rows read page 0 only on both sides, but
+                # not the same keys (the step reads slots [0, i + 2) of page 0 through the
+                # block table, the host plan's kernel slot 0 i + 2 times through kv_indices).
+                if not (np.array_equal(og[:nreal], oe[:nreal]) and
+                        np.array_equal(lg[:nreal], le[:nreal])):
+                    mismatches.append((rnd, i, lid))
+                assert np.isfinite(og).all() and np.isfinite(lg).all()
+                if rnd % 3 == 0 or i == STEPS - 1:
+                    o_ref, l_ref = m.ref_absorbed(lid, q[:nreal], order, [1] * nreal,
+                                                  [s + i + 1 for s in seq_real], False)
+                    what = "draft round %d step %d layer %d" % (rnd, i, lid)
+                    ref.assert_close(og[:nreal], o_ref, *TOL["f32"], what=what)
+                    ref.assert_close(lg[:nreal], l_ref, 1e-4, 1e-5, what + " lse")
+                    ref_checks += 1
+            # the library's metadata of step i (this selects it; the next forward selects
+            # its own)
+            _check_step_metadata(st.step_metadata(), hp, "round %d step %d" % (rnd, i))
+        # accept a random number of each request's drafts, roll back the rest
+        for j, rid in enumerate(order):
+            n = seq_real[j] + int(rng.integers(0, STEPS + 1))
+            eager.truncate_req(rid, n)
+            graph.truncate_req(rid, n)
+            live[rid] = n
+        rounds += 1
+    assert not mismatches, "draft (round, step, layer) differing from plain decode: %s" % mismatches
+    assert rounds == 10 and graph_rounds == 5 and padded_rounds >= 1 and ref_checks >= 20
+
+
+def test_multi_step_draft_stale_rebuild_and_refusals(ctx, rng):
+    """An eager draft made stale by another plan on the same backend is refused; a graph
+    pass rebuilds every step at its first call (and after another plan). Rows the steps
+    cannot take are refused before the inputs are written; shape and state errors."""
+    be = _backend(ctx, max_bs=4)
+    m = Model(be, rng)
+    reqs = []
+    for n in (20, 45):
+        a = be.alloc_req()
+        loc = be.extend_req(a, n)
+        be.set_kv_buffer(0, loc, m.latent(0, loc))
+        reqs.append(a)
+    seq = [20, 45]
+    with pytest.raises(ValueError, match="topk"):
+        libmla.SglangMLAMultiStepDraftBackend(be, 2, topk=2)
+    for n in (0, 17):
+        with pytest.raises(ValueError, match="speculative_num_steps"):
+            libmla.SglangMLAMultiStepDraftBackend(be, n)
+    draft = libmla.SglangMLAMultiStepDraftBackend(be, 2)
+    q = rng.standard_normal((2, H * 576)).astype(np.float32)
+    with pytest.raises(ValueError, match="init_forward_metadata"):
+        draft.attn_backends[0].forward_decode(q, None, None, 0, save_kv_cache=False)
+    with pytest.raises(ValueError, match="init_forward_metadata"):
+        draft.step_metadata(0)
+    with pytest.raises(ValueError, match="init_cuda_graph_state"):
+        draft.init_forward_metadata_capture_cuda_graph(bs=2)
+    # the drafts' positions are not allocated yet: refused, the inputs untouched
+    with pytest.raises(libmla.MLAError):
+        draft.init_forward_metadata(req_pool_indices=reqs, seq_lens=seq)
+    ids, seq_in = be.backend.graph_inputs()  # made on first use, at the base's max_bs
+    assert be.backend.graph_max_bs == 4 and be.backend.draft_max_steps == 2
+    assert list(ids) == [libmla.REQ_PAD] * 4 and list(seq_in) == [1] * 4
+    for r in reqs:
+        loc = be.extend_req(r, 2)
+        be.set_kv_buffer(0, loc, m.latent(0, loc))  # the drafts' rows, stored up front here
+    with pytest.raises(ValueError, match="1..4 rows"):
+        draft.init_forward_metadata(req_pool_indices=reqs * 3, seq_lens=seq * 3)
+    draft.init_forward_metadata(req_pool_indices=reqs, seq_lens=seq)
+    o0 = draft.attn_backends[1].forward_decode(q, None, None, 0, save_kv_cache=False)
+    o_ref, _ = m.ref_absorbed(0, q, reqs, [1, 1], [22, 47], False)
+    ref.assert_close(o0, o_ref, *TOL["f32"], what="eager draft step 1")
+    # another plan on the same backend makes the eager draft metadata stale
+    be.init_forward_metadata(forward_mode="decode", req_pool_indices=reqs[:1], seq_lens=[20])
+    with pytest.raises(ValueError, match="stale"):
+        draft.attn_backends[1].forward_decode(q, None, None, 0, save_kv_cache=False)
+    with pytest.raises(ValueError, match="stale"):
+        draft.step_metadata(1)
+    # a second draft backend wanting more steps than the draft buffers hold
+    with pytest.raises(ValueError, match="allocated once"):
+        libmla.SglangMLAMultiStepDraftBackend(be, 3).init_forward_metadata(
+            req_pool_indices=reqs, seq_lens=seq)
+    # graph passes: the first call after the hook builds the steps, later calls of the same
+    # pass reuse them; another plan in between is rebuilt over
+    draft.init_cuda_graph_state(4, 4)
+    draft.init_forward_metadata_replay_cuda_graph(bs=2, req_pool_indices=reqs, seq_lens=seq)
+    np.testing.assert_array_equal(draft.step_metadata(1).kv_lens, [22, 47])  # built for it
+    os0 = draft.attn_backends[0].forward_decode(q, None, None, 0, save_kv_cache=False)  # first
+    ids[:2] = reqs[::-1]  # written behind the hook's back: this pass keeps what it built
+    seq_in[:2] = seq[::-1]
+    oa = draft.attn_backends[1].forward_decode(q, None, None, 0, save_kv_cache=False)
+    np.testing.assert_array_equal(oa, o0)
+    be.init_forward_metadata(forward_mode="decode", req_pool_indices=reqs[:1], seq_lens=[20])
+    ob = draft.attn_backends[1].forward_decode(q, None, None, 0, save_kv_cache=False)
+    o_ref, _ = m.ref_absorbed(0, q, reqs[::-1], [1, 1], [47, 22], False)
+    ref.assert_close(ob, o_ref, *TOL["f32"], what="a graph pass rebuilt after another plan")
+    ids[:2], seq_in[:2] = reqs, seq
+    os0b = draft.attn_backends[0].forward_decode(q, None, None, 0, save_kv_cache=False)
+    np.testing.assert_array_equal(os0b, os0)  # the first call again: a new pass, rebuilt
+    # a bad row through the replay hook: refused before the inputs are written
+    before = (ids.copy(), seq_in.copy())
+    for rid, s in ((7, 5), (reqs[0], 21)):  # 7: not live; 21 + 2 drafts > the request's 22
+        with pytest.raises(libmla.MLAError):
+            draft.init_forward_metadata_replay_cuda_graph(bs=2, req_pool_indices=[rid, reqs[1]],
+                                                          seq_lens=[s, 45])
+        np.testing.assert_array_equal(ids, before[0])
+        np.testing.assert_array_equal(seq_in, before[1])
+    with pytest.raises(ValueError, match="max_bs"):
+        draft.init_forward_metadata_replay_cuda_graph(bs=5, req_pool_indices=reqs, seq_lens=seq)
+    with pytest.raises(ValueError, match="max_bs"):
+        draft.init_cuda_graph_state(5, 5)
+
+
+def test_backend_draft_calls(ctx, rng):
+    """libmla.Backend's wrappers of mla_backend_draft_* and mla_backend_step_metadata: draft
+    steps equal plain DECODE plans with seq_len + i + 1 bit for bit, their metadata equals
+    the host plan's, and the library's refusals are MLAErrors."""
+    be = libmla.Backend(ctx, num_layers=1, num_pages=24, page_size=16, num_heads=H, scale=SCALE,
+                        max_reqs=4, max_context=96, max_bs=4, max_q_tokens=16, act_dtype="f32")
+    rt = be.req_table
+
+    def status(call, want):
+        with pytest.raises(libmla.MLAError) as e:
+            call()
+        assert e.value.status == want, (e.value, want)
+        return str(e.value)
+
+    assert "graph_init" in status(lambda: be.draft_init(3), libmla.Status.ERR_BAD_STATE)
+    be.graph_init(4, 0)
+    status(lambda: be.draft_init(17), libmla.Status.ERR_INVALID_ARGUMENT)
+    status(lambda: be.draft_prepare(2, 1), libmla.Status.ERR_BAD_STATE)  # no draft buffers
+    be.draft_init(3)
+    assert be.draft_max_steps == 3
+    status(lambda: be.draft_init(3), libmla.Status.ERR_BAD_STATE)
+    status(lambda: be.draft_select(0), libmla.Status.ERR_BAD_STATE)
+    reqs, seq = [], [33, 5, 70]
+    for n in seq:
+        a = rt.add()
+        s = rt.extend(a, n + 3)
+        be.cache.write(0, s, rng.standard_normal((n + 3, 512)).astype(np.float32),
+                       rng.standard_normal((n + 3, 64)).astype(np.float32))
+        reqs.append(a)
+    ids, sl = be.graph_inputs()
+    ids[:4] = reqs + [libmla.REQ_PAD]
+    sl[:4] = seq + [1]
+    p = be.draft_prepare(4, 3)
+    assert isinstance(p, libmla.api.DevicePlan) and p.graph and p.num_steps == 3 and p.step == 0
+    assert be.get_plan() is p and p.num_q_tokens == 4
+    qs = [(rng.standard_normal((4, H, 512)).astype(np.float32),
+           rng.standard_normal((4, H, 64)).astype(np.float32)) for _ in range(3)]
+    outs, metas = [], []
+    for i in range(3):
+        be.draft_select(i)
+        assert p.step == i
+        outs.append(be.forward(0, q_nope=qs[i][0], q_rope=qs[i][1], return_lse=True))
+        metas.append(be.step_metadata())
+    planner = libmla.Planner(ctx, max_bs=4, max_q_tokens=4, max_kv_tokens=4 * 96, max_context=96,
+                             page_size=16)
+    for i in range(3):
+        sk = np.array(seq + [1], np.int32) + i + 1
+        _check_step_metadata(metas[i], planner.build(rt, "decode", ids[:4].copy(), sk,
+                                                     num_heads=H), "step %d" % i)
+        be.plan("decode", ids[:4].copy(), sk)
+        status(be.step_metadata, libmla.Status.ERR_BAD_STATE)  # a host plan on the CPU
+        o, lse = be.forward(0, q_nope=qs[i][0], q_rope=qs[i][1], return_lse=True)
+        np.testing.assert_array_equal(outs[i][0], o)
+        np.testing.assert_array_equal(outs[i][1], lse)
+    status(lambda: be.draft_select(0), libmla.Status.ERR_BAD_STATE)  # the plan replaced them
+    be.draft_prepare(2, 2)
+    status(lambda: be.draft_select(2), libmla.Status.ERR_INVALID_ARGUMENT)
+    status(lambda: be.draft_prepare(5, 2), libmla.Status.ERR_INVALID_ARGUMENT)
+    status(lambda: be.draft_prepare(2, 4), libmla.Status.ERR_INVALID_ARGUMENT)
+    # a graph step's metadata through the same call
+    be.graph_step("decode", 3)
+    sm = be.step_metadata()
+    np.testing.assert_array_equal(sm.kv_lens, seq)
+    ids[0] = 9  # no such request row: the CPU prepare refuses it
+    status(lambda: be.draft_prepare(1, 1), libmla.Status.ERR_OUT_OF_RANGE)

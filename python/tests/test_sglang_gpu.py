@@ -381,3 +381,236 @@ def test_sglang_cuda_graph_decode_and_verify(cctx):
     assert e.value.status == libmla.Status.ERR_OUT_OF_RANGE
     assert not bool((out_g[:, 1] != 0).any()) and bool(torch.isneginf(lse_g[:, 1]).all())
     cctx.synchronize()
+
+
+def test_sglang_cuda_multi_step_draft_eager_and_graph(cctx):
+    """SglangMLAMultiStepDraftBackend on CUDA over the C draft steps: eager rounds
+    (init_forward_metadata builds every step on the device in one call; host rows with the
+    drafts' slots from step_slots, or sglang's device tensors with out_cache_loc), then
+    sglang's draft CUDA-graph lifecycle (a torch.cuda.CUDAGraph per batch bucket capturing
+    the draft prepare and 3 steps x 2 layers, replayed over rounds with requests joining and
+    leaving, padding and random acceptance). Every step's real rows equal a plain decode of
+    the same padded batch with seq_len + i + 1 on an eager twin bit for bit, and the float32
+    reference; the library's step metadata (torch views) has seq_len + i + 1 keys."""
+    H, P, L, STEPS, MAXB = 16, 64, 2, 3, 8
+    BUCKETS = (2, 4, 8)
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    g = np.random.default_rng(23)
+    eager = make_backend(cctx, H, P, L=L, ndt=2, max_bs=MAXB)
+    graph = make_backend(cctx, H, P, L=L, ndt=2, max_bs=MAXB)
+    sh = Shadow(eager, L)  # the twins get the same table calls, hence the same slots
+    draft = libmla.SglangMLAMultiStepDraftBackend(graph, STEPS)
+    assert draft.draft_planner is None  # no host draft plan on CUDA unless asked for
+
+    # fixed buffers every pass reads / writes: per step i, its q, k, slots and outputs
+    q_buf = torch.zeros(STEPS, MAXB, H * 576, dtype=BF16, device="cuda")
+    k_buf = torch.zeros(STEPS, MAXB, 576, dtype=BF16, device="cuda")
+    loc_buf = torch.zeros(STEPS, MAXB, dtype=torch.int32, device="cuda")
+    out_g = torch.zeros(STEPS, L, MAXB, H * 512, dtype=BF16, device="cuda")
+    lse_g = torch.zeros(STEPS, L, MAXB, H, device="cuda")
+    out_e, lse_e = torch.zeros_like(out_g), torch.zeros_like(lse_g)
+
+    def draft_pass(bs, fbs):
+        for i, st in enumerate(draft.attn_backends):
+            for lid in range(L):
+                st.forward_decode(q_buf[i, :bs], k_buf[i, :bs], None, Layer(lid), fbs[i],
+                                  out=out_g[i, lid, :bs], lse=lse_g[i, lid, :bs])
+
+    def twin_pass(ids_pad, seq_pad, bs):
+        for i in range(STEPS):
+            fb = libmla.ForwardBatch("decode", ids_pad, [s + i + 1 for s in seq_pad],
+                                     out_cache_loc=loc_buf[i, :bs])
+            eager.init_forward_metadata(fb)
+            for lid in range(L):
+                eager.forward_decode(q_buf[i, :bs], k_buf[i, :bs], None, Layer(lid), fb,
+                                     out=out_e[i, lid, :bs], lse=lse_e[i, lid, :bs])
+
+    live, order = {}, []
+
+    def join_leave():
+        while len(order) < 3 or (len(order) < MAXB and g.uniform() < 0.3):
+            a = eager.alloc_req()
+            assert graph.alloc_req() == a
+            n = int(g.integers(600, 1000)) if not order else int(g.integers(1, 900))
+            loc = eager.extend_req(a, n)
+            assert np.array_equal(graph.extend_req(a, n), loc)
+            loc_d = dev_i32(loc)
+            for lid in range(L):
+                kv = torch.randn(n, 576, generator=gen, device="cuda").to(BF16)
+                eager.set_kv_buffer(Layer(lid), loc_d, kv)
+                graph.set_kv_buffer(Layer(lid), loc_d, kv)
+                sh.write(lid, loc, kv)
+            live[a] = n
+            order.append(a)
+        if len(order) > 3 and g.uniform() < 0.3:
+            rid = order.pop(int(g.integers(0, len(order))))
+            eager.free_req(rid)
+            graph.free_req(rid)
+            del live[rid]
+
+    def round_inputs(bs):
+        """The drafts' positions (allocated up front), each step's q / k / slots."""
+        nreal = len(order)
+        dsl = []
+        for rid in order:
+            loc = eager.extend_req(rid, STEPS)
+            assert np.array_equal(graph.extend_req(rid, STEPS), loc)
+            dsl.append(loc)
+        dsl = np.array(dsl, np.int32).reshape(nreal, STEPS)
+        for i in range(STEPS):
+            loc_buf[i, :bs].copy_(dev_i32(np.concatenate([dsl[:, i],
+                                                          np.zeros(bs - nreal, np.int32)])))
+            q_buf[i, :bs].copy_((torch.randn(bs, H * 576, generator=gen, device="cuda") * 0.5)
+                                .to(BF16))
+            k_buf[i, :bs].copy_(torch.randn(bs, 576, generator=gen, device="cuda").to(BF16))
+            for lid in range(L):  # both layers store the same rows
+                sh.write(lid, dsl[:, i], k_buf[i, :nreal])
+        return nreal, [live[r] for r in order], dsl
+
+    def compare(rnd, nreal, seq_real, check_ref):
+        bad = []
+        for i in range(STEPS):
+            if not (torch.equal(out_g[i, :, :nreal], out_e[i, :, :nreal]) and
+                    torch.equal(lse_g[i, :, :nreal], lse_e[i, :, :nreal])):
+                bad.append((rnd, i))
+            if check_ref:
+                for lid in range(L):
+                    o_ref, l_ref = absorbed_reference(sh, lid, order,
+                                                      [s + i + 1 for s in seq_real], 1,
+                                                      q_buf[i], False)
+                    what = "draft round %d step %d layer %d" % (rnd, i, lid)
+                    close(out_g[i, lid, :nreal], o_ref, 1e-2, 1.6e-2, what + " out")
+                    close(lse_g[i, lid, :nreal], l_ref, 2e-3, 1e-4, what + " lse")
+        return bad
+
+    def accept():  # a random number of each request's drafts accepted, the rest rolled back
+        for rid in order:
+            n = live[rid] + int(g.integers(0, STEPS + 1))
+            eager.truncate_req(rid, n)
+            graph.truncate_req(rid, n)
+            live[rid] = n
+
+    def check_metadata(bs, seq_pad):
+        for i in range(STEPS):
+            sm = draft.step_metadata(i)
+            assert sm.kv_lens.is_cuda and sm.kv_lens.dtype == torch.int32
+            assert sm.kv_lens.tolist() == [s + i + 1 for s in seq_pad], i
+            assert sm.qo_indptr.tolist() == list(range(bs + 1))
+            bt = sm.block_table.cpu()
+            for j, s in enumerate(seq_pad):  # pages of the row, then padding
+                npg = (s + i + 1 + P - 1) // P
+                assert (bt[j, :npg] >= 0).all() and (bt[j, npg:] == libmla.BLOCK_TABLE_PAD).all()
+
+    mismatches = []
+    nan = float("nan")
+    # ---- eager rounds
+    for rnd in range(3):
+        join_leave()
+        nreal0 = len(order)
+        bs = min(MAXB, nreal0 + (1 if rnd == 1 else 0))  # a padding row in one round
+        nreal, seq_real, dsl = round_inputs(bs)
+        ids_pad = order + [libmla.REQ_PAD] * (bs - nreal)
+        seq_pad = seq_real + [1] * (bs - nreal)
+        if rnd != 1:  # host rows; forward without out_cache_loc stores at step_slots(i)
+            md = draft.init_forward_metadata(req_pool_indices=ids_pad, seq_lens=seq_pad)
+            assert md.padded_rows == bs - nreal
+            for i in range(STEPS):
+                assert np.array_equal(draft.step_slots(i)[:nreal], dsl[:, i])
+            fbs = [None] * STEPS
+        else:  # sglang's device tensors (int64) with seq_lens_cpu, out_cache_loc on the device
+            fb = libmla.ForwardBatch(
+                "decode", torch.tensor(ids_pad, dtype=torch.int64, device="cuda"),
+                torch.tensor(seq_pad, dtype=torch.int64, device="cuda"),
+                seq_lens_cpu=torch.tensor(seq_pad, dtype=torch.int64))
+            md = draft.init_forward_metadata(fb)
+            fbs = [libmla.ForwardBatch("decode", ids_pad, seq_pad,
+                                       out_cache_loc=loc_buf[i, :bs].long()) for i in range(STEPS)]
+        assert md.graph and not md.has_host_plan and md.num_q_tokens == bs
+        out_g.fill_(nan)
+        lse_g.fill_(nan)
+        draft_pass(bs, fbs)
+        twin_pass(ids_pad, seq_pad, bs)
+        torch.cuda.synchronize()
+        cctx.synchronize()
+        check_metadata(bs, seq_pad)
+        mismatches += compare(rnd, nreal, seq_real, True)
+        accept()
+
+    # ---- CUDA graphs: capture per bucket (the hook, two warm-up passes on a side stream as
+    # sglang runs them, then the captured pass: the draft prepare + every step and layer)
+    draft.init_cuda_graph_state(MAXB, MAXB)
+    ids, seq = draft.cuda_graph_req_pool_indices, draft.cuda_graph_seq_lens
+    assert isinstance(ids, torch.Tensor) and ids.is_cuda and ids.dtype == torch.int32
+    assert ids.shape == (MAXB,) and seq.shape == (MAXB,)
+    graphs = {}
+    side = torch.cuda.Stream()
+    for bs in BUCKETS:
+        md = draft.init_forward_metadata_capture_cuda_graph(bs=bs)
+        assert md.graph and md.padded_rows == bs and md.num_q_tokens == bs
+        loc_buf.zero_()  # the dummy slot
+        fbs = [libmla.ForwardBatch("decode", ids[:bs], seq[:bs], out_cache_loc=loc_buf[i, :bs])
+               for i in range(STEPS)]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                draft_pass(bs, fbs)
+        torch.cuda.current_stream().wait_stream(side)
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gr):
+            draft_pass(bs, fbs)
+        graphs[bs] = gr
+    torch.cuda.synchronize()
+    cctx.synchronize()
+    assert ids[:MAXB].tolist() == [libmla.REQ_PAD] * MAXB
+
+    rounds = padded = 0
+    for rnd in range(3, 15):
+        join_leave()
+        nreal0 = len(order)
+        bs = min(b for b in BUCKETS if b >= nreal0)
+        nreal, seq_real, dsl = round_inputs(bs)
+        ids_pad = order + [libmla.REQ_PAD] * (bs - nreal)
+        seq_pad = seq_real + [1] * (bs - nreal)
+        # sglang-style padded device inputs (ids 0, seq 1 past the real rows)
+        rid_t = torch.tensor(order + [0] * (bs - nreal), dtype=torch.int64, device="cuda")
+        seq_t = torch.tensor(seq_pad, dtype=torch.int64, device="cuda")
+        md = draft.init_forward_metadata_replay_cuda_graph(
+            bs=bs, req_pool_indices=rid_t, seq_lens=seq_t, seq_lens_cpu=seq_t.cpu(),
+            num_real=nreal)
+        assert md.graph and md.padded_rows == bs - nreal and not md.has_host_plan
+        out_g.fill_(nan)
+        lse_g.fill_(nan)
+        graphs[bs].replay()
+        twin_pass(ids_pad, seq_pad, bs)
+        torch.cuda.synchronize()
+        cctx.synchronize()  # no row was found out of range
+        assert ids[:bs].tolist() == ids_pad and seq[:bs].tolist() == seq_pad
+        mismatches += compare(rnd, nreal, seq_real, rnd in (3, 8, 14))
+        if rnd == 9:  # after a replay: built again from the same inputs, eagerly
+            check_metadata(bs, seq_pad)
+        accept()
+        rounds += 1
+        padded += bs > nreal
+    assert not mismatches, "draft (round, step) differing from plain decode: %s" % mismatches
+    assert rounds == 12 and padded >= 1
+
+    # An out-of-range request id through the replay hook: the row is emptied in every step
+    # and the next synchronize reports it.
+    r0 = order[0]
+    eager.extend_req(r0, STEPS)
+    graph.extend_req(r0, STEPS)
+    bs = 2
+    draft.init_forward_metadata_replay_cuda_graph(
+        bs=bs, req_pool_indices=torch.tensor([r0, 16 + 5], dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor([live[r0], 3], dtype=torch.int32, device="cuda"))
+    loc_buf.zero_()
+    out_g.fill_(nan)
+    lse_g.fill_(nan)
+    graphs[bs].replay()
+    torch.cuda.synchronize()
+    with pytest.raises(libmla.MLAError) as e:
+        cctx.synchronize()
+    assert e.value.status == libmla.Status.ERR_OUT_OF_RANGE
+    assert not bool((out_g[:, :, 1] != 0).any()) and bool(torch.isneginf(lse_g[:, :, 1]).all())
+    assert bool(torch.isfinite(lse_g[:, :, 0]).all())
+    cctx.synchronize()
