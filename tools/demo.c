@@ -464,6 +464,8 @@ void demo_default_opts(demo_opts *o) {
   o->draft_tokens = 4;
   o->check_every = 4;
   o->prefix_impl = MLA_EXTEND_ABSORBED;
+  o->spec = 0;
+  o->spec_steps = 3;
 }
 
 int demo_run(const demo_opts *opts, FILE *out) {

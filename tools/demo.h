@@ -28,6 +28,11 @@ typedef struct demo_opts {
   int draft_tokens;      /* speculative verify: query tokens per round */
   int check_every;       /* oracle check every this many steps */
   mla_extend_impl prefix_impl; /* EXTEND with a shared prefix: absorbed or chunked MHA */
+  /* Speculative decoding (--spec): every running request drafts spec_steps
+   * tokens with a cheap draft model each step, the target verifies them all
+   * in one TARGET_VERIFY batch, the rejected ones are rolled back. */
+  int spec;              /* 0 = plain decode steps plus one verifying request */
+  int spec_steps;        /* draft tokens per round, 1..16 */
 } demo_opts;
 
 void demo_default_opts(demo_opts *o);

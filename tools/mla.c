@@ -41,6 +41,10 @@ static void usage(FILE *f) {
           "  --draft-tokens N simulation: verify tokens per round 1..16, 1 = no verify (default 4)\n"
           "  --check-every N  simulation: oracle check every N steps (default 4)\n"
           "  --prefix-impl I  simulation: EXTEND with a shared prefix: absorbed (default) or chunked\n"
+          "  --spec           simulation: speculative decoding for every running request: draft\n"
+          "                   tokens with a one-layer draft model (multi-step draft), verify them\n"
+          "                   in one TARGET_VERIFY batch, roll back the rejected ones\n"
+          "  --spec-steps N   --spec: draft tokens per round 1..16 (default 3)\n"
           "  --seed S         RNG seed (default 1)\n");
 }
 
@@ -78,8 +82,12 @@ static int cmd_demo(int argc, char **argv) {
   for (int i = 0; i < argc; i++) {
     const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     long x;
-    if (!strcmp(k, "--no-sim")) { /* the one flag without a value */
+    if (!strcmp(k, "--no-sim")) { /* the flags without a value */
       o.sim = 0;
+      continue;
+    }
+    if (!strcmp(k, "--spec")) {
+      o.spec = 1;
       continue;
     }
     if (!strcmp(k, "--dtype")) {
@@ -122,6 +130,9 @@ static int cmd_demo(int argc, char **argv) {
     } else if (!strcmp(k, "--check-every")) {
       if (!parse_int(v, 1, 100000, &x)) return bad("--check-every", v);
       o.check_every = (int)x;
+    } else if (!strcmp(k, "--spec-steps")) {
+      if (!parse_int(v, 1, 16, &x)) return bad("--spec-steps", v);
+      o.spec_steps = (int)x;
     } else if (!strcmp(k, "--prefix-impl")) {
       if (v && !strcmp(v, "absorbed")) o.prefix_impl = MLA_EXTEND_ABSORBED;
       else if (v && !strcmp(v, "chunked")) o.prefix_impl = MLA_EXTEND_MHA_CHUNKED;
@@ -131,6 +142,7 @@ static int cmd_demo(int argc, char **argv) {
     }
     i++; /* every option takes a value */
   }
+  if (o.spec && !o.sim) return bad("option", "--spec with --no-sim (--spec is a simulation mode)");
   int failed = demo_run(&o, stdout);
   if (failed >= 0 && o.sim) {
     fflush(stdout);

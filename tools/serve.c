@@ -27,7 +27,13 @@
  * are rolled back (mla_req_truncate); finished requests free their pages.
  * Every few steps a sampled layer's attention is compared with the float64
  * oracle (tests/ref) on the rows the cache holds, read back with
- * mla_kv_cache_read. Oracle time is kept out of the throughput figures. */
+ * mla_kv_cache_read. Oracle time is kept out of the throughput figures.
+ *
+ * With --spec the decode batch and the single verifying request give way to
+ * a speculative round for every running request (spec_round below): a
+ * multi-step draft through the backend's draft steps with a one-layer draft
+ * model, one TARGET_VERIFY batch of all requests, acceptance by comparing
+ * drafts with the target's tokens, and rollback of the rest. */
 #include "serve.h"
 
 #include <math.h>
@@ -77,6 +83,9 @@ typedef struct stats {
   double t_attn, t_check, t_total; /* ms; t_total excludes checks */
   int64_t tok_prefill, tok_decode, tok_verify, generated;
   int64_t drafts, accepted, rolled_back;
+  int64_t tok_draft;      /* --spec: query rows through the draft model */
+  int64_t first_ok;       /* --spec: rounds whose first draft was accepted */
+  double t_draft;         /* --spec: ms in the draft passes (in t_total) */
   int forks, finished, verify_rounds;
   int checks, failed, attn_checks;
   double max_err, max_cos, max_lse; /* attention checks */
@@ -118,6 +127,15 @@ typedef struct sim {
   int *sample_rows;           /* [max_tokens] rows whose next token is sampled */
   int32_t *sampled;           /* [max_tokens] */
   int rr;                     /* round robin of the verifying request */
+  /* --spec: multi-step draft through the backend's draft steps */
+  int spec, ns;               /* on; draft tokens per round */
+  int32_t *g_ids, *g_seq;     /* [max_batch] the backend's graph inputs (host memory: CPU context) */
+  int32_t *committed;         /* [max_batch] request lengths before the round */
+  int32_t *dslot;             /* [max_batch, ns+1] slots of positions committed .. committed+ns */
+  int32_t *dtok;              /* [max_batch, ns] draft tokens */
+  int32_t *vidx;              /* [max_batch] sim_req index of each round row */
+  int32_t *qo, *kvl;          /* [max_batch+1], [max_batch] a draft step's rows, as the oracle sees them */
+  int draft_rows;             /* > 0: the running pass is a draft step of this many rows (no host plan) */
   stats st;
   /* the step's oracle check */
   int check_layer;            /* -1: none this step */
@@ -316,21 +334,24 @@ static void check_cache_write(sim *s, int layer, int T) {
 }
 
 /* Absorbed modes: per request, its last query rows and a spread of heads,
- * against ref_absorbed on the keys the cache holds. */
-static void check_absorbed(sim *s, const mla_plan *p, int layer, const int *hs, int nh) {
-  for (int i = 0; i < p->batch_size; i++) {
-    const int nq = p->qo_indptr[i + 1] - p->qo_indptr[i], kv = p->kv_lens[i];
+ * against ref_absorbed on the keys the cache holds. Rows i of the batch:
+ * request req_ids[i], queries qo_indptr[i] .. qo_indptr[i+1], kv_lens[i] keys. */
+static void check_absorbed(sim *s, int layer, int bs, const int32_t *req_ids /* [bs] */,
+                           const int32_t *qo_indptr /* [bs+1] */, const int32_t *kv_lens /* [bs] */, int causal,
+                           const int *hs, int nh) {
+  for (int i = 0; i < bs; i++) {
+    const int nq = qo_indptr[i + 1] - qo_indptr[i], kv = kv_lens[i];
     int m = nq < CHECK_QUERIES ? nq : CHECK_QUERIES;
-    const int r0 = p->qo_indptr[i + 1] - m;
+    const int r0 = qo_indptr[i + 1] - m;
     check_bufs b;
     demo_cmp c;
     memset(&c, 0, sizeof c);
-    if (bufs_alloc(&b, m, kv, nh) == 0 && demo_read_request(s->be, layer, p->req_ids[i], kv, b.c, b.r) == 0) {
+    if (bufs_alloc(&b, m, kv, nh) == 0 && demo_read_request(s->be, layer, req_ids[i], kv, b.c, b.r) == 0) {
       pick(s, s->in_a, L, r0, m, hs, nh, b.q);
       pick(s, s->qr_a, R, r0, m, hs, nh, b.qr);
       /* m of the request's nq queries: bottom-right alignment makes the
        * mask of the last m rows the same as for all nq. */
-      ref_absorbed(1, &m, &kv, nh, s->scale, p->causal, b.q, b.qr, b.c, b.r, b.o, b.lse);
+      ref_absorbed(1, &m, &kv, nh, s->scale, causal, b.q, b.qr, b.c, b.r, b.o, b.lse);
       pick(s, s->out_a, L, r0, m, hs, nh, b.got);
       pick_lse(s, r0, m, hs, nh, b.got_lse);
       c = demo_compare(b.got, b.o, (int64_t)m * nh * L, s->act, b.got_lse, b.lse, (int64_t)m * nh, DEMO_LSE_ATOL);
@@ -378,14 +399,17 @@ static void check_mha(sim *s, const mla_plan *p, int layer, int T, const int32_t
 static void check_layer(sim *s, int layer, int T, int mha, const int32_t *prefix) {
   double t0 = demo_now_ms();
   s->last_checked = layer;
-  const mla_plan *p;
-  if (mla_backend_get_plan(s->be, &p) != MLA_OK) return;
+  /* A draft step has no host plan (its metadata is a device-built step):
+   * its rows are the ones the sim handed over (qo, kvl, ids). */
+  const mla_plan *p = NULL;
+  if (!s->draft_rows && mla_backend_get_plan(s->be, &p) != MLA_OK) return;
   int hs[CHECK_HEADS], nh = s->H < CHECK_HEADS ? s->H : CHECK_HEADS;
   const int off = demo_rng_int(&s->g, 0, s->H - 1);
   for (int j = 0; j < nh; j++) hs[j] = (off + j * s->H / nh) % s->H;
   check_cache_write(s, layer, T);
-  if (mha) check_mha(s, p, layer, T, prefix, hs, nh);
-  else check_absorbed(s, p, layer, hs, nh);
+  if (s->draft_rows) check_absorbed(s, layer, s->draft_rows, s->ids, s->qo, s->kvl, 0, hs, nh);
+  else if (mha) check_mha(s, p, layer, T, prefix, hs, nh);
+  else check_absorbed(s, layer, p->batch_size, p->req_ids, p->qo_indptr, p->kv_lens, p->causal, hs, nh);
   s->st.t_check += demo_now_ms() - t0;
 }
 
@@ -512,17 +536,12 @@ static void sample(sim *s, int n) {
   }
 }
 
-/* Run the planned-to-be batch b (T query rows: tok, pos, slots filled)
- * through every layer, then sample n_sample rows. prefix: EXTEND prefix
- * lengths (for the chunked check), or NULL. */
-static int forward(sim *s, const mla_batch *b, int T, const int32_t *prefix, int n_sample) {
-  double t0 = demo_now_ms(), ta = 0;
-  TRY(s, mla_backend_plan(s->be, b), mla_backend_last_error(s->be));
-  int mha = 0;
-  TRY(s, mla_backend_uses_mha(s->be, &mha), "");
-  ta += demo_now_ms() - t0;
+/* Run T query rows (tok, pos, slots filled) through the first n_layers
+ * layers of the planned step, then sample n_sample rows; ta: ms spent in the
+ * library so far this pass. */
+static int run_layers(sim *s, int T, int mha, const int32_t *prefix, int n_sample, int n_layers, double ta) {
   for (int t = 0; t < T; t++) memcpy(s->x + (size_t)t * s->D, s->embed + (size_t)s->tok[t] * s->D, s->D * sizeof(float));
-  for (int l = 0; l < s->layers; l++) {
+  for (int l = 0; l < n_layers; l++) {
     project_in(s, l, T);
     if (mha) mha_inputs(s, l, T);
     else absorbed_inputs(s, l, T);
@@ -556,6 +575,17 @@ static int forward(sim *s, const mla_batch *b, int T, const int32_t *prefix, int
   sample(s, n_sample);
   s->st.t_attn += ta;
   return 0;
+}
+
+/* Plan batch b (T query rows: tok, pos, slots filled) and run it through
+ * every layer, then sample n_sample rows. prefix: EXTEND prefix lengths (for
+ * the chunked check), or NULL. */
+static int forward(sim *s, const mla_batch *b, int T, const int32_t *prefix, int n_sample) {
+  double t0 = demo_now_ms();
+  TRY(s, mla_backend_plan(s->be, b), mla_backend_last_error(s->be));
+  int mha = 0;
+  TRY(s, mla_backend_uses_mha(s->be, &mha), "");
+  return run_layers(s, T, mha, prefix, n_sample, s->layers, demo_now_ms() - t0);
 }
 
 /* ---- the serving loop ------------------------------------------------------- */
@@ -724,6 +754,149 @@ static int verify(sim *s, int i, int *kept) {
   return 0;
 }
 
+/* ---- --spec: speculative decoding for every running request ------------------ */
+
+/* The draft model is the stack's first layer plus the LM head (an early-exit
+ * draft, topk = 1): a layer-0 row depends only on its token and position, so
+ * the draft and the target share layer 0 of the cache (no draft-extend pass
+ * is needed after a round), and the verify pass rewrites the draft's rows
+ * with the target's (the same values, up to the projections' rounding). */
+#define DRAFT_LAYERS 1
+
+/* The metadata mla_backend_draft_prepare built for the selected draft step,
+ * against the rows the sim expects (one query, committed + i + 1 keys each).
+ * Host memory on this CPU context. */
+static void check_draft_metadata(sim *s, int bs) {
+  mla_step_metadata md;
+  demo_cmp c;
+  memset(&c, 0, sizeof c);
+  if (mla_backend_step_metadata(s->be, &md) == MLA_OK && md.batch_size == bs && md.q_len == 1) {
+    c.ok = 1;
+    for (int b = 0; b < bs; b++) {
+      if (md.kv_lens[b] != s->kvl[b] || md.qo_indptr[b + 1] != b + 1) c.ok = 0;
+      c.max_abs_err = fmax(c.max_abs_err, fabs((double)md.kv_lens[b] - s->kvl[b]));
+    }
+  }
+  record(s, &c, 0);
+}
+
+/* One speculative round (EAGLE-style) for every running request admitted
+ * before this step:
+ *  1. draft: each request gets ns slots (positions committed .. committed +
+ *     ns - 1); ids and committed lengths go into the backend's graph inputs;
+ *     mla_backend_sync + mla_backend_draft_prepare build the metadata of all
+ *     ns draft steps at once; draft step i (mla_backend_draft_select) feeds
+ *     t_i (the pending token, then draft i-1) at position committed + i
+ *     through the draft model, which writes its layer-0 row into slot i and
+ *     attends committed + i + 1 keys, and samples draft d_i.
+ *  2. verify: one more slot each; one TARGET_VERIFY batch of (pending, d_0 ..
+ *     d_{ns-1}) per request through the whole stack.
+ *  3. accept the longest prefix of drafts equal to the target's own greedy
+ *     tokens (a real comparison); the target's token after it is the next
+ *     pending one.
+ *  4. roll back the rejected drafts' slots (mla_req_truncate).
+ * Returns the requests drafted for (*bs_out) and the drafts accepted. */
+static int spec_round(sim *s, int step, int *bs_out, int *acc_out) {
+  const int ns = s->ns, w = ns + 1;
+  int bs = 0;
+  *bs_out = *acc_out = 0;
+  for (int i = 0; i < s->N; i++) {
+    sim_req *q = &s->req[i];
+    if (q->state != RUNNING || q->admitted == step) continue;
+    TRY(s, mla_req_extend(s->rt, q->id, ns, s->dslot + (size_t)bs * w), mla_req_table_last_error(s->rt));
+    s->committed[bs] = q->len;
+    s->vidx[bs++] = i;
+  }
+  *bs_out = bs;
+  if (!bs) return 0;
+  const double t0 = demo_now_ms(), check0 = s->st.t_check;
+  /* The graph inputs are host memory on a CPU context (device memory on a
+   * CUDA one, where they would be written with a copy on the stream). */
+  for (int b = 0; b < bs; b++) {
+    s->g_ids[b] = s->ids[b] = s->req[s->vidx[b]].id;
+    s->g_seq[b] = s->committed[b];
+    s->qo[b] = b;
+  }
+  s->qo[bs] = bs;
+  TRY(s, mla_backend_sync(s->be), mla_backend_last_error(s->be));
+  TRY(s, mla_backend_draft_prepare(s->be, bs, ns), mla_backend_last_error(s->be));
+  double ta = demo_now_ms() - t0;
+  /* On a check step every draft step is checked too (its only layer). */
+  const int sched = s->check_layer;
+  s->check_layer = sched >= 0 ? 0 : -1;
+  int rc = 0;
+  for (int i = 0; i < ns && rc == 0; i++) {
+    const double t1 = demo_now_ms();
+    mla_status st = mla_backend_draft_select(s->be, i);
+    ta += demo_now_ms() - t1;
+    if (fail_status(s, st, "mla_backend_draft_select", mla_backend_last_error(s->be))) {
+      rc = -1;
+      break;
+    }
+    for (int b = 0; b < bs; b++) {
+      s->tok[b] = i ? s->dtok[(size_t)b * ns + i - 1] : s->req[s->vidx[b]].next;
+      s->pos[b] = s->committed[b] + i;
+      s->slots[b] = s->dslot[(size_t)b * w + i];
+      s->sample_rows[b] = b;
+      s->kvl[b] = s->committed[b] + i + 1;
+    }
+    if (s->check_layer == 0) {
+      const double tc = demo_now_ms();
+      check_draft_metadata(s, bs);
+      s->st.t_check += demo_now_ms() - tc;
+    }
+    s->draft_rows = bs;
+    rc = run_layers(s, bs, 0, NULL, bs, DRAFT_LAYERS, ta);
+    s->draft_rows = 0;
+    ta = 0;
+    for (int b = 0; rc == 0 && b < bs; b++) s->dtok[(size_t)b * ns + i] = s->sampled[b];
+  }
+  s->check_layer = sched;
+  if (rc) return -1;
+  s->st.tok_draft += (int64_t)bs * ns;
+  s->st.t_draft += demo_now_ms() - t0 - (s->st.t_check - check0);
+
+  /* Verify: the pending token and the ns drafts of every request. */
+  int T = 0;
+  for (int b = 0; b < bs; b++) {
+    sim_req *q = &s->req[s->vidx[b]];
+    TRY(s, mla_req_extend(s->rt, q->id, 1, s->dslot + (size_t)b * w + ns), mla_req_table_last_error(s->rt));
+    s->ids[b] = q->id;
+    s->seq[b] = s->committed[b]; /* TARGET_VERIFY: kv = seq_len + ndt */
+    for (int t = 0; t < w; t++, T++) {
+      s->tok[T] = t ? s->dtok[(size_t)b * ns + t - 1] : q->next;
+      s->pos[T] = s->committed[b] + t;
+      s->slots[T] = s->dslot[(size_t)b * w + t];
+      s->sample_rows[T] = T;
+    }
+  }
+  mla_batch vb = {MLA_MODE_TARGET_VERIFY, bs, s->ids, s->seq, NULL, NULL, w};
+  if (forward(s, &vb, T, NULL, T)) return -1;
+
+  /* Accept, roll back, advance. */
+  int acc = 0;
+  for (int b = 0; b < bs; b++) {
+    sim_req *q = &s->req[s->vidx[b]];
+    const int32_t *target = s->sampled + (size_t)b * w; /* the target's token after each input */
+    int a = 0;
+    while (a < ns && s->dtok[(size_t)b * ns + a] == target[a]) a++;
+    TRY(s, mla_req_truncate(s->rt, q->id, s->committed[b] + 1 + a), mla_req_table_last_error(s->rt));
+    q->len = s->committed[b] + 1 + a;
+    q->next = target[a];
+    q->generated += 1 + a;
+    acc += a;
+    s->st.first_ok += a > 0;
+    s->st.generated += 1 + a;
+    s->st.accepted += a;
+    s->st.rolled_back += ns - a;
+  }
+  s->st.tok_verify += T;
+  s->st.drafts += (int64_t)bs * ns;
+  s->st.verify_rounds += bs;
+  *acc_out = acc;
+  return 0;
+}
+
 static int retire(sim *s, int *finished) {
   *finished = 0;
   for (int i = 0; i < s->N; i++) {
@@ -774,6 +947,35 @@ static int step(sim *s, int k) {
   return 0;
 }
 
+/* --spec: the step of step(), with one speculative round for every running
+ * request in place of the decode batch and the single verifying request. */
+static int spec_step(sim *s, int k) {
+  const double t0 = demo_now_ms(), check0 = s->st.t_check, attn0 = s->st.t_attn, draft0 = s->st.t_draft;
+  const int64_t tok0 = s->st.tok_prefill + s->st.tok_decode + s->st.tok_verify, gen0 = s->st.generated;
+  s->check_layer = k % s->o->check_every == 0 ? (k / s->o->check_every) % s->layers : -1;
+  s->step_checks = s->step_failed = 0;
+  int n_new = 0, n_fork = 0, bs = 0, acc = 0, finished = 0;
+  if (admit_and_prefill(s, k, &n_new, &n_fork)) return -1;
+  if (spec_round(s, k, &bs, &acc)) return -1;
+  int shared = 0, used = pages_in_use(s, &shared); /* the step's high-water mark */
+  if (retire(s, &finished)) return -1;
+  used = pages_in_use(s, &shared);
+  const double ms = demo_now_ms() - t0 - (s->st.t_check - check0), attn = s->st.t_attn - attn0;
+  s->st.t_total += ms;
+  const int64_t toks = s->st.tok_prefill + s->st.tok_decode + s->st.tok_verify - tok0;
+  char chk[64] = "";
+  if (s->step_checks)
+    snprintf(chk, sizeof chk, "  oracle %sL%d %d/%d %s", s->check_layer >= 0 && bs ? "draft L0 + " : "",
+             s->last_checked, s->step_checks - s->step_failed, s->step_checks, s->step_failed ? "FAIL" : "ok");
+  fprintf(s->out,
+          "step %3d  spec %2d x %d drafts, accepted %3d, rolled back %3d  prefill %d (%d forked)  tokens %5lld"
+          "  generated %3lld  pages %4d/%d  done %d  %8.1f ms  draft %3.0f%%  attn %3.0f%%%s\n",
+          k, bs, s->ns, acc, bs * s->ns - acc, n_new, n_fork, (long long)toks,
+          (long long)(s->st.generated - gen0), used, s->usable_pages, finished, ms,
+          ms > 0 ? 100.0 * (s->st.t_draft - draft0) / ms : 0.0, ms > 0 ? 100.0 * attn / ms : 0.0, chk);
+  return 0;
+}
+
 static int cmp_int(const void *a, const void *b) { return *(const int *)a - *(const int *)b; }
 
 static int setup(sim *s) {
@@ -805,6 +1007,7 @@ static int setup(sim *s) {
   s->max_tokens = o->max_prompt > 256 ? o->max_prompt : 256; /* prefill rows per step */
   if (s->max_tokens < s->max_batch) s->max_tokens = s->max_batch;
   if (s->max_tokens < s->ndt) s->max_tokens = s->ndt;
+  if (s->spec && s->max_tokens < s->max_batch * s->ndt) s->max_tokens = s->max_batch * s->ndt; /* verify rows */
 
   mla_backend_desc bd;
   memset(&bd, 0, sizeof bd);
@@ -828,6 +1031,11 @@ static int setup(sim *s) {
   s->usable_pages = bd.cache.num_pages - 1;
   TRY(s, mla_backend_create(s->ctx, &bd, &s->be), mla_ctx_last_error(s->ctx));
   TRY(s, mla_backend_req_table(s->be, &s->rt), "");
+  if (s->spec) { /* the multi-step draft runs on the graph inputs */
+    TRY(s, mla_backend_graph_init(s->be, s->max_batch, 0), mla_backend_last_error(s->be));
+    TRY(s, mla_backend_draft_init(s->be, s->ns), mla_backend_last_error(s->be));
+    TRY(s, mla_backend_graph_inputs(s->be, &s->g_ids, &s->g_seq), mla_backend_last_error(s->be));
+  }
 
   const size_t T = (size_t)s->max_tokens, H = (size_t)s->H, D = (size_t)s->D, f = sizeof(float);
   int oom = 0;
@@ -854,6 +1062,15 @@ static int setup(sim *s) {
   s->slots = xmalloc(T * sizeof(int32_t), &oom);
   s->sample_rows = xmalloc(T * sizeof(int), &oom);
   s->sampled = xmalloc(T * sizeof(int32_t), &oom);
+  if (s->spec) {
+    const size_t B = (size_t)s->max_batch, ns = (size_t)s->ns;
+    s->committed = xmalloc(B * sizeof(int32_t), &oom);
+    s->dslot = xmalloc(B * (ns + 1) * sizeof(int32_t), &oom);
+    s->dtok = xmalloc(B * ns * sizeof(int32_t), &oom);
+    s->vidx = xmalloc(B * sizeof(int32_t), &oom);
+    s->qo = xmalloc((B + 1) * sizeof(int32_t), &oom);
+    s->kvl = xmalloc(B * sizeof(int32_t), &oom);
+  }
   if (oom) {
     fprintf(s->out, "error: out of memory for the simulation's buffers (%zu rows, %d heads)\n", T, s->H);
     return -1;
@@ -865,7 +1082,8 @@ static void teardown(sim *s) {
   model_free(s);
   void *bufs[] = {s->x,     s->xn,  s->q,   s->kv,  s->c,   s->r,   s->big, s->oh,  s->c_a,
                   s->r_a,   s->in_a, s->qr_a, s->out_a, s->lse, s->logits, s->ids, s->seq, s->pre,
-                  s->tok,   s->pos, s->slots, s->sample_rows, s->sampled, s->req};
+                  s->tok,   s->pos, s->slots, s->sample_rows, s->sampled, s->req, s->committed, s->dslot,
+                  s->dtok,  s->vidx, s->qo, s->kvl};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
   mla_backend_destroy(s->be);
   mla_ctx_destroy(s->ctx);
@@ -884,8 +1102,24 @@ static void summary(sim *s, int steps_run) {
   fprintf(s->out, "  time: attention %.2f s (%.0f%%), projections and the rest %.2f s; oracle checks %.2f s (not counted)\n",
           t->t_attn / 1e3, t->t_total > 0 ? 100.0 * t->t_attn / t->t_total : 0.0, (t->t_total - t->t_attn) / 1e3,
           t->t_check / 1e3);
-  fprintf(s->out, "  speculative verify: %d rounds, %lld drafts, %lld accepted, %lld rolled back\n", t->verify_rounds,
-          (long long)t->drafts, (long long)t->accepted, (long long)t->rolled_back);
+  if (s->spec) {
+    const int rounds = t->verify_rounds;
+    fprintf(s->out,
+            "  speculative decoding: draft model = layer 0 of the stack + LM head, %d draft steps per round;"
+            " %d request rounds\n"
+            "    drafted %lld, accepted %lld, rolled back %lld; mean accepted length %.2f drafts per round"
+            " (%.2f tokens per round with the target's own)\n"
+            "    acceptance: the longest prefix of drafts equal to the target's greedy tokens (a real comparison,"
+            " not a random length: the random-weight draft agrees with the target on %.0f%% of first drafts)\n"
+            "    draft passes: %lld rows through the draft model in %.2f s (%.0f%% of the time)\n",
+            s->ns, rounds, (long long)t->drafts, (long long)t->accepted, (long long)t->rolled_back,
+            rounds ? (double)t->accepted / rounds : 0.0, rounds ? (double)(t->accepted + rounds) / rounds : 0.0,
+            rounds ? 100.0 * t->first_ok / rounds : 0.0, (long long)t->tok_draft, t->t_draft / 1e3,
+            t->t_total > 0 ? 100.0 * t->t_draft / t->t_total : 0.0);
+  } else {
+    fprintf(s->out, "  speculative verify: %d rounds, %lld drafts, %lld accepted, %lld rolled back\n", t->verify_rounds,
+            (long long)t->drafts, (long long)t->accepted, (long long)t->rolled_back);
+  }
   fprintf(s->out, "  pages: peak %d of %d in use (%d shared by forks at most)\n", t->pages_peak, s->usable_pages,
           t->shared_peak);
   fprintf(s->out,
@@ -906,7 +1140,9 @@ int serve_run(const demo_opts *o, FILE *out) {
   s.D = o->hidden;
   s.layers = o->layers;
   s.P = o->page_size;
-  s.ndt = o->draft_tokens;
+  s.spec = o->spec;
+  s.ns = o->spec_steps;
+  s.ndt = s.spec ? s.ns + 1 : o->draft_tokens; /* a verify round's query tokens */
   s.max_batch = o->max_batch;
   s.act = o->act_dtype;
   s.es = mla_dtype_size(o->act_dtype);
@@ -930,11 +1166,13 @@ int serve_run(const demo_opts *o, FILE *out) {
   fprintf(out,
           "\nserving simulation: %d layers, hidden %d, %d heads (MLA: latent %d, rope %d, qk_nope %d, v %d), "
           "cache %s, act %s, page %d\n"
-          "  %d requests (prompts up to %d tokens), at most %d running, %d steps, verify with %d draft tokens, "
+          "  %d requests (prompts up to %d tokens), at most %d running, %d steps, %s %d %s, "
           "prefix extend %s\n"
           "  projections: %s; attention: libmla, %d threads\n",
           s.layers, s.D, s.H, L, R, NOPE, DV, mla_dtype_name(o->cache_dtype), mla_dtype_name(s.act), s.P, s.N,
-          resolved.max_prompt, s.max_batch, o->steps, s.ndt,
+          resolved.max_prompt, s.max_batch, o->steps, s.spec ? "speculative decoding (--spec):" : "verify with",
+          s.spec ? s.ns : s.ndt,
+          s.spec ? "draft steps (layer 0 + LM head) then one verify batch per step" : "draft tokens",
           o->prefix_impl == MLA_EXTEND_MHA_CHUNKED ? "chunked MHA" : "absorbed", serve_gemm_name(), threads);
   const double t0 = demo_now_ms();
   int rc = setup(&s);
@@ -948,7 +1186,7 @@ int serve_run(const demo_opts *o, FILE *out) {
     int left = 0;
     for (int i = 0; i < s.N; i++) left += s.req[i].state != DONE;
     if (!left) break;
-    rc = step(&s, k);
+    rc = s.spec ? spec_step(&s, k) : step(&s, k);
   }
   if (rc == 0) {
     /* Free what still runs: every page must come back. */
