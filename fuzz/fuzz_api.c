@@ -22,7 +22,30 @@
  *      output row is checked against a float64 recomputation;
  *   4. direct calls with arbitrary arguments (NULLs, negatives, huge values)
  *      to cache write/read/copy, gather, merge, ragged attention, expand,
- *      convert and the context functions.
+ *      convert and the context functions;
+ *   5. device-built steps on the CPU context: a random mla_step_desc (any
+ *      mode, batch sizes 0..huge, ndt, max_kv_len, heads, page size, num_sm
+ *      past 1024, draft num_steps / step in and out of range) and
+ *      mla_step_inputs (the world's table or a private copy with a wider
+ *      stride and corrupted page-start slots, or hostile: NULLs, a stride
+ *      below max_kv_len, max_reqs 0; ids incl. MLA_REQ_PAD, dead and out of
+ *      range; lengths incl. negative and past max_kv_len) through
+ *      mla_step_workspace_size / mla_step_prepare with workspaces as in 3.
+ *      The status is predicted from the header (INVALID_ARGUMENT,
+ *      WORKSPACE_TOO_SMALL, OUT_OF_RANGE for a row out of range) and a
+ *      refused prepare must leave the workspace as it was. A successful one
+ *      is checked through mla_step_get_metadata for every step (kv lengths,
+ *      qo_indptr, block table, the split schedule with the plan phase's
+ *      checker, equality with mla_plan_build's metadata where a plan
+ *      applies), then mla_step_attention runs with small H and one output
+ *      row is checked in float64;
+ *   6. (1 input in 4) a small backend on the CPU context driven through the
+ *      graph calls: hostile then valid mla_backend_graph_init, graph_inputs,
+ *      random ids / lengths written into the input buffers, mla_backend_sync,
+ *      mla_backend_graph_step with hostile and valid mode / batch / ndt (its
+ *      status predicted; a refused step leaves nothing to forward), and one
+ *      layer of mla_backend_forward whose output row is checked in float64.
+ * Phases 5 and 6 come last so that older corpus inputs drive 1-4 as before.
  * Every call must return a valid mla_status other than MLA_ERR_INTERNAL, and
  * a failure on a live handle must leave a non-empty "mla...: ..." message.
  *
@@ -277,6 +300,9 @@ typedef struct world {
   int32_t *stamp;
   int32_t next_stamp;
   fz_rng rng;
+  /* Set once direct calls may have left a non-finite value in the cache (a
+   * NaN row, a huge fp8 scale): later phases then skip the numeric checks. */
+  int cache_not_finite;
 } world;
 
 #define STAMP_DIGITS 4
@@ -535,7 +561,8 @@ static int setup(fz *f, world *w) {
       default: {
         static const float sv[] = {0.0f, -1.0f, NAN, INFINITY};
         bad.dtype = MLA_DTYPE_FP8_E4M3;
-        bad_scales[fz_pick(f, 2) % bad.num_layers] = sv[fz_pick(f, 4)];
+        const float sval = sv[fz_pick(f, 4)]; /* read first, as gcc and clang did */
+        bad_scales[fz_pick(f, 2) % bad.num_layers] = sval;
         bad.fp8_scales = bad_scales;
         break;
       }
@@ -737,10 +764,15 @@ static void table_ops(fz *f, world *w) {
         switch (fz_pick(f, 7)) {
           case 0: st = RT_CHK(w, mla_req_length(w->rt, id, fz_pick(f, 4) ? &v : NULL)); break;
           case 1: st = RT_CHK(w, mla_req_is_live(w->rt, id, fz_pick(f, 4) ? &v : NULL)); break;
-          case 2:
-            st = RT_CHK(w, mla_req_table_page_refs(w->rt, fz_wild(f, 0, w->rt_pages - 1),
-                                                   fz_pick(f, 4) ? &v : NULL));
+          case 2: {
+            /* One read per statement: the order of evaluation of arguments
+             * is unspecified (gcc and clang differ), and the replayer must
+             * decode an input as libFuzzer did. */
+            const int32_t pg = fz_wild(f, 0, w->rt_pages - 1);
+            int *out = fz_pick(f, 4) ? &v : NULL;
+            st = RT_CHK(w, mla_req_table_page_refs(w->rt, pg, out));
             break;
+          }
           case 3: st = RT_CHK(w, mla_req_table_free_pages(w->rt, fz_pick(f, 4) ? &v : NULL)); break;
           case 4: st = RT_CHK(w, mla_req_table_get_desc(w->rt, fz_pick(f, 4) ? &rd : NULL)); break;
           case 5: st = RT_CHK(w, mla_req_table_data(w->rt, fz_pick(f, 4) ? &d : NULL)); break;
@@ -897,6 +929,66 @@ static int plan_should_work(const world *w, const mla_req_table *rt, const mla_b
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+/* A split schedule (the rule at MLA_SCHED_BLOCK in mla.h) against the kv
+ * lengths it was built for: parts (1..max_parts) walked in order must cover
+ * the keys [0, kv_len) of every request exactly once, in order, cut at
+ * 64-token block boundaries, each piece numbered as num_splits says. Shared
+ * by the host plans and the device-built steps. */
+static void check_schedule(int bs, const int32_t *kv_lens /* [bs] */, int parts, int max_parts,
+                           const int32_t *sched_meta /* [parts, 8] */,
+                           const int32_t *num_splits /* [bs+1] */, const char *who) {
+  FZ_ASSERT(parts >= 1 && parts <= max_parts, "%s: num_sm_parts %d of at most %d", who,
+            (int)parts, max_parts);
+  int32_t *pieces = calloc((size_t)(bs > 0 ? bs : 1), sizeof(int32_t));
+  FZ_ASSERT(pieces, "harness calloc");
+  int req = 0;
+  int64_t tok = 0;
+  for (int part = 0; part < parts; part++) {
+    const int32_t *m = sched_meta + (size_t)part * MLA_SCHED_META_INTS;
+    FZ_ASSERT(m[6] == 0 && m[7] == 0, "part %d reserved entries", part);
+    if (m[MLA_SCHED_NUM_REQS] == 0) {
+      FZ_ASSERT(req == bs && m[MLA_SCHED_BEGIN_REQ] == bs && m[MLA_SCHED_END_REQ] == bs &&
+                    m[MLA_SCHED_BEGIN_TOK] == 0 && m[MLA_SCHED_END_TOK] == 0 &&
+                    m[MLA_SCHED_BEGIN_SPLIT] == 0,
+                "empty part %d before the work is done (at request %d)", part, req);
+      continue;
+    }
+    const int br = m[MLA_SCHED_BEGIN_REQ], er = m[MLA_SCHED_END_REQ];
+    FZ_ASSERT(br == req && m[MLA_SCHED_BEGIN_TOK] == tok,
+              "part %d starts at %d:%d, the previous part ended at %d:%lld", part, br,
+              (int)m[MLA_SCHED_BEGIN_TOK], req, (long long)tok);
+    FZ_ASSERT(er >= br && er < bs && m[MLA_SCHED_NUM_REQS] == er - br + 1,
+              "part %d requests %d..%d (num_reqs %d)", part, br, er, (int)m[MLA_SCHED_NUM_REQS]);
+    FZ_ASSERT(m[MLA_SCHED_BEGIN_SPLIT] == pieces[br], "part %d begin_split %d, expected %d", part,
+              (int)m[MLA_SCHED_BEGIN_SPLIT], (int)pieces[br]);
+    for (int r = br; r <= er; r++) {
+      const int64_t s = r == br ? tok : 0;
+      const int64_t e = r == er ? m[MLA_SCHED_END_TOK] : kv_lens[r];
+      FZ_ASSERT(s <= e && e <= kv_lens[r] && (s < e || kv_lens[r] == 0),
+                "part %d request %d covers [%lld, %lld) of %d keys", part, r, (long long)s,
+                (long long)e, (int)kv_lens[r]);
+      FZ_ASSERT(s % MLA_SCHED_BLOCK == 0 && (e == kv_lens[r] || e % MLA_SCHED_BLOCK == 0),
+                "part %d request %d cut off a block boundary", part, r);
+      pieces[r]++;
+      if (e == kv_lens[r]) {
+        req = r + 1;
+        tok = 0;
+      } else {
+        FZ_ASSERT(r == er, "part %d leaves request %d unfinished in the middle", part, r);
+        req = r;
+        tok = e;
+      }
+    }
+  }
+  FZ_ASSERT(req == bs, "the schedule stops at request %d of %d", req, bs);
+  FZ_ASSERT(num_splits[0] == 0, "%s: num_splits[0] = %d", who, (int)num_splits[0]);
+  for (int i = 0; i < bs; i++)
+    FZ_ASSERT(num_splits[i + 1] - num_splits[i] == pieces[i],
+              "%s: num_splits: request %d has %d pieces, the parts cut it in %d", who, i,
+              (int)(num_splits[i + 1] - num_splits[i]), (int)pieces[i]);
+  free(pieces);
+}
+
 /* Every entry of a successful plan against the batch and the table. */
 static void check_plan(const world *w, const mla_batch *b, const mla_plan_limits *l, int H,
                        const mla_plan *p) {
@@ -964,59 +1056,89 @@ static void check_plan(const world *w, const mla_batch *b, const mla_plan_limits
   FZ_ASSERT(p->block_table_width == cdiv(mk, P), "block_table_width %d",
             (int)p->block_table_width);
 
-  /* Split schedule: walk the parts in order; together they must cover the
-   * keys [0, kv_len) of every request exactly once, in order, cut at 64-token
-   * block boundaries, each piece numbered as num_splits says. */
-  FZ_ASSERT(p->num_sm_parts >= 1 && p->num_sm_parts <= l->num_sm, "num_sm_parts %d",
-            (int)p->num_sm_parts);
-  int32_t *pieces = calloc((size_t)(bs > 0 ? bs : 1), sizeof(int32_t));
-  FZ_ASSERT(pieces, "harness calloc");
-  int req = 0;
-  int64_t tok = 0;
-  for (int part = 0; part < p->num_sm_parts; part++) {
-    const int32_t *m = p->sched_meta + (size_t)part * MLA_SCHED_META_INTS;
-    FZ_ASSERT(m[6] == 0 && m[7] == 0, "part %d reserved entries", part);
-    if (m[MLA_SCHED_NUM_REQS] == 0) {
-      FZ_ASSERT(req == bs && m[MLA_SCHED_BEGIN_REQ] == bs && m[MLA_SCHED_END_REQ] == bs &&
-                    m[MLA_SCHED_BEGIN_TOK] == 0 && m[MLA_SCHED_END_TOK] == 0 &&
-                    m[MLA_SCHED_BEGIN_SPLIT] == 0,
-                "empty part %d before the work is done (at request %d)", part, req);
-      continue;
-    }
-    const int br = m[MLA_SCHED_BEGIN_REQ], er = m[MLA_SCHED_END_REQ];
-    FZ_ASSERT(br == req && m[MLA_SCHED_BEGIN_TOK] == tok,
-              "part %d starts at %d:%d, the previous part ended at %d:%lld", part, br,
-              (int)m[MLA_SCHED_BEGIN_TOK], req, (long long)tok);
-    FZ_ASSERT(er >= br && er < bs && m[MLA_SCHED_NUM_REQS] == er - br + 1,
-              "part %d requests %d..%d (num_reqs %d)", part, br, er, (int)m[MLA_SCHED_NUM_REQS]);
-    FZ_ASSERT(m[MLA_SCHED_BEGIN_SPLIT] == pieces[br], "part %d begin_split %d, expected %d", part,
-              (int)m[MLA_SCHED_BEGIN_SPLIT], (int)pieces[br]);
-    for (int r = br; r <= er; r++) {
-      const int64_t s = r == br ? tok : 0;
-      const int64_t e = r == er ? m[MLA_SCHED_END_TOK] : p->kv_lens[r];
-      FZ_ASSERT(s <= e && e <= p->kv_lens[r] && (s < e || p->kv_lens[r] == 0),
-                "part %d request %d covers [%lld, %lld) of %d keys", part, r, (long long)s,
-                (long long)e, (int)p->kv_lens[r]);
-      FZ_ASSERT(s % MLA_SCHED_BLOCK == 0 && (e == p->kv_lens[r] || e % MLA_SCHED_BLOCK == 0),
-                "part %d request %d cut off a block boundary", part, r);
-      pieces[r]++;
-      if (e == p->kv_lens[r]) {
-        req = r + 1;
-        tok = 0;
-      } else {
-        FZ_ASSERT(r == er, "part %d leaves request %d unfinished in the middle", part, r);
-        req = r;
-        tok = e;
-      }
+  check_schedule(bs, p->kv_lens, p->num_sm_parts, l->num_sm, p->sched_meta, p->num_splits, "plan");
+  FZ_ASSERT(p->total_splits == p->num_splits[bs], "total_splits");
+}
+
+/* Every output of an absorbed attention finite; a row with lse = -inf is
+ * all zero. */
+static void check_finite_out(mla_dtype dt, const void *out /* [rows, 512] */,
+                             const float *lse /* [rows] or NULL */, int64_t rows, const char *who) {
+  for (int64_t t = 0; t < rows; t++) {
+    float l = lse ? lse[t] : 0.0f;
+    FZ_ASSERT(!lse || isfinite(l) || l == -INFINITY, "%s: lse[%lld] = %g", who, (long long)t,
+              (double)l);
+    for (int d = 0; d < MLA_LATENT; d++) {
+      float o = get_act(dt, out, t * MLA_LATENT + d);
+      FZ_ASSERT(isfinite(o), "%s: out[%lld][%d] = %g", who, (long long)t, d, (double)o);
+      if (lse && l == -INFINITY)
+        FZ_ASSERT(o == 0.0f, "%s: empty row %lld has o = %g", who, (long long)t, (double)o);
     }
   }
-  FZ_ASSERT(req == bs, "the schedule stops at request %d of %d", req, bs);
-  for (int i = 0; i < bs; i++)
-    FZ_ASSERT(p->num_splits[i + 1] - p->num_splits[i] == pieces[i],
-              "num_splits: request %d has %d pieces, the parts cut it in %d", i,
-              (int)(p->num_splits[i + 1] - p->num_splits[i]), (int)pieces[i]);
-  FZ_ASSERT(p->total_splits == p->num_splits[bs], "total_splits");
-  free(pieces);
+}
+
+/* Keys visible to query qi of a request with Q queries and K keys
+ * (bottom-right causal when causal). */
+static int64_t visible_keys(int64_t Q, int64_t K, int64_t qi, int causal) {
+  const int64_t last = causal ? K - Q + qi : K - 1; /* visible keys j <= last */
+  return last + 1 < K ? (last + 1 > 0 ? last + 1 : 0) : K;
+}
+
+/* Output row (t, h) of an absorbed attention with args a (default strides)
+ * against a float64 recomputation over the first nk of the keys `slots`,
+ * read back from the cache. */
+static void check_row_f64(mla_kv_cache *cache, int layer, const mla_absorbed_args *a,
+                          const void *qn /* [T, H, 512] */, const void *qr /* [T, H, 64] */,
+                          const void *out /* [T, H, 512] */, const float *lse /* [T, H] */,
+                          int64_t t, int h, int64_t nk, const int32_t *slots /* [nk] */,
+                          const char *who) {
+  const int H = a->num_heads;
+  const mla_dtype dt = a->act_dtype;
+  double ref[MLA_LATENT] = {0}, lse_ref = -INFINITY;
+  if (nk > 0) {
+    float *c = malloc((size_t)nk * MLA_LATENT * sizeof(float));
+    float *r = malloc((size_t)nk * MLA_ROPE * sizeof(float));
+    double *s = malloc((size_t)nk * sizeof(double));
+    FZ_ASSERT(c && r && s, "harness malloc");
+    FZ_ASSERT(mla_kv_cache_read(cache, layer, (int)nk, slots, c, r, MLA_DTYPE_F32) == MLA_OK,
+              "%s: reading the keys back: %s", who, mla_kv_cache_last_error(cache));
+    double mx = -INFINITY;
+    for (int64_t j = 0; j < nk; j++) {
+      double acc = 0.0;
+      for (int d = 0; d < MLA_LATENT; d++)
+        acc += (double)get_act(dt, qn, (t * H + h) * MLA_LATENT + d) * c[j * MLA_LATENT + d];
+      for (int d = 0; d < MLA_ROPE; d++)
+        acc += (double)get_act(dt, qr, (t * H + h) * MLA_ROPE + d) * r[j * MLA_ROPE + d];
+      s[j] = acc * a->scale;
+      if (s[j] > mx) mx = s[j];
+    }
+    double den = 0.0;
+    for (int64_t j = 0; j < nk; j++) den += exp(s[j] - mx);
+    for (int64_t j = 0; j < nk; j++) {
+      double pj = exp(s[j] - mx) / den;
+      for (int d = 0; d < MLA_LATENT; d++) ref[d] += pj * c[j * MLA_LATENT + d];
+    }
+    lse_ref = mx + log(den);
+    free(c);
+    free(r);
+    free(s);
+  }
+  const double tol = dt == MLA_DTYPE_F32 ? 2e-3 : 2e-2;
+  for (int d = 0; d < MLA_LATENT; d++) {
+    double o = get_act(dt, out, (t * H + h) * MLA_LATENT + d);
+    FZ_ASSERT(fabs(o - ref[d]) <= tol * (1.0 + fabs(ref[d])),
+              "%s: out[%lld][%d][%d] = %g, float64 reference %g (%lld visible keys)", who,
+              (long long)t, h, d, o, ref[d], (long long)nk);
+  }
+  if (a->lse) {
+    double l = lse[t * H + h];
+    if (a->flags & MLA_FLAG_LSE_BASE2) l *= log(2.0);
+    if (nk == 0)
+      FZ_ASSERT(l == -INFINITY, "%s: lse of a row with no key = %g", who, l);
+    else
+      FZ_ASSERT(fabs(l - lse_ref) <= 1e-3 * (1.0 + fabs(lse_ref)), "%s: lse %g, reference %g", who,
+                l, lse_ref);
+  }
 }
 
 /* Absorbed attention over a successful plan; one output row is recomputed in
@@ -1075,71 +1197,16 @@ static void run_absorbed(fz *f, world *w, const mla_plan *p) {
   /* Numbers are checked at sane scales only (FLT_MAX overflows the logits). */
   if (st == MLA_OK && T > 0 && a.scale == sane_scale) {
     FZ_COUNT(2);
-    /* Every output finite; a row with lse = -inf is all zero. */
-    for (int64_t t = 0; t < T * H; t++) {
-      float l = a.lse ? lse[t] : 0.0f;
-      FZ_ASSERT(!a.lse || isfinite(l) || l == -INFINITY, "lse[%lld] = %g", (long long)t, (double)l);
-      for (int d = 0; d < MLA_LATENT; d++) {
-        float o = get_act(a.act_dtype, out, t * MLA_LATENT + d);
-        FZ_ASSERT(isfinite(o), "out[%lld][%d] = %g", (long long)t, d, (double)o);
-        if (a.lse && l == -INFINITY) FZ_ASSERT(o == 0.0f, "empty row %lld has o = %g", (long long)t, (double)o);
-      }
-    }
+    check_finite_out(a.act_dtype, out, a.lse, T * H, "mla_attention_absorbed");
     /* One row in float64. */
     const int64_t t = fz_int(f, 0, 65535) % T;
     const int h = fz_pick(f, H);
     int i = 0;
     while (p->qo_indptr[i + 1] <= t) i++;
     const int64_t Q = p->qo_indptr[i + 1] - p->qo_indptr[i], K = p->kv_lens[i];
-    const int64_t qi = t - p->qo_indptr[i];
-    const int64_t last = p->causal ? K - Q + qi : K - 1; /* visible keys j <= last */
-    const int64_t nk = last + 1 < K ? (last + 1 > 0 ? last + 1 : 0) : K;
-    double ref[MLA_LATENT] = {0}, lse_ref = -INFINITY;
-    if (nk > 0) {
-      float *c = malloc((size_t)nk * MLA_LATENT * sizeof(float));
-      float *r = malloc((size_t)nk * MLA_ROPE * sizeof(float));
-      double *s = malloc((size_t)nk * sizeof(double));
-      FZ_ASSERT(c && r && s, "harness malloc");
-      FZ_ASSERT(mla_kv_cache_read(w->cache, layer, (int)nk, p->kv_indices + p->kv_indptr[i], c, r,
-                                  MLA_DTYPE_F32) == MLA_OK,
-                "reading the plan's keys");
-      double mx = -INFINITY;
-      for (int64_t j = 0; j < nk; j++) {
-        double acc = 0.0;
-        for (int d = 0; d < MLA_LATENT; d++)
-          acc += (double)get_act(a.act_dtype, qn, (t * H + h) * MLA_LATENT + d) * c[j * MLA_LATENT + d];
-        for (int d = 0; d < MLA_ROPE; d++)
-          acc += (double)get_act(a.act_dtype, qr, (t * H + h) * MLA_ROPE + d) * r[j * MLA_ROPE + d];
-        s[j] = acc * a.scale;
-        if (s[j] > mx) mx = s[j];
-      }
-      double den = 0.0;
-      for (int64_t j = 0; j < nk; j++) den += exp(s[j] - mx);
-      for (int64_t j = 0; j < nk; j++) {
-        double pj = exp(s[j] - mx) / den;
-        for (int d = 0; d < MLA_LATENT; d++) ref[d] += pj * c[j * MLA_LATENT + d];
-      }
-      lse_ref = mx + log(den);
-      free(c);
-      free(r);
-      free(s);
-    }
-    const double tol = a.act_dtype == MLA_DTYPE_F32 ? 2e-3 : 2e-2;
-    for (int d = 0; d < MLA_LATENT; d++) {
-      double o = get_act(a.act_dtype, out, (t * H + h) * MLA_LATENT + d);
-      FZ_ASSERT(fabs(o - ref[d]) <= tol * (1.0 + fabs(ref[d])),
-                "out[%lld][%d][%d] = %g, float64 reference %g (request %d, %lld of %lld keys)",
-                (long long)t, h, d, o, ref[d], i, (long long)nk, (long long)K);
-    }
-    if (a.lse) {
-      double l = lse[t * H + h];
-      if (a.flags & MLA_FLAG_LSE_BASE2) l *= log(2.0);
-      if (nk == 0)
-        FZ_ASSERT(l == -INFINITY, "lse of a row with no key = %g", l);
-      else
-        FZ_ASSERT(fabs(l - lse_ref) <= 1e-3 * (1.0 + fabs(lse_ref)), "lse %g, reference %g", l,
-                  lse_ref);
-    }
+    const int64_t nk = visible_keys(Q, K, t - p->qo_indptr[i], p->causal);
+    check_row_f64(w->cache, layer, &a, qn, qr, out, lse, t, h, nk, p->kv_indices + p->kv_indptr[i],
+                  "mla_attention_absorbed");
   }
   free(qn);
   free(qr);
@@ -1440,7 +1507,10 @@ static void direct_cache(fz *f, world *w) {
     float v = rng_val(&w->rng);
     if (is_act(dt)) put_act(dt, r, i, v); else r[i] = v;
   }
-  if (fz_rare(f, 16) && n > 0) put_act(MLA_DTYPE_F32, c, 0, NAN);
+  if (fz_rare(f, 16) && n > 0) {
+    put_act(MLA_DTYPE_F32, c, 0, NAN);
+    w->cache_not_finite = 1;
+  }
   (void)es;
   const int null_slots = huge || fz_rare(f, 16);
   const int null_c = huge || fz_rare(f, 16), null_r = huge || fz_rare(f, 16);
@@ -1564,6 +1634,7 @@ static void direct_cache(fz *f, world *w) {
     if (fz_rare(f, 4)) {
       float s = fz_float(f, 0.5f);
       st = CACHE_CHK(w, mla_kv_cache_set_fp8_scale(w->cache, layer, s));
+      if (st == MLA_OK && s != 0.5f) w->cache_not_finite = 1; /* FLT_MAX: rows overflow */
       if (!(isfinite(s) && s > 0.0f && layer_ok)) FZ_ASSERT(st != MLA_OK, "set_fp8_scale(%g)", (double)s);
     }
   }
@@ -1842,8 +1913,813 @@ static void direct_misc(fz *f, world *w) {
   }
 }
 
+/* ---- 5. device-built steps (mla_step_*) on the CPU context ----------------- */
+
+/* Counters of the new phases (fuzz_replay prints fz_stats only; these are
+ * printed at exit under FZ_STATS=1 too). */
+static long fz_stats_x[4];
+static const char *const fz_stat_x_names[4] = {"steps ok", "step attn ok", "graph steps ok",
+                                               "graph fwd ok"};
+#define FZ_COUNT_X(k) (fz_stats_x[k]++)
+static void print_stats_x(void) {
+  for (int k = 0; k < 4; k++) printf("  %-14s %ld\n", fz_stat_x_names[k], fz_stats_x[k]);
+}
+
+static int is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
+
+/* What the header says of a step descriptor: 1 valid, 0 invalid, -1 outside
+ * what it says (the library also bounds max_kv_len by 2^30 and num_steps by
+ * 16, which the header does not state). */
+static int step_desc_state(const mla_step_desc *d) {
+  if (d->mode != MLA_MODE_DECODE && d->mode != MLA_MODE_TARGET_VERIFY &&
+      d->mode != MLA_MODE_DRAFT_EXTEND)
+    return 0;
+  if (d->batch_size < 1 || d->batch_size > 8192) return 0;
+  if (d->mode == MLA_MODE_DECODE ? d->num_draft_tokens != 0
+                                 : d->num_draft_tokens < 1 || d->num_draft_tokens > 64)
+    return 0;
+  if (d->max_kv_len < 1) return 0;
+  if (d->num_heads < 1 || d->num_heads > MLA_MAX_HEADS) return 0;
+  if (!is_pow2(d->page_size) || d->page_size > MLA_MAX_PAGE_SIZE) return 0;
+  if (d->num_sm < 0 || d->num_sm > 1024) return 0;
+  if (d->num_steps < 0 || (d->num_steps > 0 && d->mode != MLA_MODE_DECODE)) return 0;
+  if (d->step < 0 || d->step >= (d->num_steps > 0 ? d->num_steps : 1)) return 0;
+  if (d->max_kv_len > (1 << 30) || d->num_steps > 16) return -1;
+  return 1;
+}
+
+static int step_q_len(const mla_step_desc *d) {
+  return d->mode == MLA_MODE_DECODE ? 1 : d->num_draft_tokens;
+}
+/* kv_len = seq_len + extra: TARGET_VERIFY ndt, draft step k k + 1, else 0. */
+static int64_t step_extra(const mla_step_desc *d, int k) {
+  if (d->num_steps > 0) return (int64_t)k + 1;
+  return d->mode == MLA_MODE_TARGET_VERIFY ? d->num_draft_tokens : 0;
+}
+/* kv length of a row, or -1 when its request id or length is out of range. */
+static int64_t step_row_kv(const mla_step_desc *d, const mla_step_inputs *in, int64_t extra,
+                           int32_t id, int32_t seq) {
+  if (id != MLA_REQ_PAD && (id < 0 || id >= in->max_reqs)) return -1;
+  if (seq < 0) return -1;
+  const int64_t kv = (int64_t)seq + extra;
+  return kv > d->max_kv_len ? -1 : kv;
+}
+/* Block-table entry m of a row with kv keys: the page of the slot at the
+ * page's first position (page 0 for padding), MLA_BLOCK_TABLE_PAD past the
+ * row, or -2 when that slot does not start a page of the cache. */
+static int64_t step_page(const mla_step_desc *d, const mla_step_inputs *in, int64_t num_pages,
+                         int32_t id, int64_t kv, int64_t m) {
+  const int P = d->page_size;
+  if (m * P >= kv) return MLA_BLOCK_TABLE_PAD;
+  if (id == MLA_REQ_PAD) return 0;
+  const int32_t slot = in->req_to_token[(int64_t)id * in->req_to_token_stride + m * P];
+  if (slot < 0 || slot % P != 0 || slot / P >= num_pages) return -2;
+  return slot / P;
+}
+/* Whether every row is in range (ids, lengths, page slots) at `extra`. */
+static int step_rows_ok(const mla_step_desc *d, const mla_step_inputs *in, int64_t num_pages,
+                        int64_t extra) {
+  for (int i = 0; i < d->batch_size; i++) {
+    const int64_t kv = step_row_kv(d, in, extra, in->req_ids[i], in->seq_lens[i]);
+    if (kv < 0) return 0;
+    for (int64_t m = 0; m * d->page_size < kv; m++)
+      if (step_page(d, in, num_pages, in->req_ids[i], kv, m) == -2) return 0;
+  }
+  return 1;
+}
+/* The slot of key j of a row as a step reads it: through its block table. */
+static int32_t step_slot(const mla_step_desc *d, const mla_step_inputs *in, int64_t num_pages,
+                         int32_t id, int64_t kv, int64_t j) {
+  const int64_t pg = step_page(d, in, num_pages, id, kv, j / d->page_size);
+  return (int32_t)(pg * d->page_size + j % d->page_size);
+}
+
+/* One of a few values, picked by the input. The values must not read the
+ * input themselves (their order of evaluation against the pick is not
+ * sequenced). */
+#define FZ_ONE_OF(f, ...) \
+  ((const int32_t[]){__VA_ARGS__}[fz_pick((f), (int)(sizeof((int32_t[]){__VA_ARGS__}) / sizeof(int32_t)))])
+
+typedef struct fz_step {
+  mla_step_desc d;
+  mla_step_inputs in;  /* what is passed (possibly hostile) */
+  int32_t *ids, *seq;  /* [n] */
+  int n;
+  int32_t *own_r2t;    /* a private request table [rows, stride], or NULL */
+  int from_table;      /* in.req_to_token is the world's table */
+} fz_step;
+
+static void make_step(fz *f, world *w, fz_step *s) {
+  memset(s, 0, sizeof *s);
+  mla_step_desc *d = &s->d;
+  s->from_table = fz_pick(f, 4) != 3;
+  unsigned u = fz_u8(f);
+  if (u < 240) {
+    static const mla_mode m[] = {MLA_MODE_DECODE, MLA_MODE_TARGET_VERIFY, MLA_MODE_DRAFT_EXTEND,
+                                 MLA_MODE_DECODE};
+    d->mode = m[u % 4];
+  } else {
+    d->mode = (mla_mode)FZ_ONE_OF(f, MLA_MODE_IDLE, MLA_MODE_EXTEND, -1, 5, 1000, INT32_MIN);
+  }
+  u = fz_u8(f);
+  if (u >= 192) { /* multi-step draft */
+    if (u < 248) {
+      d->num_steps = 1 + (int)(u % 4);
+      if (!fz_rare(f, 8)) d->mode = MLA_MODE_DECODE;
+    } else {
+      d->num_steps = FZ_ONE_OF(f, 16, 17, -1, INT32_MAX, INT32_MIN, 2);
+    }
+  }
+  u = fz_u8(f);
+  if (d->mode == MLA_MODE_DECODE)
+    d->num_draft_tokens = u < 240 ? 0 : FZ_ONE_OF(f, 1, -1, 64, INT32_MIN);
+  else
+    d->num_draft_tokens = u < 232 ? 1 + (int)(u % 4) : FZ_ONE_OF(f, 0, -1, 64, 65, INT32_MAX, 63);
+  u = fz_u8(f);
+  d->batch_size = u < 232 ? 1 + (int)(u % 6)
+                          : FZ_ONE_OF(f, 0, -1, 8192, 8193, INT32_MAX, INT32_MIN, 200, 1000);
+  const int mc = s->from_table ? w->max_context : 1 + fz_pick(f, 64);
+  u = fz_u8(f);
+  if (u < 160) d->max_kv_len = mc;
+  else if (u < 232) d->max_kv_len = 1 + (int)(u % (unsigned)mc);
+  else d->max_kv_len = FZ_ONE_OF(f, 0, -1, INT32_MIN, 1 << 30, (1 << 30) + 1, INT32_MAX, mc + 1);
+  u = fz_u8(f);
+  d->num_heads = u < 224 ? 1 + (int)(u % 4) : FZ_ONE_OF(f, 0, -1, 1024, 1025, 64, 200, INT32_MAX);
+  u = fz_u8(f);
+  if (u < 232) {
+    d->page_size = w->page_size;
+  } else {
+    const int32_t other = 1 << fz_pick(f, 9);
+    d->page_size = FZ_ONE_OF(f, other, 0, 3, 512, -1, 256, INT32_MIN);
+  }
+  u = fz_u8(f);
+  d->num_sm = u < 216 ? (int)(u % 9) : FZ_ONE_OF(f, 1024, 1025, -1, 4096, INT32_MAX, 16, 100);
+  u = fz_u8(f);
+  const int ns = d->num_steps > 0 && d->num_steps <= 16 ? d->num_steps : 1;
+  d->step = u < 232 ? (int)(u % (unsigned)ns) : FZ_ONE_OF(f, d->num_steps, -1, ns, INT32_MAX, 1);
+
+  /* The request table: the world's, or a private copy of it with a wider
+   * stride and some page-start slots corrupted. A stride or max_reqs is only
+   * ever larger than the buffer where the library must refuse it. */
+  const int32_t *r2t;
+  FZ_ASSERT(mla_req_table_data(w->rt, &r2t) == MLA_OK, "mla_req_table_data");
+  int rows = w->max_reqs;
+  if (s->from_table) {
+    s->in.req_to_token = r2t;
+    s->in.req_to_token_stride = w->max_context;
+  } else {
+    if (fz_rare(f, 4)) rows = 1 + fz_pick(f, w->max_reqs);
+    const int64_t S = d->max_kv_len >= 1 && d->max_kv_len <= 256 ? d->max_kv_len + fz_pick(f, 3)
+                                                                  : 1 + fz_pick(f, 64);
+    s->own_r2t = calloc((size_t)rows * (size_t)S, sizeof(int32_t));
+    FZ_ASSERT(s->own_r2t, "harness calloc");
+    for (int r = 0; r < rows; r++)
+      for (int64_t j = 0; j < S && j < w->max_context; j++)
+        s->own_r2t[r * S + j] = r2t[(size_t)r * w->max_context + j];
+    const int P = is_pow2(d->page_size) && d->page_size <= 256 ? d->page_size : 1;
+    const int64_t nslots = (int64_t)w->num_pages * w->page_size;
+    for (int k = fz_pick(f, 4); k > 0; k--) {
+      const int r = fz_pick(f, rows);
+      const int64_t pos = (fz_int(f, 0, (int)S - 1) / P) * P;
+      int32_t *e = &s->own_r2t[r * S + pos];
+      switch (fz_pick(f, 8)) {
+        case 0: *e = *e < INT32_MAX ? *e + 1 : 0; break; /* not a page start (P > 1) */
+        case 1: *e = (int32_t)(w->num_pages * P); break;  /* one page past the cache */
+        case 2: *e = -P; break;
+        case 3: *e = INT32_MIN; break;
+        case 4: *e = INT32_MAX; break;
+        case 5: *e = -1; break;
+        default: *e = fz_pick(f, w->num_pages) * P; /* another page, in range */
+          if (*e >= nslots) *e = 0;
+          break;
+      }
+    }
+    s->in.req_to_token = s->own_r2t;
+    s->in.req_to_token_stride = S;
+  }
+  s->in.max_reqs = rows;
+  u = fz_u8(f);
+  if (u >= 224) {
+    switch (u % 8) {
+      case 0: s->in.req_to_token = NULL; break;
+      case 1: s->in.req_to_token_stride = (int64_t)d->max_kv_len - 1; break;
+      case 2: s->in.max_reqs = 0; break;
+      case 3: s->in.max_reqs = -1; break;
+      case 4: s->in.max_reqs = INT32_MIN; break;
+      case 5: s->in.req_to_token_stride = -1; break;
+      case 6: s->in.req_to_token_stride = INT64_MIN; break;
+      default: s->in.max_reqs = rows - 1; break; /* fewer rows: the last one's id is out of range */
+    }
+  }
+
+  /* Rows: mostly live requests at their length, padding, dead or foreign ids. */
+  const int bs = d->batch_size;
+  s->n = bs >= 1 && bs <= 8192 ? bs : MAX_ARR;
+  s->ids = arr_alloc(s->n);
+  s->seq = arr_alloc(s->n);
+  const int64_t extra = step_extra(d, ns - 1);
+  for (int i = 0; i < s->n; i++) {
+    const int32_t id = fz_req(f, w);
+    const int len = req_len(w, id);
+    int32_t seq;
+    if (id == MLA_REQ_PAD) seq = 1;
+    else if (len >= extra) seq = fz_pick(f, 4) ? (int32_t)(len - extra) : fz_int(f, 0, (int)(len - extra));
+    else seq = fz_int(f, 0, 8);
+    if (fz_rare(f, 16)) {
+      const int32_t past = d->max_kv_len < INT32_MAX ? d->max_kv_len + 1 : INT32_MAX;
+      seq = FZ_ONE_OF(f, -1, d->max_kv_len, past, INT32_MAX, INT32_MIN, 0);
+    }
+    s->ids[i] = id;
+    s->seq[i] = seq;
+  }
+  s->in.req_ids = fz_rare(f, 32) ? NULL : s->ids;
+  s->in.seq_lens = fz_rare(f, 32) ? NULL : s->seq;
+}
+
+static void free_step(fz_step *s) {
+  free(s->ids);
+  free(s->seq);
+  free(s->own_r2t);
+}
+
+/* The split-schedule part count a step targets (mla.h at MLA_SCHED_BLOCK);
+ * num_sm = 0 is the context's workers, known here only as a bound. */
+static int step_parts(const mla_step_desc *d, int num_sm) {
+  const int64_t tiles = cdiv((int64_t)step_q_len(d) * d->num_heads, MLA_SCHED_BLOCK);
+  const int64_t p = num_sm / tiles;
+  return p < 1 ? 1 : (int)p;
+}
+
+/* The metadata of step k of a successful prepare, entry by entry. */
+static void check_step_meta(world *w, const fz_step *s, int k, const mla_step_metadata *m) {
+  const mla_step_desc *d = &s->d;
+  const int bs = d->batch_size, q = step_q_len(d), P = d->page_size;
+  const int64_t W = cdiv(d->max_kv_len, P), extra = step_extra(d, k);
+  FZ_ASSERT(m->batch_size == bs && m->q_len == q && m->block_table_width == W,
+            "step %d metadata shape: bs %d q_len %d width %d, expected %d / %d / %lld", k,
+            (int)m->batch_size, (int)m->q_len, (int)m->block_table_width, bs, q, (long long)W);
+  FZ_ASSERT(m->qo_indptr && m->kv_lens && m->block_table && m->sched_meta && m->num_splits,
+            "step %d metadata has a NULL array", k);
+  int max_parts;
+  if (d->num_sm > 0) {
+    max_parts = d->num_sm;
+    FZ_ASSERT(m->num_sm_parts == step_parts(d, d->num_sm),
+              "step %d: num_sm_parts %d, expected max(1, %d / ceil(%d * %d / 64))", k,
+              (int)m->num_sm_parts, (int)d->num_sm, q, (int)d->num_heads);
+  } else {
+    int th = 1;
+    FZ_ASSERT(mla_ctx_get_threads(w->ctx, &th) == MLA_OK, "mla_ctx_get_threads");
+    max_parts = step_parts(d, th > 0 ? th : 1);
+  }
+  for (int i = 0; i <= bs; i++)
+    FZ_ASSERT(m->qo_indptr[i] == (int64_t)i * q, "step %d qo_indptr[%d] = %d, expected %lld", k, i,
+              (int)m->qo_indptr[i], (long long)i * q);
+  for (int i = 0; i < bs; i++) {
+    const int32_t id = s->ids[i];
+    const int64_t kv = step_row_kv(d, &s->in, extra, id, s->seq[i]);
+    FZ_ASSERT(kv >= 0 && m->kv_lens[i] == kv, "step %d row %d (id %d, seq %d): kv_len %d, expected %lld",
+              k, i, (int)id, (int)s->seq[i], (int)m->kv_lens[i], (long long)kv);
+    const int32_t *bt = m->block_table + (size_t)i * (size_t)W;
+    for (int64_t j = 0; j < W; j++) {
+      const int64_t want = step_page(d, &s->in, w->num_pages, id, kv, j);
+      FZ_ASSERT(bt[j] == want, "step %d row %d (id %d, %lld keys) block table [%lld] = %d, expected %lld",
+                k, i, (int)id, (long long)kv, (long long)j, (int)bt[j], (long long)want);
+    }
+  }
+  check_schedule(bs, m->kv_lens, m->num_sm_parts, max_parts, m->sched_meta, m->num_splits,
+                 "mla_step_prepare");
+  FZ_ASSERT(m->num_splits[bs] <= m->max_splits, "step %d: %d splits, max_splits %d", k,
+            (int)m->num_splits[bs], (int)m->max_splits);
+}
+
+/* The header: a step's metadata equals mla_plan_build's for the same batch
+ * and num_sm. Compared where the plan's rules hold (live requests at most
+ * their length, the table's geometry). */
+static void compare_with_plan(world *w, const fz_step *s, int k, const mla_step_metadata *m) {
+  const mla_step_desc *d = &s->d;
+  const int bs = d->batch_size;
+  if (!s->from_table || d->num_sm < 1 || bs > MAX_ARR || d->page_size != w->rt_page_size) return;
+  int32_t seqk[MAX_ARR];
+  mla_batch b;
+  memset(&b, 0, sizeof b);
+  b.mode = d->num_steps > 0 ? MLA_MODE_DECODE : d->mode;
+  b.batch_size = bs;
+  b.req_ids = s->ids;
+  b.seq_lens = seqk;
+  b.num_draft_tokens = d->num_draft_tokens;
+  int64_t sum = 0;
+  for (int i = 0; i < bs; i++) {
+    seqk[i] = d->num_steps > 0 ? (int32_t)(s->seq[i] + k + 1) : s->seq[i];
+    sum += m->kv_lens[i];
+  }
+  mla_plan_limits lim = {bs, bs * step_q_len(d), (int)(sum > 0 ? sum : 1), d->max_kv_len, d->page_size,
+                         d->num_sm};
+  if (!plan_should_work(w, w->rt, &b, &lim, d->num_heads)) return;
+  size_t need = 0;
+  FZ_ASSERT(mla_plan_workspace_size(w->ctx, &lim, &need) == MLA_OK, "plan workspace size");
+  void *ws = malloc(need ? need : 1);
+  FZ_ASSERT(ws, "harness malloc");
+  mla_plan p;
+  mla_status st = CTX_CHK(w, mla_plan_build(w->ctx, w->rt, &b, &lim, d->num_heads, ws, need, &p));
+  FZ_ASSERT(st == MLA_OK, "mla_plan_build of a step's batch failed: %s", mla_ctx_last_error(w->ctx));
+  FZ_ASSERT(p.num_sm_parts == m->num_sm_parts, "step %d: %d schedule parts, the plan has %d", k,
+            (int)m->num_sm_parts, (int)p.num_sm_parts);
+  FZ_ASSERT(memcmp(p.sched_meta, m->sched_meta,
+                   sizeof(int32_t) * MLA_SCHED_META_INTS * (size_t)p.num_sm_parts) == 0 &&
+                memcmp(p.num_splits, m->num_splits, sizeof(int32_t) * (size_t)(bs + 1)) == 0 &&
+                memcmp(p.kv_lens, m->kv_lens, sizeof(int32_t) * (size_t)bs) == 0,
+            "step %d: schedule / kv_lens differ from mla_plan_build's", k);
+  for (int i = 0; i < bs; i++)
+    for (int j = 0; j < p.block_table_width; j++)
+      FZ_ASSERT(p.block_table[(size_t)i * p.block_table_width + j] ==
+                    m->block_table[(size_t)i * m->block_table_width + j],
+                "step %d row %d block table [%d] differs from the plan's", k, i, j);
+  free(ws);
+}
+
+/* mla_step_attention over a prepared step; one output row in float64. */
+static void run_step_attention(fz *f, world *w, const fz_step *s, const fz_ws *ws, size_t need) {
+  mla_step_desc d = s->d;
+  const int steps = d.num_steps > 0 ? d.num_steps : 1;
+  d.step = fz_pick(f, steps);
+  const int H = d.num_heads, q = step_q_len(&d);
+  const int64_t T = (int64_t)d.batch_size * q;
+  mla_absorbed_args a;
+  memset(&a, 0, sizeof a);
+  if (H > 4 || T * H > 256) {
+    /* Too large to allocate here: a head count other than the step's must
+     * be refused (nothing is read or written). */
+    a.num_heads = H % 4 + 1;
+    a.scale = 0.1f;
+    a.act_dtype = MLA_DTYPE_F32;
+    mla_status st = CTX_CHK(w, mla_step_attention(w->ctx, &d, w->cache, 0, &a, ws->p, ws->bytes));
+    FZ_ASSERT(st == MLA_ERR_INVALID_ARGUMENT, "mla_step_attention with num_heads %d != desc %d: %s",
+              a.num_heads, H, mla_status_string(st));
+    return;
+  }
+  a.num_heads = fz_rare(f, 16) ? H % 4 + 1 : H;
+  const float sane_scale = 0.04f + 0.02f * (float)fz_pick(f, 8);
+  a.scale = fz_float(f, sane_scale);
+  a.flags = fz_rare(f, 8) ? 4u : (unsigned)fz_pick(f, 2);
+  a.act_dtype = fz_act_dtype(f);
+  if (fz_rare(f, 16)) a.q_stride_token = -1;
+  const int layer = fz_rare(f, 8) ? fz_wild(f, 0, w->num_layers - 1) : fz_pick(f, w->num_layers);
+  mla_kv_cache *cache = fz_rare(f, 32) ? NULL : w->cache;
+  size_t bytes = ws->bytes;
+  void *wp = ws->p;
+  if (fz_rare(f, 16)) bytes = need - 1;
+  if (fz_rare(f, 32)) wp = NULL;
+
+  const size_t es = is_act(a.act_dtype) ? act_size(a.act_dtype) : 4;
+  const int64_t nq = T * 4;
+  void *qn = malloc((size_t)nq * MLA_LATENT * es), *qr = malloc((size_t)nq * MLA_ROPE * es);
+  void *out = malloc((size_t)nq * MLA_LATENT * es);
+  float *lse = malloc((size_t)nq * sizeof(float));
+  FZ_ASSERT(qn && qr && out && lse, "harness malloc");
+  if (is_act(a.act_dtype)) {
+    for (int64_t i = 0; i < nq * MLA_LATENT; i++) put_act(a.act_dtype, qn, i, rng_val(&w->rng));
+    for (int64_t i = 0; i < nq * MLA_ROPE; i++) put_act(a.act_dtype, qr, i, rng_val(&w->rng));
+  }
+  memset(out, 0xff, (size_t)nq * MLA_LATENT * es); /* NaN: must be overwritten */
+  for (int64_t i = 0; i < nq; i++) lse[i] = NAN;
+  a.q_nope = fz_rare(f, 32) ? NULL : qn;
+  a.q_rope = fz_rare(f, 32) ? NULL : qr;
+  a.out = fz_rare(f, 32) ? NULL : out;
+  a.lse = fz_rare(f, 4) ? NULL : lse;
+
+  mla_status st = CTX_CHK(w, mla_step_attention(w->ctx, &d, cache, layer, &a, wp, bytes));
+  const int expect = cache && layer >= 0 && layer < w->num_layers && a.num_heads == H &&
+                     is_act(a.act_dtype) && isfinite(a.scale) && a.scale > 0 && a.flags <= 1 &&
+                     a.q_stride_token >= 0 && a.q_nope && a.q_rope && a.out && wp && bytes >= need;
+  FZ_ASSERT((st == MLA_OK) == expect, "mla_step_attention returned %s, expected %s: %s",
+            mla_status_string(st), expect ? "MLA_OK" : "a failure", mla_ctx_last_error(w->ctx));
+  if (st == MLA_OK && a.scale == sane_scale && !w->cache_not_finite) {
+    FZ_COUNT_X(1);
+    check_finite_out(a.act_dtype, out, a.lse, T * H, "mla_step_attention");
+    const int64_t t = fz_int(f, 0, 65535) % T;
+    const int h = fz_pick(f, H), i = (int)(t / q);
+    const int64_t K = step_row_kv(&d, &s->in, step_extra(&d, d.step), s->ids[i], s->seq[i]);
+    const int64_t nk = visible_keys(q, K, t % q, d.mode != MLA_MODE_DECODE);
+    int32_t *slots = arr_alloc((int)(nk > 0 ? nk : 1));
+    for (int64_t j = 0; j < nk; j++) slots[j] = step_slot(&d, &s->in, w->num_pages, s->ids[i], K, j);
+    check_row_f64(w->cache, layer, &a, qn, qr, out, lse, t, h, nk, slots, "mla_step_attention");
+    free(slots);
+  }
+  free(qn);
+  free(qr);
+  free(out);
+  free(lse);
+}
+
+static void run_step(fz *f, world *w) {
+  fz_step s;
+  make_step(f, w, &s);
+  const mla_step_desc *d = &s.d;
+  const int state = step_desc_state(d);
+  size_t need = 0;
+  if (fz_rare(f, 32)) {
+    FZ_ASSERT(CTX_CHK(w, mla_step_workspace_size(w->ctx, NULL, &need)) == MLA_ERR_INVALID_ARGUMENT,
+              "mla_step_workspace_size(desc = NULL)");
+    FZ_ASSERT(CTX_CHK(w, mla_step_workspace_size(w->ctx, d, NULL)) == MLA_ERR_INVALID_ARGUMENT,
+              "mla_step_workspace_size(bytes = NULL)");
+    FZ_ASSERT(mla_step_workspace_size(NULL, d, &need) == MLA_ERR_INVALID_ARGUMENT, "ctx = NULL");
+  }
+  const mla_status sst = CTX_CHK(w, mla_step_workspace_size(w->ctx, d, &need));
+  if (state >= 0)
+    FZ_ASSERT((sst == MLA_OK) == (state == 1),
+              "mla_step_workspace_size(mode %d bs %d ndt %d kv %d H %d P %d sm %d steps %d/%d) "
+              "returned %s: %s",
+              (int)d->mode, (int)d->batch_size, (int)d->num_draft_tokens, (int)d->max_kv_len,
+              (int)d->num_heads, (int)d->page_size, (int)d->num_sm, (int)d->step,
+              (int)d->num_steps, mla_status_string(sst), mla_ctx_last_error(w->ctx));
+  /* Above WS_CAP the call must fail anyway: a small buffer keeps that cheap. */
+  fz_ws ws = ws_for(f, need > WS_CAP ? (size_t)4096 : need, sst == MLA_OK);
+  /* A pattern that a refused prepare must leave: all of a small workspace;
+   * of a large one the head (the metadata arrays start there) and the tail,
+   * which keeps multi-MiB workspaces cheap. */
+  const size_t band = (size_t)64 << 10;
+  const size_t head = ws.bytes < 2 * band ? ws.bytes : band;
+  const size_t tail = ws.bytes - head < band ? ws.bytes - head : band;
+  memset(ws.buf.p, 0xa5, head);
+  memset((char *)ws.buf.p + ws.bytes - tail, 0xa5, tail);
+  mla_kv_cache *cache = fz_rare(f, 32) ? NULL : w->cache;
+  const mla_step_inputs *in = fz_rare(f, 32) ? NULL : &s.in;
+  const mla_status st = CTX_CHK(w, mla_step_prepare(w->ctx, d, cache, in, ws.p, ws.bytes));
+
+  /* The status the header gives: bad descriptor fields and arguments are
+   * INVALID_ARGUMENT, a short workspace WORKSPACE_TOO_SMALL (which of the
+   * two when both apply is not said), a row out of range OUT_OF_RANGE. */
+  int expect = -2; /* an mla_status; -1: INVALID or TOO_SMALL; -2: not said */
+  if (state == 0) {
+    expect = MLA_ERR_INVALID_ARGUMENT;
+  } else if (sst == MLA_OK) {
+    const int bad = !cache || !in || !s.in.req_to_token || !s.in.req_ids || !s.in.seq_lens ||
+                    s.in.max_reqs < 1 || s.in.req_to_token_stride < d->max_kv_len ||
+                    d->page_size != w->page_size;
+    const int small = ws.bytes < need;
+    if (bad || !ws.p) expect = small ? -1 : MLA_ERR_INVALID_ARGUMENT;
+    else if (small) expect = MLA_ERR_WORKSPACE_TOO_SMALL;
+    else
+      expect = step_rows_ok(d, &s.in, w->num_pages, step_extra(d, (d->num_steps > 0 ? d->num_steps : 1) - 1))
+                   ? MLA_OK
+                   : MLA_ERR_OUT_OF_RANGE;
+  }
+  if (expect == -1)
+    FZ_ASSERT(st == MLA_ERR_INVALID_ARGUMENT || st == MLA_ERR_WORKSPACE_TOO_SMALL,
+              "mla_step_prepare returned %s, expected INVALID_ARGUMENT or WORKSPACE_TOO_SMALL: %s",
+              mla_status_string(st), mla_ctx_last_error(w->ctx));
+  else if (expect >= 0)
+    FZ_ASSERT((int)st == expect, "mla_step_prepare returned %s, expected %s: %s",
+              mla_status_string(st), mla_status_string((mla_status)expect),
+              mla_ctx_last_error(w->ctx));
+  if (st != MLA_OK) {
+    const unsigned char *b = ws.buf.p;
+    for (size_t i = 0; i < ws.bytes; i++) {
+      if (i == head) i = ws.bytes - tail;
+      if (i >= ws.bytes) break;
+      FZ_ASSERT(b[i] == 0xa5, "mla_step_prepare failed with %s but wrote byte %zu of the workspace",
+                mla_status_string(st), i);
+    }
+  } else {
+    FZ_COUNT_X(0);
+    const int steps = d->num_steps > 0 ? d->num_steps : 1;
+    for (int k = 0; k < steps; k++) {
+      mla_step_desc dk = *d;
+      dk.step = k;
+      mla_step_metadata m;
+      FZ_ASSERT(CTX_CHK(w, mla_step_get_metadata(w->ctx, &dk, ws.p, ws.bytes, &m)) == MLA_OK,
+                "mla_step_get_metadata(step %d) after a successful prepare: %s", k,
+                mla_ctx_last_error(w->ctx));
+      check_step_meta(w, &s, k, &m);
+      compare_with_plan(w, &s, k, &m);
+    }
+    if (fz_rare(f, 8)) {
+      mla_step_desc dk = *d;
+      mla_step_metadata m;
+      FZ_ASSERT(CTX_CHK(w, mla_step_get_metadata(w->ctx, &dk, ws.p, ws.bytes, NULL)) ==
+                    MLA_ERR_INVALID_ARGUMENT,
+                "mla_step_get_metadata(out = NULL)");
+      FZ_ASSERT(CTX_CHK(w, mla_step_get_metadata(w->ctx, &dk, ws.p, need - 1, &m)) ==
+                    MLA_ERR_WORKSPACE_TOO_SMALL,
+                "mla_step_get_metadata(bytes = need - 1)");
+      dk.step = steps;
+      FZ_ASSERT(CTX_CHK(w, mla_step_get_metadata(w->ctx, &dk, ws.p, ws.bytes, &m)) ==
+                    MLA_ERR_INVALID_ARGUMENT,
+                "mla_step_get_metadata(step = %d of %d)", steps, steps);
+    }
+    run_step_attention(f, w, &s, &ws, need);
+  }
+  ws_free(&ws);
+  free_step(&s);
+}
+
+/* ---- 6. the backend's graph steps on the CPU context ------------------------ */
+#define BE_CHK(be, call) chk((call), #call, mla_backend_last_error(be))
+
+/* A backend descriptor with one field the library must refuse. */
+static void hostile_backend_desc(fz *f, mla_backend_desc *d) {
+  switch (fz_pick(f, 14)) {
+    case 0: d->max_bs = FZ_ONE_OF(f, 0, -1, INT32_MIN); break;
+    case 1: d->max_q_tokens = FZ_ONE_OF(f, 0, -1); break;
+    case 2: d->max_context = FZ_ONE_OF(f, 0, -5); break;
+    case 3: d->num_heads = FZ_ONE_OF(f, 0, -1, MLA_MAX_HEADS + 1); break;
+    case 4: {
+      static const float sv[] = {0.0f, -1.0f, NAN, INFINITY};
+      d->scale = sv[fz_pick(f, 4)];
+      break;
+    }
+    case 5: d->act_dtype = (mla_dtype)FZ_ONE_OF(f, MLA_DTYPE_FP8_E4M3, MLA_DTYPE_F64, -1, 6); break;
+    case 6: d->extend_impl = (mla_extend_impl)FZ_ONE_OF(f, 2, -1); break;
+    case 7: d->chunk_capacity = -1; break;
+    case 8: d->num_sm = FZ_ONE_OF(f, -1, INT32_MIN); break;
+    case 9: d->cache.num_layers = 0; break;
+    case 10: d->cache.page_size = FZ_ONE_OF(f, 3, 0, 512); break;
+    case 11: d->cache.num_pages = 1; break;
+    case 12: d->max_reqs = FZ_ONE_OF(f, 0, -1); break;
+    default:
+      if (fz_pick(f, 2)) d->qk_nope_dim = MLA_MAX_HEAD_DIM; /* + 64 rope > the limit */
+      else d->v_dim = FZ_ONE_OF(f, MLA_MAX_HEAD_DIM + 1, -1);
+      break;
+  }
+}
+
+static void run_backend(fz *f, world *w) {
+  static const mla_dtype dts[] = {MLA_DTYPE_BF16, MLA_DTYPE_F16, MLA_DTYPE_FP8_E4M3,
+                                  MLA_DTYPE_FP8_E4M3_BLOCK};
+  static const mla_dtype acts[] = {MLA_DTYPE_BF16, MLA_DTYPE_F32, MLA_DTYPE_F16};
+  mla_backend_desc bd;
+  memset(&bd, 0, sizeof bd);
+  bd.cache.num_layers = 1 + fz_pick(f, 2);
+  bd.cache.num_pages = 2 + fz_pick(f, 11);
+  bd.cache.page_size = 1 << fz_pick(f, 5);
+  bd.cache.dtype = dts[fz_pick(f, 4)];
+  bd.max_reqs = 1 + fz_pick(f, 4);
+  bd.max_context = 1 + fz_pick(f, 24);
+  bd.max_bs = 1 + fz_pick(f, 4);
+  bd.max_q_tokens = 1 + fz_pick(f, 16);
+  bd.num_heads = 1 + fz_pick(f, 4);
+  bd.scale = 0.04f + 0.02f * (float)fz_pick(f, 8);
+  bd.act_dtype = acts[fz_pick(f, 3)];
+  bd.qk_nope_dim = 8; /* the MHA buffers stay small */
+  bd.v_dim = 8;
+  bd.extend_impl = fz_pick(f, 4) == 3 ? MLA_EXTEND_MHA_CHUNKED : MLA_EXTEND_ABSORBED;
+  bd.chunk_capacity = 1 + fz_pick(f, 16);
+  bd.num_sm = fz_pick(f, 9);
+  if (fz_rare(f, 8)) {
+    mla_backend_desc bad = bd;
+    hostile_backend_desc(f, &bad);
+    mla_backend *b = (mla_backend *)&bad; /* must be overwritten with NULL */
+    mla_status st = CTX_CHK(w, mla_backend_create(w->ctx, &bad, &b));
+    FZ_ASSERT(st != MLA_OK && b == NULL, "mla_backend_create accepted a bad descriptor (%s)",
+              mla_status_string(st));
+    FZ_ASSERT(CTX_CHK(w, mla_backend_create(w->ctx, NULL, &b)) != MLA_OK && b == NULL, "desc = NULL");
+    FZ_ASSERT(CTX_CHK(w, mla_backend_create(w->ctx, &bd, NULL)) != MLA_OK, "out = NULL");
+    FZ_ASSERT(mla_backend_create(NULL, &bd, &b) == MLA_ERR_INVALID_ARGUMENT && b == NULL, "ctx = NULL");
+  }
+  mla_backend *be = NULL;
+  mla_status st = CTX_CHK(w, mla_backend_create(w->ctx, &bd, &be));
+  FZ_ASSERT(st == MLA_OK && be, "mla_backend_create of a valid descriptor: %s", mla_ctx_last_error(w->ctx));
+  mla_kv_cache *cache = NULL;
+  mla_req_table *rt = NULL;
+  FZ_ASSERT(BE_CHK(be, mla_backend_cache(be, &cache)) == MLA_OK && cache, "mla_backend_cache");
+  FZ_ASSERT(BE_CHK(be, mla_backend_req_table(be, &rt)) == MLA_OK && rt, "mla_backend_req_table");
+  if (fz_rare(f, 16)) {
+    FZ_ASSERT(BE_CHK(be, mla_backend_cache(be, NULL)) == MLA_ERR_INVALID_ARGUMENT, "cache(NULL)");
+    FZ_ASSERT(BE_CHK(be, mla_backend_req_table(be, NULL)) == MLA_ERR_INVALID_ARGUMENT, "req_table(NULL)");
+  }
+  const int P = bd.cache.page_size, H = bd.num_heads;
+  const int64_t nslots = (int64_t)bd.cache.num_pages * P;
+
+  /* Requests with rows in every layer. */
+  for (int k = fz_pick(f, bd.max_reqs + 1); k > 0; k--) {
+    int32_t id = -1;
+    if (mla_req_add(rt, &id) != MLA_OK) break;
+    int n = fz_int(f, 0, bd.max_context);
+    int32_t *slots = arr_alloc(n);
+    if (chk(mla_req_extend(rt, id, n, slots), "mla_req_extend", mla_req_table_last_error(rt)) ==
+            MLA_OK &&
+        n > 0) {
+      float *c = malloc((size_t)n * MLA_LATENT * sizeof(float));
+      float *r = malloc((size_t)n * MLA_ROPE * sizeof(float));
+      FZ_ASSERT(c && r, "harness malloc");
+      for (int l = 0; l < bd.cache.num_layers; l++) {
+        for (int64_t i = 0; i < (int64_t)n * MLA_LATENT; i++) c[i] = rng_val(&w->rng);
+        for (int64_t i = 0; i < (int64_t)n * MLA_ROPE; i++) r[i] = rng_val(&w->rng);
+        FZ_ASSERT(mla_kv_cache_write(cache, l, n, slots, c, r, MLA_DTYPE_F32) == MLA_OK,
+                  "writing the slots extend returned: %s", mla_kv_cache_last_error(cache));
+      }
+      free(c);
+      free(r);
+    }
+    free(slots);
+  }
+  if (fz_rare(f, 8)) { /* a freed request: its id now reads page 0 */
+    int32_t id = fz_pick(f, bd.max_reqs);
+    mla_req_free(rt, id);
+  }
+
+  /* Before mla_backend_graph_init: nothing to step. */
+  int32_t *g_ids = NULL, *g_seq = NULL;
+  if (fz_rare(f, 8)) {
+    FZ_ASSERT(BE_CHK(be, mla_backend_graph_inputs(be, &g_ids, &g_seq)) == MLA_ERR_BAD_STATE,
+              "graph_inputs before graph_init");
+    FZ_ASSERT(BE_CHK(be, mla_backend_graph_step(be, MLA_MODE_DECODE, 1, 0)) == MLA_ERR_BAD_STATE,
+              "graph_step before graph_init");
+  }
+  /* Refused graph_init arguments, then a valid one. */
+  for (int k = fz_rare(f, 4) ? 1 + fz_pick(f, 2) : 0; k > 0; k--) {
+    int mb = 1, nd = 0;
+    if (fz_pick(f, 2)) mb = FZ_ONE_OF(f, 0, -1, INT32_MIN, INT32_MAX, bd.max_bs + 1);
+    else nd = FZ_ONE_OF(f, -1, 65, INT32_MAX, INT32_MIN);
+    st = BE_CHK(be, mla_backend_graph_init(be, mb, nd));
+    FZ_ASSERT(st == MLA_ERR_INVALID_ARGUMENT, "mla_backend_graph_init(%d, %d) returned %s", mb, nd,
+              mla_status_string(st));
+  }
+  const int gmax = 1 + fz_pick(f, bd.max_bs);
+  const int gndt = fz_rare(f, 16) ? 64 : fz_pick(f, 5);
+  st = BE_CHK(be, mla_backend_graph_init(be, gmax, gndt));
+  FZ_ASSERT(st == MLA_OK, "mla_backend_graph_init(%d, %d) of a backend with max_bs %d: %s", gmax, gndt,
+            bd.max_bs, mla_backend_last_error(be));
+  if (fz_rare(f, 8))
+    FZ_ASSERT(BE_CHK(be, mla_backend_graph_init(be, gmax, gndt)) == MLA_ERR_BAD_STATE,
+              "mla_backend_graph_init twice");
+  if (fz_rare(f, 16)) {
+    FZ_ASSERT(BE_CHK(be, mla_backend_graph_inputs(be, NULL, &g_seq)) == MLA_ERR_INVALID_ARGUMENT,
+              "graph_inputs(req_ids = NULL)");
+    FZ_ASSERT(BE_CHK(be, mla_backend_graph_inputs(be, &g_ids, NULL)) == MLA_ERR_INVALID_ARGUMENT,
+              "graph_inputs(seq_lens = NULL)");
+  }
+  FZ_ASSERT(BE_CHK(be, mla_backend_graph_inputs(be, &g_ids, &g_seq)) == MLA_OK && g_ids && g_seq,
+            "mla_backend_graph_inputs after graph_init");
+
+  /* Per-step buffers for the largest step. */
+  const mla_dtype at = bd.act_dtype;
+  const size_t es = act_size(at);
+  const int64_t TQ = bd.max_q_tokens;
+  void *qn = malloc((size_t)TQ * H * MLA_LATENT * es), *qr = malloc((size_t)TQ * H * MLA_ROPE * es);
+  void *out = malloc((size_t)TQ * H * MLA_LATENT * es);
+  float *lse = malloc((size_t)TQ * H * sizeof(float));
+  void *nc = malloc(3 * MLA_LATENT * es), *nr = malloc(3 * MLA_ROPE * es);
+  FZ_ASSERT(qn && qr && out && lse && nc && nr, "harness malloc");
+  const int32_t *r2t;
+  FZ_ASSERT(mla_req_table_data(rt, &r2t) == MLA_OK, "mla_req_table_data");
+
+  for (int round = 1 + fz_pick(f, 3); round > 0; round--) {
+    unsigned u = fz_u8(f);
+    mla_mode mode;
+    if (u < 232) {
+      static const mla_mode m[] = {MLA_MODE_DECODE, MLA_MODE_TARGET_VERIFY, MLA_MODE_DRAFT_EXTEND};
+      mode = m[u % 3];
+    } else {
+      mode = (mla_mode)FZ_ONE_OF(f, MLA_MODE_IDLE, MLA_MODE_EXTEND, -1, 7);
+    }
+    u = fz_u8(f);
+    const int bs = u < 232 ? 1 + (int)(u % (unsigned)gmax) : FZ_ONE_OF(f, 0, -1, gmax + 1, INT32_MAX);
+    u = fz_u8(f);
+    int ndt;
+    if (mode == MLA_MODE_DECODE) ndt = u < 240 ? 0 : FZ_ONE_OF(f, 1, -1);
+    else ndt = u < 232 ? 1 + (int)(u % (unsigned)(gndt > 0 ? gndt : 1)) : FZ_ONE_OF(f, 0, -1, gndt + 1, 65);
+
+    /* The engine's writes into the fixed buffers (rows past bs stay). */
+    const int extra = mode == MLA_MODE_TARGET_VERIFY ? ndt : 0;
+    for (int i = 0; i < gmax && i < bs; i++) {
+      unsigned s = fz_u8(f);
+      int32_t id;
+      if (s < 216) id = (int32_t)(s % (unsigned)bd.max_reqs);
+      else id = FZ_ONE_OF(f, MLA_REQ_PAD, MLA_REQ_PAD, bd.max_reqs, -2, INT32_MAX, INT32_MIN);
+      int len = -1;
+      mla_req_length(rt, id, &len);
+      int32_t seq = id == MLA_REQ_PAD ? 1 : len >= extra ? len - extra : fz_int(f, 0, 4);
+      if (fz_pick(f, 4) == 0 && seq > 0) seq = fz_int(f, 0, seq);
+      if (fz_rare(f, 16)) {
+        const int32_t past = bd.max_context - extra + 1;
+        seq = FZ_ONE_OF(f, -1, past, INT32_MAX, INT32_MIN);
+      }
+      g_ids[i] = id;
+      g_seq[i] = seq;
+    }
+    FZ_ASSERT(BE_CHK(be, mla_backend_sync(be)) == MLA_OK, "mla_backend_sync on a CPU context");
+
+    st = BE_CHK(be, mla_backend_graph_step(be, mode, bs, ndt));
+    /* The step as the backend builds it: its table, geometry and inputs. */
+    mla_step_desc d;
+    memset(&d, 0, sizeof d);
+    d.mode = mode;
+    d.batch_size = bs;
+    d.num_draft_tokens = ndt;
+    d.max_kv_len = bd.max_context;
+    d.num_heads = H;
+    d.page_size = P;
+    mla_step_inputs in = {r2t, bd.max_context, bd.max_reqs, g_ids, g_seq};
+    const int args_ok = (mode == MLA_MODE_DECODE || mode == MLA_MODE_TARGET_VERIFY ||
+                         mode == MLA_MODE_DRAFT_EXTEND) &&
+                        bs >= 1 && bs <= gmax &&
+                        (mode == MLA_MODE_DECODE ? ndt == 0 : ndt >= 1 && ndt <= gndt);
+    const int q = mode == MLA_MODE_DECODE ? 1 : ndt;
+    mla_status expect;
+    if (!args_ok) expect = MLA_ERR_INVALID_ARGUMENT;
+    else if ((int64_t)bs * q > bd.max_q_tokens) expect = MLA_ERR_CAPACITY;
+    else expect = step_rows_ok(&d, &in, bd.cache.num_pages, extra) ? MLA_OK : MLA_ERR_OUT_OF_RANGE;
+    FZ_ASSERT(st == expect, "mla_backend_graph_step(mode %d, bs %d, ndt %d) returned %s, expected %s: %s",
+              (int)mode, bs, ndt, mla_status_string(st), mla_status_string(expect),
+              mla_backend_last_error(be));
+
+    mla_forward_args fa;
+    memset(&fa, 0, sizeof fa);
+    if (st != MLA_OK) {
+      /* A refused step leaves nothing planned. */
+      fa.out = out;
+      fa.q_nope = qn;
+      fa.q_rope = qr;
+      st = BE_CHK(be, mla_backend_forward(be, &fa));
+      FZ_ASSERT(st == MLA_ERR_BAD_STATE, "forward after a refused graph step returned %s",
+                mla_status_string(st));
+      continue;
+    }
+    FZ_COUNT_X(2);
+    const int64_t T = (int64_t)bs * q;
+    for (int64_t i = 0; i < T * H * MLA_LATENT; i++) put_act(at, qn, i, rng_val(&w->rng));
+    for (int64_t i = 0; i < T * H * MLA_ROPE; i++) put_act(at, qr, i, rng_val(&w->rng));
+    memset(out, 0xff, (size_t)T * H * MLA_LATENT * es);
+    fa.layer = fz_rare(f, 8) ? fz_wild(f, 0, bd.cache.num_layers - 1) : fz_pick(f, bd.cache.num_layers);
+    fa.num_new = fz_rare(f, 16) ? -1 : fz_pick(f, 4);
+    int32_t new_slots[3];
+    int slots_ok = 1;
+    for (int i = 0; i < 3; i++) {
+      new_slots[i] = fz_rare(f, 16) ? (int32_t)nslots : (int32_t)fz_int(f, 0, (int)nslots - 1);
+      if (i < fa.num_new && new_slots[i] >= nslots) slots_ok = 0;
+    }
+    for (int64_t i = 0; i < 3 * MLA_LATENT; i++) put_act(at, nc, i, rng_val(&w->rng));
+    for (int64_t i = 0; i < 3 * MLA_ROPE; i++) put_act(at, nr, i, rng_val(&w->rng));
+    fa.new_slots = fz_rare(f, 32) ? NULL : new_slots;
+    fa.new_c = nc;
+    fa.new_r = nr;
+    fa.q_nope = fz_rare(f, 32) ? NULL : qn;
+    fa.q_rope = qr;
+    fa.out = fz_rare(f, 32) ? NULL : out;
+    fa.lse = fz_pick(f, 4) ? lse : NULL;
+    fa.flags = fz_rare(f, 16) ? (unsigned)FZ_ONE_OF(f, 2, 4, INT32_MIN) : (unsigned)fz_pick(f, 2);
+    const int null_args = fz_rare(f, 64);
+    st = BE_CHK(be, mla_backend_forward(be, null_args ? NULL : &fa));
+    const int fwd_ok = !null_args && fa.layer >= 0 && fa.layer < bd.cache.num_layers && fa.num_new >= 0 &&
+                       fa.flags <= 1 && fa.q_nope && fa.q_rope && fa.out &&
+                       (fa.num_new == 0 || (fa.new_slots && slots_ok));
+    FZ_ASSERT((st == MLA_OK) == fwd_ok,
+              "mla_backend_forward of a graph step returned %s, expected %s: %s", mla_status_string(st),
+              fwd_ok ? "MLA_OK" : "a failure", mla_backend_last_error(be));
+    if (st == MLA_OK) {
+      FZ_COUNT_X(3);
+      mla_absorbed_args a;
+      memset(&a, 0, sizeof a);
+      a.num_heads = H;
+      a.scale = bd.scale;
+      a.flags = fa.flags;
+      a.act_dtype = at;
+      a.lse = fa.lse;
+      check_finite_out(at, out, fa.lse, T * H, "mla_backend_forward (graph step)");
+      const int64_t t = fz_int(f, 0, 65535) % T;
+      const int h = fz_pick(f, H), i = (int)(t / q);
+      const int64_t K = step_row_kv(&d, &in, extra, g_ids[i], g_seq[i]);
+      const int64_t nk = visible_keys(q, K, t % q, mode != MLA_MODE_DECODE);
+      int32_t *slots = arr_alloc((int)(nk > 0 ? nk : 1));
+      for (int64_t j = 0; j < nk; j++) slots[j] = step_slot(&d, &in, bd.cache.num_pages, g_ids[i], K, j);
+      check_row_f64(cache, fa.layer, &a, qn, qr, out, lse, t, h, nk, slots,
+                    "mla_backend_forward (graph step)");
+      free(slots);
+    }
+    if (fz_rare(f, 8)) {
+      const mla_plan *p = NULL;
+      BE_CHK(be, mla_backend_get_plan(be, &p));
+      int uses = -1;
+      FZ_ASSERT(BE_CHK(be, mla_backend_uses_mha(be, &uses)) == MLA_OK && uses == 0,
+                "a graph step uses the absorbed path");
+    }
+  }
+  FZ_ASSERT(BE_CHK(be, mla_backend_sync(be)) == MLA_OK, "mla_backend_sync");
+  FZ_ASSERT(mla_backend_sync(NULL) == MLA_ERR_INVALID_ARGUMENT, "sync(NULL)");
+  FZ_ASSERT(mla_backend_graph_init(NULL, 1, 0) == MLA_ERR_INVALID_ARGUMENT, "graph_init(NULL)");
+  FZ_ASSERT(mla_backend_graph_inputs(NULL, &g_ids, &g_seq) == MLA_ERR_INVALID_ARGUMENT, "graph_inputs(NULL)");
+  FZ_ASSERT(mla_backend_graph_step(NULL, MLA_MODE_DECODE, 1, 0) == MLA_ERR_INVALID_ARGUMENT,
+            "graph_step(NULL)");
+  FZ_ASSERT(mla_backend_last_error(NULL) != NULL, "mla_backend_last_error(NULL)");
+  free(qn);
+  free(qr);
+  free(out);
+  free(lse);
+  free(nc);
+  free(nr);
+  mla_backend_destroy(be);
+  mla_backend_destroy(NULL);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   fz f = {data, size, 0};
+  static int stats_registered;
+  if (!stats_registered) {
+    const char *e = getenv("FZ_STATS");
+    stats_registered = 1;
+    if (e && e[0] == '1') atexit(print_stats_x);
+  }
   world w;
   setup(&f, &w);
   table_ops(&f, &w);
@@ -1854,6 +2730,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (direct & 2) direct_merge(&f, &w);
   if (direct & 4) direct_ragged(&f, &w);
   if (direct & 8) direct_misc(&f, &w);
+  /* The new phases come last, so that older corpus inputs keep driving the
+   * phases above as they did; an exhausted input runs both, with valid
+   * choices. */
+  unsigned later = fz_u8(&f);
+  if ((later & 3) != 3)
+    for (int i = 0, n = ((later >> 2) & 3) == 3 ? 2 : 1; i < n; i++) run_step(&f, &w);
+  /* A backend costs a few MiB of workspaces (slow under ASan): 1 in 4. */
+  if (((later >> 4) & 3) == 0) run_backend(&f, &w);
   teardown(&w);
   return 0;
 }

@@ -539,7 +539,7 @@ typedef struct mla_step_desc {
   mla_mode mode;             /* DECODE, TARGET_VERIFY, or DRAFT_EXTEND (fixed window) */
   int32_t batch_size;        /* rows of the step (e.g. a graph's batch bucket), 1..8192 */
   int32_t num_draft_tokens;  /* TARGET_VERIFY ndt / DRAFT_EXTEND window 1..64; DECODE: 0 */
-  int32_t max_kv_len;        /* bound on each row's kv length, >= 1 */
+  int32_t max_kv_len;        /* bound on each row's kv length, 1..2^30 */
   int32_t num_heads;         /* 1..MLA_MAX_HEADS */
   int32_t page_size;         /* the cache's page size */
   int32_t num_sm;            /* split-schedule target 0..1024; 0 = the device's SMs (CPU: workers) */
@@ -547,7 +547,7 @@ typedef struct mla_step_desc {
    * workspace hold num_steps DECODE steps built by one mla_step_prepare,
    * step i with kv length seq_len + i + 1 (mode must be DECODE); `step`
    * (0..num_steps-1) picks the one mla_step_attention / get_metadata use.
-   * num_steps = 0: one ordinary step (`step` must be 0). */
+   * num_steps = 0: one ordinary step (`step` must be 0). At most 16 steps. */
   int32_t num_steps;
   int32_t step;
   /* Decode context parallel (DECODE only): dcp_world N > 1 (power of two)
@@ -682,6 +682,10 @@ MLA_API mla_status mla_backend_uses_mha(const mla_backend *be, int *uses_mha);
  * CPU context (where graph steps run the same flow eagerly, for testing).
  * An out-of-range id or length is not attended and is reported by the next
  * mla_ctx_synchronize (CUDA) or returned by the step (CPU). */
+/* max_bs: 1..the backend's max_bs; max_draft_tokens: 0..64 (the largest
+ * TARGET_VERIFY / DRAFT_EXTEND window a graph step will use). A graph step
+ * whose batch_size x queries exceeds the backend's max_q_tokens is refused
+ * with MLA_ERR_CAPACITY. */
 MLA_API mla_status mla_backend_graph_init(mla_backend *be, int max_bs, int max_draft_tokens);
 MLA_API mla_status mla_backend_graph_inputs(mla_backend *be, int32_t **req_ids /* [max_bs] */,
                                             int32_t **seq_lens /* [max_bs] */);
