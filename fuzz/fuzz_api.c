@@ -1221,6 +1221,7 @@ static void run_plans(fz *f, world *w) {
   mla_batch *b = &fb.b;
 
   mla_plan_limits lim;
+  memset(&lim, 0, sizeof lim); /* flags 0: full plans (the checks below read kv_indices) */
   lim.max_bs = 1 + fz_pick(f, 8);
   lim.max_q_tokens = 1 + fz_pick(f, 64);
   lim.max_kv_tokens = 1 + fz_int(f, 0, 255);
@@ -2213,7 +2214,7 @@ static void compare_with_plan(world *w, const fz_step *s, int k, const mla_step_
     sum += m->kv_lens[i];
   }
   mla_plan_limits lim = {bs, bs * step_q_len(d), (int)(sum > 0 ? sum : 1), d->max_kv_len, d->page_size,
-                         d->num_sm};
+                         d->num_sm, 0};
   if (!plan_should_work(w, w->rt, &b, &lim, d->num_heads)) return;
   size_t need = 0;
   FZ_ASSERT(mla_plan_workspace_size(w->ctx, &lim, &need) == MLA_OK, "plan workspace size");

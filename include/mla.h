@@ -301,7 +301,15 @@ typedef struct mla_plan_limits {
   int max_context;     /* max kv length of one request */
   int page_size;       /* power of two 1..256 */
   int num_sm;          /* SM (or worker) count the split schedule targets, >= 1 */
+  unsigned flags;      /* MLA_PLAN_* */
 } mla_plan_limits;
+
+/* The plan holds no token-level kv_indices (plan.kv_indices = NULL; every
+ * other array as usual): planning then costs O(pages), not O(keys), which is
+ * what a GPU consumer needs (its kernels read the block table). The CPU
+ * attention takes such a plan too: it derives the slots from the block table
+ * into its workspace (mla_attention_absorbed_workspace_size counts them). */
+#define MLA_PLAN_PAGES_ONLY 1u
 
 /* Split-KV schedule (FlashMLA's rule as baseline): KV is cut into 64-token
  * blocks; each request costs ceil(kv/64) + MLA_SCHED_FIXED_OVERHEAD blocks;
@@ -339,7 +347,7 @@ typedef struct mla_plan {
   const int32_t *qo_indptr;  /* [bs+1] query row offsets */
   const int32_t *kv_indptr;  /* [bs+1] kv token offsets */
   const int32_t *kv_lens;    /* [bs] */
-  const int32_t *kv_indices; /* [num_kv_tokens] slot of each visible key */
+  const int32_t *kv_indices; /* [num_kv_tokens] slot of each visible key (NULL: MLA_PLAN_PAGES_ONLY) */
   const int32_t *page_indptr;  /* [bs+1] */
   const int32_t *page_indices; /* [page_indptr[bs]] page id of each used page */
   const int32_t *block_table;  /* [bs, block_table_width], MLA_BLOCK_TABLE_PAD past */

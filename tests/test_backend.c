@@ -189,7 +189,7 @@ int main(void) {
   TU_STATUS(mla_backend_forward(be, &a), MLA_OK);
 
   /* The same attention through the low-level calls. */
-  mla_plan_limits lim = {d.max_bs, d.max_q_tokens, d.max_bs * d.max_context, d.max_context, d.cache.page_size, 2};
+  mla_plan_limits lim = {d.max_bs, d.max_q_tokens, d.max_bs * d.max_context, d.max_context, d.cache.page_size, 2, 0};
   size_t pws = 0, aws = 0;
   TU_STATUS(mla_plan_workspace_size(ctx, &lim, &pws), MLA_OK);
   void *pw = malloc(pws);

@@ -201,7 +201,7 @@ static int world_build(world *w, const acase *c) {
     else b->extend_lens = w->ext;
   }
   if (c->mode == MLA_MODE_EXTEND) b->prefix_lens = w->pre;
-  mla_plan_limits lim = {c->bs, w->Tq + 1, w->Tk + 1, maxkv, c->P, 2};
+  mla_plan_limits lim = {c->bs, w->Tq + 1, w->Tk + 1, maxkv, c->P, 2, 0};
   w->lim = lim;
   size_t pb = 0;
   TU_STATUS(mla_plan_workspace_size(ctx2, &lim, &pb), MLA_OK);
@@ -602,9 +602,37 @@ static void bad_args(void) {
   p = w.plan, p.qo_indptr = NULL;
   expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &p, &a0, ws, need),
               MLA_ERR_INVALID_ARGUMENT, &b, "qo_indptr NULL");
+  /* A pages-only plan (kv_indices NULL) needs its block table and room for
+   * the slots it derives; then it gives the full plan's output bit for bit. */
+  p = w.plan, p.kv_indices = NULL, p.block_table = NULL;
+  expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &p, &a0, ws, need),
+              MLA_ERR_INVALID_ARGUMENT, &b, "kv_indices and block_table NULL");
   p = w.plan, p.kv_indices = NULL;
   expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &p, &a0, ws, need),
-              MLA_ERR_INVALID_ARGUMENT, &b, "kv_indices NULL");
+              MLA_ERR_WORKSPACE_TOO_SMALL, &b, "pages-only plan, workspace without its slots");
+  {
+    size_t pneed = 0;
+    TU_STATUS(mla_attention_absorbed_workspace_size(ctx2, &p, a0.num_heads, &pneed), MLA_OK);
+    TU_CHECK(pneed >= need + sizeof(int32_t) * (size_t)w.plan.num_kv_tokens, "pages-only workspace %zu vs %zu",
+             pneed, need);
+    void *pws = malloc(pneed);
+    outs full = {malloc(b.o_bytes), malloc(b.lse_bytes), b.o_bytes, b.lse_bytes};
+    outs pages = {malloc(b.o_bytes), malloc(b.lse_bytes), b.o_bytes, b.lse_bytes};
+    mla_absorbed_args af = a0, ap = a0;
+    af.out = full.o, af.lse = full.lse, ap.out = pages.o, ap.lse = pages.lse;
+    TU_STATUS(mla_attention_absorbed(ctx2, w.cache, 0, &w.plan, &af, ws, need), MLA_OK);
+    TU_STATUS(mla_attention_absorbed(ctx2, w.cache, 0, &p, &ap, pws, pneed), MLA_OK);
+    TU_CHECK(memcmp(full.o, pages.o, b.o_bytes) == 0 && memcmp(full.lse, pages.lse, b.lse_bytes) == 0,
+             "a pages-only plan gives another output than the full plan");
+    int32_t *bt = (int32_t *)w.plan.block_table, saved = bt[0];
+    bt[0] = -1;
+    expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &p, &ap, pws, pneed), MLA_ERR_OUT_OF_RANGE, NULL,
+                "pages-only plan with a page outside the cache");
+    bt[0] = saved;
+    free(pws);
+    outs_free(&full);
+    outs_free(&pages);
+  }
   {
     int32_t lens[MAXB];
     memcpy(lens, w.plan.kv_lens, sizeof(int32_t) * (size_t)c.bs);

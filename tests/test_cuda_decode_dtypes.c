@@ -188,7 +188,7 @@ static int world_build(world *w) {
   b->req_ids = w->req_ids;
   b->seq_lens = w->seq;
   if (w->mode == MLA_MODE_TARGET_VERIFY) b->num_draft_tokens = w->ndt;
-  mla_plan_limits lim = {w->bs, w->Tq + 1, w->Tk + 1, maxkv, w->P, 132};
+  mla_plan_limits lim = {w->bs, w->Tq + 1, w->Tk + 1, maxkv, w->P, 132, 0};
   size_t pb = 0;
   TU_STATUS(mla_plan_workspace_size(cpu, &lim, &pb), MLA_OK);
   w->pws = malloc(pb);

@@ -119,7 +119,7 @@ static void run_absorbed(mla_ctx *ctx, const char *name, const ref_golden *g, in
                                                                : MLA_MODE_EXTEND;
   if (am == AS_VERIFY) b.num_draft_tokens = g->q_len[0];
   if (am == AS_EXTEND) b.prefix_lens = pre;
-  mla_plan_limits lim = {bs, Tq > 0 ? Tq : 1, Tk > 0 ? Tk : 1, max_kv, page_size, 2};
+  mla_plan_limits lim = {bs, Tq > 0 ? Tq : 1, Tk > 0 ? Tk : 1, max_kv, page_size, 2, 0};
   size_t pbytes = 0, wbytes = 0;
   TU_STATUS(mla_plan_workspace_size(ctx, &lim, &pbytes), MLA_OK);
   void *pws = malloc(pbytes);

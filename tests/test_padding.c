@@ -36,7 +36,7 @@ int main(void) {
       TU_STATUS(mla_req_extend(rt, ids[i], lens[i], slots), MLA_OK);
       TU_STATUS(mla_kv_cache_write(cache, 0, lens[i], slots, c, r, MLA_DTYPE_F32), MLA_OK);
     }
-    mla_plan_limits lim = {8, 64, 4096, 512, P, 4};
+    mla_plan_limits lim = {8, 64, 4096, 512, P, 4, 0};
     size_t pws;
     TU_STATUS(mla_plan_workspace_size(ctx, &lim, &pws), MLA_OK);
     void *pw1 = malloc(pws), *pw2 = malloc(pws);

@@ -346,7 +346,7 @@ static void test_random_plans(tu_rng *r, mla_ctx *ctx) {
                            (int)sk + tu_randint(r, 0, 100),
                            w.max_context,
                            P,
-                           tu_randint(r, 1, 132)};
+                           tu_randint(r, 1, 132), 0};
     if (lim.max_bs < 1) lim.max_bs = 1;
     if (lim.max_q_tokens < 1) lim.max_q_tokens = 1;
     if (lim.max_kv_tokens < 1) lim.max_kv_tokens = 1;
@@ -380,7 +380,7 @@ static void test_random_plans(tu_rng *r, mla_ctx *ctx) {
 
 /* IDLE: any batch size, an empty plan. */
 static void test_idle(mla_ctx *ctx) {
-  mla_plan_limits lim = {4, 16, 64, 32, 16, 8};
+  mla_plan_limits lim = {4, 16, 64, 32, 16, 8, 0};
   size_t bytes;
   TU_STATUS(mla_plan_workspace_size(ctx, &lim, &bytes), MLA_OK);
   void *ws = malloc(bytes);
@@ -448,7 +448,7 @@ static void test_bad_args(tu_rng *r, mla_ctx *ctx) {
     pre[i] = seq[i] / 2;
     ext[i] = seq[i] - pre[i];
   }
-  E.lim = (mla_plan_limits){5, 64, 1000, 128, 16, 16};
+  E.lim = (mla_plan_limits){5, 64, 1000, 128, 16, 16, 0};
   TU_STATUS(mla_plan_workspace_size(ctx, &E.lim, &E.bytes), MLA_OK);
   E.ws = malloc(E.bytes);
   E.ws_copy = malloc(E.bytes);
@@ -628,7 +628,7 @@ static void test_bad_args(tu_rng *r, mla_ctx *ctx) {
     lim = E.lim, lim.num_sm = -3;
     TU_STATUS(mla_plan_workspace_size(ctx, &lim, &sz), INV);
     TU_CHECK(sz == 12345, "bytes written on error");
-    lim = (mla_plan_limits){1 << 30, 1 << 30, 1 << 30, 1 << 30, 1, 132};
+    lim = (mla_plan_limits){1 << 30, 1 << 30, 1 << 30, 1 << 30, 1, 132, 0};
     TU_STATUS(mla_plan_workspace_size(ctx, &lim, &sz), MLA_ERR_CAPACITY);
   }
   free(E.ws);
@@ -648,7 +648,7 @@ static void test_workspace_edges(tu_rng *r, mla_ctx *ctx) {
   }
   int32_t ids[8], seq[8];
   for (int i = 0; i < 8; i++) ids[i] = i, seq[i] = w.len[i];
-  mla_plan_limits lim = {8, 8, 8 * 256, 256, 64, 132};
+  mla_plan_limits lim = {8, 8, 8 * 256, 256, 64, 132, 0};
   size_t bytes;
   TU_STATUS(mla_plan_workspace_size(ctx, &lim, &bytes), MLA_OK);
   unsigned char *buf = malloc(bytes + 64);
@@ -666,6 +666,63 @@ static void test_workspace_edges(tu_rng *r, mla_ctx *ctx) {
              "full batch at offset %d", off);
   }
   free(buf);
+  world_free(&w);
+}
+
+/* ---- pages-only plans ---------------------------------------------------------- */
+/* MLA_PLAN_PAGES_ONLY: no kv_indices, a smaller workspace, every other array
+ * identical to the full plan's, for every mode; unknown flag bits refused. */
+static void test_pages_only(tu_rng *r, mla_ctx *ctx) {
+  int32_t target[12];
+  for (int i = 0; i < 12; i++) target[i] = tu_randint(r, 5, 600);
+  world w;
+  if (world_make(&w, ctx, r, 12, 2, target, 16, 700) != 0) {
+    TU_CHECK(0, "pages-only setup");
+    return;
+  }
+  int32_t ids[12], seq[12], ext[12], pre[12];
+  for (int i = 0; i < 12; i++) {
+    ids[i] = i;
+    seq[i] = w.len[i] - 4 > 0 ? w.len[i] - 4 : 0;
+    ext[i] = seq[i] < 3 ? seq[i] : 3;
+    pre[i] = seq[i] / 2;
+  }
+  ids[5] = MLA_REQ_PAD;
+  seq[5] = 1;
+  ext[5] = 1;
+  pre[5] = 0;
+  mla_plan_limits lim = {12, 12 * 700, 12 * 700, 700, 16, 20, 0}, plim = lim;
+  plim.flags = MLA_PLAN_PAGES_ONLY;
+  size_t fb = 0, pb = 0;
+  TU_STATUS(mla_plan_workspace_size(ctx, &lim, &fb), MLA_OK);
+  TU_STATUS(mla_plan_workspace_size(ctx, &plim, &pb), MLA_OK);
+  TU_CHECK(pb + sizeof(int32_t) * 12 * 700 <= fb + 256, "pages-only workspace %zu, full %zu", pb, fb);
+  void *fw = malloc(fb), *pw = malloc(pb);
+  for (int mode = MLA_MODE_DECODE; mode <= MLA_MODE_EXTEND; mode++) {
+    mla_batch b = {(mla_mode)mode, 12, ids, seq, NULL, NULL, 0};
+    if (mode == MLA_MODE_TARGET_VERIFY) b.num_draft_tokens = 3, seq[0] = seq[0] > 3 ? seq[0] - 3 : 0;
+    if (mode == MLA_MODE_DRAFT_EXTEND) b.extend_lens = ext;
+    if (mode == MLA_MODE_EXTEND) b.prefix_lens = pre;
+    mla_plan f, p;
+    TU_STATUS(mla_plan_build(ctx, w.rt, &b, &lim, 16, fw, fb, &f), MLA_OK);
+    TU_STATUS(mla_plan_build(ctx, w.rt, &b, &plim, 16, pw, pb, &p), MLA_OK);
+    int bad = p.kv_indices != NULL;
+    bad += p.batch_size != f.batch_size || p.num_q_tokens != f.num_q_tokens || p.num_kv_tokens != f.num_kv_tokens ||
+           p.block_table_width != f.block_table_width || p.num_sm_parts != f.num_sm_parts ||
+           p.total_splits != f.total_splits;
+    bad += memcmp(p.qo_indptr, f.qo_indptr, 4 * 13) != 0;
+    bad += memcmp(p.kv_indptr, f.kv_indptr, 4 * 13) != 0;
+    bad += memcmp(p.kv_lens, f.kv_lens, 4 * 12) != 0;
+    bad += memcmp(p.block_table, f.block_table, 4 * (size_t)12 * f.block_table_width) != 0;
+    bad += memcmp(p.page_indices, f.page_indices, 4 * (size_t)f.page_indptr[12]) != 0;
+    bad += memcmp(p.sched_meta, f.sched_meta, 4 * (size_t)f.num_sm_parts * MLA_SCHED_META_INTS) != 0;
+    bad += memcmp(p.num_splits, f.num_splits, 4 * 13) != 0;
+    TU_CHECK(bad == 0, "mode %d: the pages-only plan differs from the full plan in %d ways", mode, bad);
+  }
+  plim.flags = 2;
+  TU_STATUS(mla_plan_workspace_size(ctx, &plim, &pb), MLA_ERR_INVALID_ARGUMENT);
+  free(fw);
+  free(pw);
   world_free(&w);
 }
 
@@ -689,7 +746,7 @@ static void time_decode_plan(tu_rng *r, mla_ctx *ctx) {
   int32_t *ids = malloc(bs * sizeof(int32_t));
   int64_t sk = 0;
   for (int i = 0; i < bs; i++) ids[i] = i, sk += w.len[i];
-  mla_plan_limits lim = {bs, bs, (int)sk, mc, P, 132};
+  mla_plan_limits lim = {bs, bs, (int)sk, mc, P, 132, 0};
   size_t bytes;
   TU_STATUS(mla_plan_workspace_size(ctx, &lim, &bytes), MLA_OK);
   void *ws = malloc(bytes);
@@ -708,6 +765,20 @@ static void time_decode_plan(tu_rng *r, mla_ctx *ctx) {
       "timing: mla_plan_build decode bs=%d s_k~4096 P=%d H=128 (%d keys, %d threads): "
       "%.1f us/call (DESIGN target <= 20 us)\n",
       bs, P, pl.num_kv_tokens, threads, dt);
+  /* the same batch as a pages-only plan (what GPU consumers need) */
+  mla_plan_limits plim = lim;
+  plim.flags = MLA_PLAN_PAGES_ONLY;
+  size_t pbytes;
+  TU_STATUS(mla_plan_workspace_size(ctx, &plim, &pbytes), MLA_OK);
+  void *pws = malloc(pbytes);
+  st = mla_plan_build(ctx, w.rt, &b, &plim, 128, pws, pbytes, &pl);
+  TU_STATUS(st, MLA_OK);
+  t0 = now_us();
+  for (int i = 0; i < iters && st == MLA_OK; i++)
+    st = mla_plan_build(ctx, w.rt, &b, &plim, 128, pws, pbytes, &pl);
+  dt = (now_us() - t0) / iters;
+  printf("timing: the same, MLA_PLAN_PAGES_ONLY: %.1f us/call\n", dt);
+  free(pws);
   free(ws);
   free(ids);
   free(target);
@@ -727,6 +798,7 @@ int main(void) {
   test_idle(ctx);
   test_bad_args(&r, ctx);
   test_workspace_edges(&r, ctx);
+  test_pages_only(&r, ctx);
   time_decode_plan(&r, ctx);
   mla_ctx_destroy(ctx);
   return tu_finish("test_plan");

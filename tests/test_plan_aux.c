@@ -608,7 +608,7 @@ static void test_dcp_from_plan(tu_rng *r, mla_ctx *ctx) {
   int32_t ids[24];
   int64_t sk = 0;
   for (int i = 0; i < 24; i++) ids[i] = i, sk += w.len[i];
-  mla_plan_limits lim = {24, 24, (int)sk + 1, w.max_context, 16, 8};
+  mla_plan_limits lim = {24, 24, (int)sk + 1, w.max_context, 16, 8, 0};
   size_t pb, db;
   TU_STATUS(mla_plan_workspace_size(ctx, &lim, &pb), MLA_OK);
   TU_STATUS(mla_dcp_plan_workspace_size(ctx, 24, (int)sk + 1, &db), MLA_OK);

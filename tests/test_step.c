@@ -171,7 +171,7 @@ static void draft_case(int P, int H, int num_steps) {
     bt.batch_size = w.bs;
     bt.req_ids = w.req_ids;
     bt.seq_lens = seqk;
-    mla_plan_limits lim = {w.bs, w.bs, w.bs * w.max_context, w.max_context, P, SW_NUM_SM};
+    mla_plan_limits lim = {w.bs, w.bs, w.bs * w.max_context, w.max_context, P, SW_NUM_SM, 0};
     size_t pb = 0;
     TU_STATUS(mla_plan_workspace_size(cpu, &lim, &pb), MLA_OK);
     void *pws = malloc(pb);

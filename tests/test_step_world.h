@@ -132,7 +132,7 @@ static int sw_batch(sw_world *w, mla_ctx *cpu, tu_rng *r, int bs, int npad) {
   b.seq_lens = w->seq;
   if (w->mode != MLA_MODE_DECODE) b.num_draft_tokens = w->ndt;
   w->Tq = bs * sw_q_len(w);
-  mla_plan_limits lim = {bs, w->Tq, bs * w->max_context, w->max_context, w->P, SW_NUM_SM};
+  mla_plan_limits lim = {bs, w->Tq, bs * w->max_context, w->max_context, w->P, SW_NUM_SM, 0};
   size_t pb = 0;
   if (mla_plan_workspace_size(cpu, &lim, &pb) != MLA_OK) return -1;
   free(w->pws);

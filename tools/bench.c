@@ -411,7 +411,7 @@ static int run_absorbed(mla_ctx *ctx, int threads, const bcase *c, int runs, brn
   b.req_ids = ids;
   b.seq_lens = seq;
   b.num_draft_tokens = c->kind == CASE_DECODE ? 0 : q;
-  mla_plan_limits lim = {bs, bs * q, bs * sk, sk, BENCH_PAGE, threads};
+  mla_plan_limits lim = {bs, bs * q, bs * sk, sk, BENCH_PAGE, threads, 0};
   size_t pbytes = 0, wbytes = 0;
   if ((st = mla_plan_workspace_size(ctx, &lim, &pbytes)) != MLA_OK) {
     rc = fail(ctx, "mla_plan_workspace_size", st);

@@ -31,6 +31,7 @@ SCHED_FIXED_OVERHEAD = 5
 SCHED_META_INTS = 8
 FLAG_LSE_BASE2 = 1
 FLAG_OUT_F32 = 2
+PLAN_PAGES_ONLY = 1  # mla_plan_limits.flags: no token-level kv_indices
 VERSION_MAJOR = 0  # the header this binding was written against
 VERSION_MINOR = 1
 
@@ -143,6 +144,7 @@ class PlanLimits(ctypes.Structure):
         ("max_context", _int),
         ("page_size", _int),
         ("num_sm", _int),
+        ("flags", ctypes.c_uint),  # MLA_PLAN_*
     ]
 
 

@@ -50,6 +50,7 @@ int main(void) {
   F(mla_plan_limits, max_context);
   F(mla_plan_limits, page_size);
   F(mla_plan_limits, num_sm);
+  F(mla_plan_limits, flags);
 
   S(mla_plan);
   F(mla_plan, mode);
@@ -220,6 +221,7 @@ int main(void) {
   K(MLA_SCHED_META_INTS);
   K(MLA_FLAG_LSE_BASE2);
   K(MLA_FLAG_OUT_F32);
+  K(MLA_PLAN_PAGES_ONLY);
   K(MLA_OK);
   K(MLA_ERR_INVALID_ARGUMENT);
   K(MLA_ERR_OUT_OF_RANGE);

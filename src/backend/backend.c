@@ -209,7 +209,7 @@ mla_status mla_backend_create(mla_ctx *ctx, const mla_backend_desc *desc, mla_ba
     return st;
   }
 
-  mla_plan_limits lim = {d.max_bs, d.max_q_tokens, (int)max_kv, d.max_context, d.cache.page_size, d.num_sm};
+  mla_plan_limits lim = {d.max_bs, d.max_q_tokens, (int)max_kv, d.max_context, d.cache.page_size, d.num_sm, 0};
   be->lim = lim;
   st = mla_plan_workspace_size(ctx, &lim, &be->plan_ws_bytes);
   if (st == MLA_OK && !(be->plan_ws = malloc(be->plan_ws_bytes))) st = MLA_ERR_OUT_OF_MEMORY;

@@ -452,7 +452,7 @@ static void merge_range(void *arg, int64_t b, int64_t e, int worker) {
 /* The size depends only on mla_ctx_workers(ctx), num_heads and
  * plan->max_q_len (not on the batch's lengths), so a caller can size one
  * workspace for its largest batch by passing a plan whose max_q_len is its
- * maximum. It must be queried again after mla_ctx_set_threads.
+ * maximum; a pages-only plan (kv_indices NULL) adds num_kv_tokens slots. It must be queried again after mla_ctx_set_threads.
  * (The public entry point, src/backend/dispatch.c, sends CUDA contexts to
  * src/cuda/attention.c instead.) */
 mla_status mla_cpu_attention_absorbed_workspace_size(mla_ctx *ctx, const mla_plan *plan,
@@ -466,8 +466,21 @@ mla_status mla_cpu_attention_absorbed_workspace_size(mla_ctx *ctx, const mla_pla
               "plan->max_q_len = %d is negative", (int)plan->max_q_len);
   mla_ws w = mla_ws_counter();
   carve(&w, mla_ctx_workers(ctx), geom_for(num_heads, plan->max_q_len), NULL, NULL, NULL);
+  if (!plan->kv_indices) /* MLA_PLAN_PAGES_ONLY: the slots, derived from the block table */
+    mla_ws_take(&w, sizeof(int32_t) * (size_t)(plan->num_kv_tokens > 0 ? plan->num_kv_tokens : 0));
   *bytes = mla_ws_total(&w);
   return MLA_OK;
+}
+
+/* Slots of a pages-only plan (MLA_PLAN_PAGES_ONLY) from its block table:
+ * key j of request i is page bt[i][j / P], offset j % P. */
+static void slots_from_pages(const mla_plan *p, int32_t *idx /* [num_kv_tokens] */) {
+  const int P = p->page_size;
+  for (int i = 0; i < p->batch_size; i++) {
+    const int32_t *bt = p->block_table + (size_t)i * (size_t)p->block_table_width;
+    int32_t *out = idx + p->kv_indptr[i];
+    for (int32_t j = 0; j < p->kv_lens[i]; j++) out[j] = bt[j / P] * P + j % P;
+  }
 }
 
 /* Plan arrays the kernel reads, checked for internal consistency. */
@@ -505,8 +518,24 @@ static mla_status check_plan(mla_ctx *ctx, const mla_kv_cache *cache, const mla_
     return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn,
                     "plan->qo_indptr[bs] = %d differs from num_q_tokens = %d",
                     (int)p->qo_indptr[p->batch_size], (int)p->num_q_tokens);
-  if (p->kv_indptr[p->batch_size] > 0 && !p->kv_indices)
-    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "plan->kv_indices is NULL");
+  if (!p->kv_indices) { /* pages only: the block table names the keys */
+    if (p->kv_indptr[p->batch_size] > 0 && (!p->block_table || p->page_size != cache->page_size))
+      return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn,
+                      "plan->kv_indices is NULL and the block table is missing or of another page size");
+    for (int i = 0; i < p->batch_size; i++) {
+      const int64_t pages = mla_cdiv(p->kv_lens[i], p->page_size);
+      if (pages > p->block_table_width)
+        return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "plan: request %d needs %lld pages, block_table_width = %d",
+                        i, (long long)pages, (int)p->block_table_width);
+      const int32_t *bt = p->block_table + (size_t)i * (size_t)p->block_table_width;
+      for (int64_t j = 0; j < pages; j++)
+        if (bt[j] < 0 || bt[j] >= cache->num_pages)
+          return mla_fail(eb, MLA_ERR_OUT_OF_RANGE, fn,
+                          "plan->block_table[%d][%lld] = %d, outside the cache's %d pages", i, (long long)j,
+                          (int)bt[j], cache->num_pages);
+    }
+    return MLA_OK;
+  }
   for (int i = 0; i < p->batch_size; i++) {
     const int32_t *idx = p->kv_indices + p->kv_indptr[i];
     for (int j = 0; j < p->kv_lens[i]; j++)
@@ -557,9 +586,11 @@ mla_status mla_cpu_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, i
   const geom g = geom_for(H, plan->max_q_len);
   const int workers = mla_ctx_workers(ctx);
   size_t need;
+  const size_t nslots = plan->kv_indices ? 0 : (size_t)plan->num_kv_tokens;
   {
     mla_ws w = mla_ws_counter();
     carve(&w, workers, g, NULL, NULL, NULL);
+    if (!plan->kv_indices) mla_ws_take(&w, sizeof(int32_t) * nslots);
     need = mla_ws_total(&w);
   }
   MLA_REQUIRE(eb, workspace_bytes >= need, MLA_ERR_WORKSPACE_TOO_SMALL,
@@ -583,6 +614,15 @@ mla_status mla_cpu_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, i
   J.rope_sh = args->q_stride_head ? args->q_stride_head : MLA_ROPE;
   mla_ws w = mla_ws_over(workspace, workspace_bytes);
   J.scratch_floats = carve(&w, workers, g, &J.scratch, &J.partial, &J.item_qt);
+  mla_plan paged; /* a pages-only plan with the slots filled in */
+  if (!plan->kv_indices) {
+    int32_t *slots = mla_ws_take(&w, sizeof(int32_t) * nslots);
+    if (w.overflow || !slots) return mla_fail(eb, MLA_ERR_INTERNAL, __func__, "workspace carve overflow");
+    slots_from_pages(plan, slots);
+    paged = *plan;
+    paged.kv_indices = slots;
+    J.plan = plan = &paged;
+  }
   if (w.overflow) return mla_fail(eb, MLA_ERR_INTERNAL, __func__, "workspace carve overflow");
   J.num_heads_blocks = (int)mla_cdiv(H, g.hb);
 

@@ -105,8 +105,6 @@ static mla_status check_plan(mla_errbuf *eb, const mla_kv_cache *cache, const ml
   REQ(eb, p->qo_indptr[p->batch_size] == p->num_q_tokens, MLA_ERR_INVALID_ARGUMENT,
       "plan->qo_indptr[bs] = %d differs from num_q_tokens = %d", (int)p->qo_indptr[p->batch_size],
       (int)p->num_q_tokens);
-  REQ(eb, p->kv_indptr[p->batch_size] == 0 || p->kv_indices, MLA_ERR_INVALID_ARGUMENT,
-      "plan->kv_indices is NULL");
   /* The kernels read the block table and the split schedule. */
   REQ(eb, p->block_table && p->sched_meta && p->num_splits, MLA_ERR_INVALID_ARGUMENT,
       "plan->block_table, sched_meta and num_splits must be non-NULL");
@@ -126,13 +124,13 @@ static mla_status check_plan(mla_errbuf *eb, const mla_kv_cache *cache, const ml
      * same slots. Checked at page starts (O(pages), not O(keys), on this
      * per-layer path; mla_plan_build derives both from one page list). */
     const int32_t *bt = p->block_table + (size_t)i * (size_t)p->block_table_width;
-    const int32_t *idx = p->kv_indices + p->kv_indptr[i];
+    const int32_t *idx = p->kv_indices ? p->kv_indices + p->kv_indptr[i] : NULL; /* NULL: pages-only plan */
     for (int64_t j = 0; j < pages; j++) {
       const int32_t pg = bt[j];
       REQ(eb, pg >= 0 && pg < cache->num_pages, MLA_ERR_OUT_OF_RANGE,
           "plan->block_table[%d][%lld] = %d, outside the cache's %d pages", i, (long long)j, (int)pg,
           cache->num_pages);
-      REQ(eb, (int64_t)pg * P == idx[j * P], MLA_ERR_INVALID_ARGUMENT,
+      REQ(eb, !idx || (int64_t)pg * P == idx[j * P], MLA_ERR_INVALID_ARGUMENT,
           "plan: key %lld of request %d is slot %d in kv_indices but page %d in the block table",
           (long long)(j * P), i, (int)idx[j * P], (int)pg);
     }

@@ -69,7 +69,7 @@ static void plan_layout(mla_ws *w, const mla_plan_limits *lim, plan_arrays *a) {
   a->sched_meta = take_i32(w, (int64_t)lim->num_sm * MLA_SCHED_META_INTS);
   a->page_indices = take_i32(w, max_pages_for(lim));
   a->block_table = take_i32(w, bs * max_width_for(lim));
-  a->kv_indices = take_i32(w, lim->max_kv_tokens);
+  a->kv_indices = (lim->flags & MLA_PLAN_PAGES_ONLY) ? NULL : take_i32(w, lim->max_kv_tokens);
 }
 
 static mla_status check_limits(mla_errbuf *eb, const char *fn, const mla_plan_limits *lim) {
@@ -86,6 +86,8 @@ static mla_status check_limits(mla_errbuf *eb, const char *fn, const mla_plan_li
                    lim->page_size, MLA_MAX_PAGE_SIZE);
   MLA_PLAN_REQUIRE(eb, fn, lim->num_sm >= 1, MLA_ERR_INVALID_ARGUMENT,
                    "lim->num_sm = %d, expected >= 1", lim->num_sm);
+  MLA_PLAN_REQUIRE(eb, fn, (lim->flags & ~MLA_PLAN_PAGES_ONLY) == 0, MLA_ERR_INVALID_ARGUMENT,
+                   "lim->flags = 0x%x has unknown bits", lim->flags);
   int64_t bt = (int64_t)lim->max_bs * max_width_for(lim);
   MLA_PLAN_REQUIRE(
       eb, fn,
@@ -199,14 +201,14 @@ static void gather_range(void *arg, int64_t begin, int64_t end, int worker) {
       /* Padding row: every key is the reserved dummy slot 0 (page 0). */
       int32_t np = (int32_t)(((int64_t)k + (1 << shift) - 1) >> shift);
       int32_t *bt = a->block_table + (size_t)i * J->width;
-      memset(a->kv_indices + a->kv_indptr[i], 0, (size_t)k * sizeof(int32_t));
+      if (a->kv_indices) memset(a->kv_indices + a->kv_indptr[i], 0, (size_t)k * sizeof(int32_t));
       memset(a->page_indices + a->page_indptr[i], 0, (size_t)np * sizeof(int32_t));
       memset(bt, 0, (size_t)np * sizeof(int32_t));
       for (int32_t j = np; j < J->width; j++) bt[j] = MLA_BLOCK_TABLE_PAD;
       continue;
     }
     const int32_t *row = J->rt->req_to_token + (size_t)a->req_ids[i] * J->rt->max_context;
-    memcpy(a->kv_indices + a->kv_indptr[i], row, (size_t)k * sizeof(int32_t));
+    if (a->kv_indices) memcpy(a->kv_indices + a->kv_indptr[i], row, (size_t)k * sizeof(int32_t));
     /* Page j holds positions [j*P, (j+1)*P), i.e. slot(j*P) / P; the table
      * keeps that list contiguously per request (req_pages), which is far
      * cheaper to read than every P-th entry of a req_to_token row. */
@@ -320,7 +322,9 @@ mla_status mla_plan_build(mla_ctx *ctx, const mla_req_table *rt, const mla_batch
 
   gather_job job = {rt, &a, shift, width};
   int64_t total_k = a.kv_indptr[bs];
-  if (total_k >= PLAN_PARALLEL_MIN_TOKENS && bs > 1) {
+  /* Token copies make the work O(keys); pages only, O(pages). */
+  const int64_t work = a.kv_indices ? total_k : (int64_t)a.page_indptr[bs];
+  if (work >= PLAN_PARALLEL_MIN_TOKENS && bs > 1) {
     mla_parallel_for(ctx, bs, 1, gather_range, &job);
   } else {
     gather_range(&job, 0, bs, 0);
