@@ -15,8 +15,9 @@
 #   noload    DECODE_NOLOAD=1 timing diagnostic (no K refills: the compute pipeline alone; wrong results), s_q=1, s_k 8192
 #   torch     bench/baseline_torch_decode.py (same shapes), torch bf16 matmul rate, torch copy rate
 #   lib       the library's CUDA build (cmake -DMLA_CUDA=ON) and its ctest suite
-#   libgpu    (not in all) only the library's GPU tests (test_cuda_*, or LIBGPU_TESTS="a b"; quicker than lib) and
-#             `mla bench --device cuda` (the library's decode path, CUDA events, L2 flushed)
+#   libgpu    (not in all) only the library's GPU tests (test_cuda_* and test_backend_graph, or LIBGPU_TESTS="a b";
+#             quicker than lib), the Python binding's GPU tests (pytest, torch) and `mla bench --device cuda`
+#             (the library's decode path, CUDA events, L2 flushed)
 #   ncu       (not in all) Nsight Compute sections for one launch per version (NCU_VERSIONS, NCU_HS="128 16")
 #   full      all + lib
 # Environment: VERSIONS (default 1,...,10), OUT (log folder; the device tool sets it), QUICK=1 (bench s_k 8192 only),
@@ -196,13 +197,18 @@ if want lib; then
 fi
 
 if want libgpu; then
-  gpu_tests=${LIBGPU_TESTS:-$(cd "$ROOT/tests" && ls test_cuda_*.c | sed 's/\.c$//' | paste -sd' ')}
+  gpu_tests=${LIBGPU_TESTS:-$(cd "$ROOT/tests" && ls test_cuda_*.c test_backend_graph.c | sed 's/\.c$//' | paste -sd' ')}
   {
     cmake -S "$ROOT" -B "$ROOT/build-gpu" -DMLA_CUDA=ON -DCMAKE_BUILD_TYPE=Release > /dev/null \
       && cmake --build "$ROOT/build-gpu" -j"$JOBS" --target mla_cli \
         $gpu_tests \
       && ctest --test-dir "$ROOT/build-gpu" -R "^(${gpu_tests// /|})\$" -V
   } > "$OUT/libgpu.txt" 2>&1 || status=1
+  # The Python binding's GPU tests (torch on the device) against this build.
+  cmake --build "$ROOT/build-gpu" -j"$JOBS" --target mla > /dev/null 2>&1
+  ( cd "$ROOT" && MLA_LIBRARY="$ROOT/build-gpu/libmla.so" PYTHONPATH="$ROOT/python" timeout 300 \
+      python3 -m pytest -q -rs python/tests/test_gpu.py python/tests/test_torch.py python/tests/test_sglang_gpu.py ) \
+    > "$OUT/pygpu.txt" 2>&1 || status=1
   q=""; [ "$QUICK" = 1 ] && q="--quick"
   timeout 400 "$ROOT/build-gpu/mla" bench --device cuda $q > "$OUT/libbench.txt" 2>&1 || status=1
 fi
@@ -244,6 +250,7 @@ fi
   fi
   [ -f "$OUT/lib.txt" ] && tail -3 "$OUT/lib.txt"
   [ -f "$OUT/libgpu.txt" ] && grep -E "tests passed|tests failed|: test_cuda_[a-z_]*: [0-9]+ passed|skipped|FAIL|\*\*\*Failed" "$OUT/libgpu.txt" | head -40
+  [ -f "$OUT/pygpu.txt" ] && tail -3 "$OUT/pygpu.txt" | sed 's/^/python gpu: /'
   [ -f "$OUT/libbench.txt" ] && cat "$OUT/libbench.txt"
   echo "status: $status"
 } | tee "$OUT/summary.txt"
