@@ -1403,7 +1403,11 @@ class Step:
 
     mode: "decode", "target_verify" (num_draft_tokens queries per row, seq_lens
     exclude them) or "draft_extend" (a fixed window of num_draft_tokens queries,
-    keys = seq_lens). A request id of REQ_PAD (-1) is a padding row (it reads
+    keys = seq_lens). num_steps = N > 0 (decode only): one prepare builds N draft
+    steps, step i attending seq_len + i + 1 keys; attention(..., step=i) runs one.
+    dcp_world = N > 1, dcp_rank = r (decode only): decode context parallel, the
+    cache being rank r's shard (page_size = the global page size / N) and
+    req_to_token the global table; merge the ranks' (out, lse) with merge_states. A request id of REQ_PAD (-1) is a padding row (it reads
     page 0; give it seq_len 1). page_size defaults to cache's. num_sm: the
     split-schedule target (0 = the device's SMs; CPU: the workers). workspace:
     a contiguous tensor/array on the context's device of at least
@@ -1412,7 +1416,8 @@ class Step:
     """
 
     def __init__(self, ctx, mode="decode", *, batch_size, num_heads, max_kv_len, page_size=None,
-                 num_draft_tokens=0, num_sm=0, scale=None, cache=None, workspace=None):
+                 num_draft_tokens=0, num_sm=0, scale=None, cache=None, workspace=None,
+                 num_steps=0, dcp_world=0, dcp_rank=0):
         if not isinstance(ctx, Context):
             raise ValueError("argument 'ctx': expected a libmla.Context, got %s" % type(ctx).__name__)
         if page_size is None:
@@ -1423,7 +1428,10 @@ class Step:
         self.ctx = ctx
         self.mode = _parse_mode(mode)
         self.desc = _lib.StepDesc(int(self.mode), int(batch_size), int(num_draft_tokens or 0),
-                                  int(max_kv_len), int(num_heads), int(page_size), int(num_sm))
+                                  int(max_kv_len), int(num_heads), int(page_size), int(num_sm),
+                                  int(num_steps), 0, int(dcp_world), int(dcp_rank))
+        self.num_steps = int(num_steps)
+        self.dcp_world, self.dcp_rank = int(dcp_world), int(dcp_rank)
         n = ctypes.c_size_t()
         ctx._check(_c.mla_step_workspace_size(ctx.handle, _byref(self.desc), _byref(n)),
                    "mla_step_workspace_size")
@@ -1570,8 +1578,15 @@ class Step:
                   contiguous=False)
         return name, _ACT_DTYPE[name]
 
+    def _select(self, step):
+        """Point the descriptor at draft step `step` (num_steps > 0; else 0)."""
+        step = int(step)
+        if step < 0 or step >= max(self.num_steps, 1):
+            raise ValueError("argument 'step': %d, expected 0..%d" % (step, max(self.num_steps, 1) - 1))
+        self.desc.step = step
+
     def attention(self, cache, layer, q_nope, q_rope, out=None, lse=None, *, scale=None,
-                  return_lse=False, lse_base2=False, dtype=None):
+                  return_lse=False, lse_base2=False, dtype=None, step=0):
         """One layer's absorbed attention over the prepared step.
 
         q_nope [bs * q_len, H, 512] and q_rope [bs * q_len, H, 64] (contiguous, or
@@ -1579,8 +1594,10 @@ class Step:
         q[..., 512:]); out [bs * q_len, H, 512] in q's dtype (allocated when not
         given; pass it when capturing a graph); lse [bs * q_len, H] fp32 (natural
         log unless lse_base2). Rows of padding requests hold what the padding row
-        read. Returns out, or (out, lse) when return_lse or lse is given.
+        read. step: which draft step (Step(num_steps=N): step i attends seq_len + i + 1
+        keys). Returns out, or (out, lse) when return_lse or lse is given.
         """
+        self._select(step)
         dev = self._dev
         T, H = self.num_q_tokens, self.num_heads
         name, act = self._act(q_nope, dtype)
@@ -1638,8 +1655,9 @@ class Step:
             ctx._check(st, "mla_step_attention")
         return (out, lse) if want_lse else out
 
-    def metadata(self):
-        """The prepared metadata (StepMetadata: views into the workspace)."""
+    def metadata(self, step=0):
+        """The prepared metadata (StepMetadata: views into the workspace) of `step`."""
+        self._select(step)
         m = _lib.StepMetadata()
         self.ctx._check(_c.mla_step_get_metadata(self.ctx.handle, _byref(self.desc), self._wp,
                                                  self._wn, _byref(m)), "mla_step_get_metadata")

@@ -284,3 +284,76 @@ def test_step_argument_checks(ctx, rng):
     assert e.value.status == libmla.Status.ERR_OUT_OF_RANGE
     o = step.attention(w.cache, 1, qn, qr)
     assert o.shape == (3, H, 512) and np.isfinite(o).all()
+
+
+def test_step_draft_steps_equal_decode(ctx, rng):
+    """Step(num_steps=N): one prepare builds N decode steps; step i equals a plain decode
+    Step with seq_len + i + 1, metadata and output bit for bit."""
+    H, N = 4, 3
+    w = World(ctx, rng, [int(n) for n in rng.integers(N + 2, 200, size=6)], page_size=16, max_reqs=8,
+              max_context=256)
+    mc = w.rt.max_context
+    ids = np.array(w.reqs + [libmla.REQ_PAD], np.int32)
+    seq = np.array([w.rt.length(int(r)) - N for r in w.reqs] + [1], np.int32)
+    draft = libmla.Step(ctx, "decode", batch_size=len(ids), num_heads=H, max_kv_len=mc, cache=w.cache,
+                        num_sm=NUM_SM, scale=SCALE, num_steps=N)
+    draft.prepare(w.cache, w.rt, ids, seq)
+    q_act, _ = _q(rng, len(ids), H, "f32")
+    for i in range(N):
+        one = libmla.Step(ctx, "decode", batch_size=len(ids), num_heads=H, max_kv_len=mc, cache=w.cache,
+                          num_sm=NUM_SM, scale=SCALE)
+        one.prepare(w.cache, w.rt, ids, seq + i + 1)
+        md, mo = draft.metadata(step=i), one.metadata()
+        np.testing.assert_array_equal(md.kv_lens, mo.kv_lens)
+        np.testing.assert_array_equal(md.block_table, mo.block_table)
+        np.testing.assert_array_equal(md.sched_meta, mo.sched_meta)
+        np.testing.assert_array_equal(md.num_splits, mo.num_splits)
+        od = draft.attention(w.cache, 1, q_act[..., :512], q_act[..., 512:], step=i)
+        oo = one.attention(w.cache, 1, q_act[..., :512], q_act[..., 512:])
+        assert np.array_equal(od, oo), "draft step %d differs from the plain decode" % i
+    with pytest.raises(ValueError, match="step"):
+        draft.attention(w.cache, 0, q_act[..., :512], q_act[..., 512:], step=N)
+    with pytest.raises(libmla.MLAError):  # draft steps are decode steps
+        libmla.Step(ctx, "target_verify", batch_size=2, num_heads=H, max_kv_len=mc, page_size=16,
+                    num_draft_tokens=2, num_steps=2)
+
+
+@pytest.mark.parametrize("world_n", [2, 4])
+def test_step_dcp_shards_merge_to_one_device(ctx, rng, world_n):
+    """Decode context parallel on one CPU: rank caches (page size P / N) written with
+    KVCache.write_shard-equivalent placement (slot mod N, slot / N), one Step per rank with
+    dcp_world / dcp_rank, the ranks' (out, lse) merged: equals the single-cache step."""
+    H, Pg = 4, 16
+    lens = [1, world_n - 1 or 1, 90, 200, 17]
+    w = World(ctx, rng, lens, page_size=Pg, num_layers=1, max_reqs=8, max_context=256, shuffle=False)
+    mc = w.rt.max_context
+    ranks = [libmla.KVCache(ctx, 1, w.cache.num_pages, Pg // world_n, "bf16") for _ in range(world_n)]
+    r2t = w.rt.req_to_token
+    for rid, n in zip(w.reqs, lens):
+        slots = np.ascontiguousarray(r2t[rid, :n])
+        c, r = w.cache.read(0, slots)
+        for k in range(world_n):
+            mine = slots % world_n == k
+            if mine.any():
+                ranks[k].write(0, np.ascontiguousarray(slots[mine] // world_n), np.ascontiguousarray(c[mine]),
+                               np.ascontiguousarray(r[mine]))
+    ids = np.array(w.reqs, np.int32)
+    seq = np.array(lens, np.int32)
+    q_act, _ = _q(rng, len(ids), H, "f32")
+    one = libmla.Step(ctx, "decode", batch_size=len(ids), num_heads=H, max_kv_len=mc, cache=w.cache,
+                      num_sm=NUM_SM, scale=SCALE)
+    one.prepare(w.cache, w.rt, ids, seq)
+    o_ref, l_ref = one.attention(w.cache, 0, q_act[..., :512], q_act[..., 512:], return_lse=True)
+    outs, lses = [], []
+    for k in range(world_n):
+        st = libmla.Step(ctx, "decode", batch_size=len(ids), num_heads=H, max_kv_len=mc, cache=ranks[k],
+                         num_sm=NUM_SM, scale=SCALE, dcp_world=world_n, dcp_rank=k)
+        st.prepare(ranks[k], w.rt, ids, seq)
+        kv = st.metadata().kv_lens
+        np.testing.assert_array_equal(kv, [(n - k + world_n - 1) // world_n if n > k else 0 for n in lens])
+        o, l = st.attention(ranks[k], 0, q_act[..., :512], q_act[..., 512:], return_lse=True)
+        outs.append(o)
+        lses.append(l)
+    o_m, l_m = libmla.merge_states(ctx, outs, lses)
+    np.testing.assert_allclose(o_m, o_ref, rtol=0, atol=2e-5)
+    np.testing.assert_allclose(l_m, l_ref, rtol=0, atol=2e-5)
