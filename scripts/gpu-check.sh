@@ -13,7 +13,8 @@
 #   bench     b=128, s_k 4096/8192/16384, H 16/128, s_q 1/2, page 64; b=64 s_k=4096 H=16 s_q=1;
 #             device copy bandwidth; clocks
 #   noload    DECODE_NOLOAD=1 timing diagnostic (no K refills: the compute pipeline alone; wrong results), s_q=1, s_k 8192
-#   torch     bench/baseline_torch_decode.py (same shapes), torch bf16 matmul rate, torch copy rate
+#   torch     bench/baseline_torch_decode.py (same shapes), torch bf16 matmul rate, torch copy rate,
+#             and dev/cuda/prefill/torch_sdpa.py (SDPA backends on the prefill shapes)
 #   lib       the library's CUDA build (cmake -DMLA_CUDA=ON) and its ctest suite
 #   libgpu    (not in all) only the library's GPU tests (test_cuda_* and test_backend_graph, or LIBGPU_TESTS="a b";
 #             quicker than lib), the Python binding's GPU tests (pytest, torch) and `mla bench --device cuda`
@@ -186,6 +187,8 @@ fi
 if want torch; then
   q=""; [ "$QUICK" = 1 ] && q="--quick"
   PYTHONUNBUFFERED=1 timeout 400 python3 "$ROOT/bench/baseline_torch_decode.py" $q > "$OUT/torch.txt" 2>&1 || status=1
+  # The prefill baselines (torch SDPA backends on the prefill shapes of mla bench --device cuda).
+  PYTHONUNBUFFERED=1 timeout 300 python3 "$ROOT/dev/cuda/prefill/torch_sdpa.py" > "$OUT/torch_prefill.txt" 2>&1 || status=1
 fi
 
 if want lib; then
@@ -233,6 +236,7 @@ fi
   fi
   [ -f "$OUT/bench.txt" ] && grep -E "^COPYBW" "$OUT/bench.txt"
   [ -f "$OUT/torch.txt" ] && grep -E "^MATMUL|^COPY" "$OUT/torch.txt"
+  [ -f "$OUT/torch_prefill.txt" ] && tail -12 "$OUT/torch_prefill.txt" | sed 's/^/torch prefill: /'
   if [ -f "$OUT/bench.txt" ]; then
     echo "shape (P=64)                  | version: us (TFLOP/s, GB/s) ... | torch us"
     grep "^BENCH" "$OUT/bench.txt" | awk -v tf="$OUT/torch.txt" '

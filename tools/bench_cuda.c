@@ -11,7 +11,9 @@
  * calls (what eager serving pays on the CPU per step and layer). TFLOP/s =
  * b s_q H s_k 1088 2 / t; GB/s = (KV rows + q + o bytes) / t. The device's
  * copy rate (cudaMemcpy device to device, read + write bytes) is measured in
- * the same run. Compiled to a stub without CUDA. */
+ * the same run. Then the prefill shapes: causal ragged MHA 192/128, H=128, one
+ * 8K and one 16K sequence and 16 x 1K, TFLOP/s with causal FLOPs counted once.
+ * Compiled to a stub without CUDA. */
 #include "bench_cuda.h"
 
 #include <errno.h>
@@ -78,7 +80,7 @@ static void *rand_bf16(uint64_t *seed, size_t n) {
 }
 
 typedef struct bc_opts {
-  int b, runs, csv, quick, P;
+  int b, runs, csv, quick, P, no_prefill;
   int sk[8], nsk, H[4], nh, sq[4], nsq;
   mla_dtype dt[4];
   int ndt;
@@ -325,6 +327,75 @@ static double copy_rate(void *a, void *b, size_t bytes) {
   return best;
 }
 
+/* Causal ragged MHA prefill (192/128, H = 128, bf16) through
+ * mla_attention_ragged: one sequence of n tokens or `seqs` of them; TFLOP/s
+ * with causal FLOPs counted once: sum over sequences of 2 H (192 + 128) n (n + 1) / 2. */
+static int run_prefill(mla_ctx *ctx, int seqs, int n, int runs, void *flush, size_t flush_bytes, uint64_t *seed,
+                       double *us, double *tflops, char *note, size_t note_n) {
+  const int H = 128, dqk = 192, dv = 128;
+  const int64_t T = (int64_t)seqs * n;
+  int32_t *ind = malloc(sizeof(int32_t) * (size_t)(seqs + 1));
+  for (int i = 0; i <= seqs; i++) ind[i] = i * n;
+  int32_t *d_ind = NULL;
+  float *lse = NULL;
+  void *q = rand_bf16(seed, (size_t)T * H * dqk), *k = rand_bf16(seed, (size_t)T * H * dqk);
+  void *v = rand_bf16(seed, (size_t)T * H * dv), *out = NULL;
+  BC_CK(cudaMalloc((void **)&d_ind, sizeof(int32_t) * (size_t)(seqs + 1)));
+  BC_CK(cudaMemcpy(d_ind, ind, sizeof(int32_t) * (size_t)(seqs + 1), cudaMemcpyHostToDevice));
+  BC_CK(cudaMalloc(&out, 2 * (size_t)T * H * dv));
+  BC_CK(cudaMalloc((void **)&lse, sizeof(float) * (size_t)T * H));
+  mla_ragged_args a;
+  memset(&a, 0, sizeof a);
+  a.batch_size = seqs;
+  a.num_heads = a.num_kv_heads = H;
+  a.qk_dim = dqk;
+  a.v_dim = dv;
+  a.scale = 0.0721687836f;
+  a.causal = 1;
+  a.act_dtype = MLA_DTYPE_BF16;
+  a.qo_indptr = a.kv_indptr = d_ind;
+  a.q = q;
+  a.k = k;
+  a.v = v;
+  a.out = out;
+  a.lse = lse;
+  cudaEvent_t e0, e1;
+  BC_CK(cudaEventCreate(&e0));
+  BC_CK(cudaEventCreate(&e1));
+  float *t = malloc(sizeof(float) * (size_t)runs);
+  mla_status st = MLA_OK;
+  for (int r = -2; r < runs && st == MLA_OK; r++) {
+    BC_CK(cudaMemsetAsync(flush, r & 0xff, flush_bytes, NULL));
+    BC_CK(cudaEventRecord(e0, NULL));
+    st = mla_attention_ragged(ctx, &a);
+    BC_CK(cudaEventRecord(e1, NULL));
+    BC_CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    BC_CK(cudaEventElapsedTime(&ms, e0, e1));
+    if (r >= 0) t[r] = ms;
+  }
+  if (st == MLA_OK) st = mla_ctx_synchronize(ctx);
+  if (st != MLA_OK) {
+    snprintf(note, note_n, "%s", mla_ctx_last_error(ctx));
+  } else {
+    qsort(t, (size_t)runs, sizeof(float), cmp_f);
+    *us = 1e3 * t[runs / 2];
+    const double flops = 2.0 * H * (dqk + dv) * (double)seqs * n * (n + 1) / 2.0;
+    *tflops = flops / (*us * 1e-6) / 1e12;
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(q);
+  cudaFree(k);
+  cudaFree(v);
+  cudaFree(out);
+  cudaFree(lse);
+  cudaFree(d_ind);
+  free(ind);
+  free(t);
+  return 0;
+}
+
 static int bc_usage(FILE *f) {
   fprintf(f,
           "usage: mla bench --device cuda [options]\n"
@@ -336,6 +407,7 @@ static int bc_usage(FILE *f) {
           "  --page-size P  (default 64)\n"
           "  --runs N       timed runs per case (default 30, quick 5)\n"
           "  --quick        s_k 8192 only, few runs\n"
+          "  --no-prefill   skip the ragged MHA prefill cases (1 x 8K, 1 x 16K, 16 x 1K; H=128, 192/128)\n"
           "  --csv          comma-separated output\n");
   return f == stderr ? 2 : 0;
 }
@@ -378,6 +450,8 @@ int bench_cuda_main(int argc, char **argv) {
       i++;
     } else if (!strcmp(k, "--quick")) {
       o.quick = 1;
+    } else if (!strcmp(k, "--no-prefill")) {
+      o.no_prefill = 1;
     } else if (!strcmp(k, "--csv")) {
       o.csv = 1;
     } else if (!strcmp(k, "--help") || !strcmp(k, "-h")) {
@@ -472,6 +546,26 @@ int bench_cuda_main(int argc, char **argv) {
         }
       world_free(&w);
     }
+  if (!o.no_prefill) {
+    /* The prefill shapes of the CUDA prefill issue: causal ragged MHA. */
+    static const int shapes[3][2] = {{1, 8192}, {1, 16384}, {16, 1024}};
+    printf("# causal ragged MHA prefill, 192/128, H=128, bf16 (mla_attention_ragged), median of %d runs, L2 "
+           "flushed\n",
+           o.runs);
+    printf("%6s %6s %10s %9s  %s\n", "seqs", "len", "t_us", "TFLOP/s", "note");
+    for (int i = 0; i < 3; i++) {
+      double us = 0, tf = 0;
+      char note[200] = "";
+      if (run_prefill(ctx, shapes[i][0], shapes[i][1], o.runs, flush, flush_bytes, &seed, &us, &tf, note,
+                      sizeof note) != 0)
+        rc = 1;
+      if (note[0])
+        printf("%6d %6d %10s %9s  %s\n", shapes[i][0], shapes[i][1], "-", "-", note);
+      else
+        printf("%6d %6d %10.1f %9.1f\n", shapes[i][0], shapes[i][1], us, tf);
+      fflush(stdout);
+    }
+  }
   cudaFree(flush);
   mla_ctx_destroy(ctx);
   return rc;
