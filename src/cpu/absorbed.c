@@ -20,9 +20,10 @@
  * both phases: while value block b >= 1 is used, buffer b - 1 is free and
  * receives the next tile's block b - 1; the next tile's last two blocks are
  * converted during its first score blocks. The same steps prefetch the
- * next tile's rows into L2 (mla_cpu_pf, first columns first), and a
- * piece's last tile prefetches the first tile of the piece its worker runs
- * next. bf16 rows are converted in pair-split order (cpu.h): the query
+ * next tile's rows into L2 (mla_cpu_pf, row after row), and a piece's
+ * last tile prefetches the first tile of the piece its worker runs next.
+ * The kernels walk the rows through their addresses (mla_cpu_conv.rowp /
+ * pf_rowp, resolved once per tile), which keeps a step at a few uops. bf16 rows are converted in pair-split order (cpu.h): the query
  * block and the accumulator use that column order and the output restores
  * the natural one. 16-row items (decode with 16 heads) use the pair-layout
  * scores kernel (qk16p) where the build has it.
@@ -30,8 +31,9 @@
  * Split-KV: when a batch has fewer than SPLIT_MIN_ITEMS items (small-batch
  * decode), each item's keys are cut into pieces (at most SPLIT_MAX_PIECES in
  * all, each >= SPLIT_MIN_KEYS keys) that run in parallel and write partial
- * (o, lse) states into the workspace, merged afterwards; the items' query
- * blocks are built once, before the pieces run. The decision depends only
+ * (o, lse) states into the workspace; the worker that finishes an item's
+ * last piece merges them. The items' query blocks are built once, before
+ * the pieces run; the pieces are handed out one at a time (pieces_worker). The decision depends only
  * on the plan and the head count, never on the thread count, so results
  * are bit-identical for any number of threads.
  *
@@ -39,6 +41,7 @@
  * the causal mask, are never loaded: the cache rows behind them may hold
  * anything (tests fill them with NaN). */
 #include <limits.h>
+#include <stdatomic.h>
 
 #include "cpu.h"
 
@@ -131,6 +134,13 @@ typedef struct ab_job {
   const piece *pieces;
   const piece *items;
   const int *item_first_part, *item_num_parts;
+  /* split path: pieces of each item not finished yet; the worker that
+   * finishes an item's last piece merges it (no separate merge pass: that
+   * would cost another wake-up of the pool and a barrier) */
+  atomic_int *item_left;
+  /* split path: the next piece to hand out, and how many there are */
+  atomic_int *next_piece;
+  int num_pieces;
 } ab_job;
 
 static void write_row(const ab_job *J, int64_t t, int h, const float *o /* [512] */,
@@ -156,8 +166,11 @@ static void prefetch_rows(const mla_cpu_rows *R, const int32_t *slots, int n) {
  * conversion is only set up in cv: the micro-kernels advance it while they
  * compute the previous block, mla_cpu_conv_finish completes it. */
 static void start_block(const ab_job *J, const int32_t *slots, int n, int c0, float *blk,
-                        mla_cpu_conv *cv, mla_cpu_pf *pf) {
+                        mla_cpu_conv *cv, mla_cpu_pf *pf, const unsigned char *const *rowp,
+                        const unsigned char *const *pf_rowp) {
   cv->pf = pf;
+  cv->rowp = rowp;
+  cv->pf_rowp = pf ? pf_rowp : NULL;
   cv->base = J->rows.base;
   cv->row_bytes = J->rows.row_bytes;
   cv->slots = slots;
@@ -172,9 +185,10 @@ static void start_block(const ab_job *J, const int32_t *slots, int n, int c0, fl
 }
 
 /* Nothing to convert: the kernels' steps only advance the prefetch. */
-static void idle_conv(mla_cpu_conv *cv, mla_cpu_pf *pf) {
+static void idle_conv(mla_cpu_conv *cv, mla_cpu_pf *pf, const unsigned char *const *pf_rowp) {
   memset(cv, 0, sizeof *cv);
   cv->pf = pf;
+  cv->pf_rowp = pf_rowp;
 }
 
 /* The query block of a piece's rows, transposed into the layout the scores
@@ -267,31 +281,39 @@ static void run_piece(const ab_job *J, const piece *pc, int worker, const piece 
    * the next tile's block b - 1; the next tile's blocks 7 and 8 follow
    * during its first score blocks. have / nhave: the leading blocks of this
    * / the next tile already converted. The next tile's rows are prefetched
-   * during this tile's score blocks, first columns first (pf.by_col), so
-   * they are in L2 when the value blocks convert them. */
+   * during this tile's score blocks, row after row, so they are in L2
+   * when the value blocks convert them. */
   float *blk[NBLK];
   for (int b = 0; b < NBLK; b++) blk[b] = Kt + (size_t)b * MLA_CPU_KEYS * COLS;
   mla_cpu_conv cv;
   int have = 0;
+  /* The addresses of this tile's and the next tile's rows (the kernels'
+   * conversion and prefetch steps walk them with a pointer). */
+  const unsigned char *rowp_a[MLA_CPU_KEYS], *rowp_b[MLA_CPU_KEYS];
+  const unsigned char **rp_cur = rowp_a, **rp_next = rowp_b;
+  for (int j = 0; pc->k0 + j < kend && j < MLA_CPU_KEYS; j++)
+    rp_cur[j] = J->rows.base + (size_t)slots[pc->k0 + j] * J->rows.row_bytes;
   for (int kt = pc->k0; kt < kend; kt += MLA_CPU_KEYS) {
     const int n = kend - kt < MLA_CPU_KEYS ? kend - kt : MLA_CPU_KEYS;
     const int knext = kt + n, nn = kend - knext < MLA_CPU_KEYS ? kend - knext : MLA_CPU_KEYS;
-    mla_cpu_pf pf = {J->rows.base, J->rows.row_bytes, slots + knext, nn, 0, 0, 1};
+    mla_cpu_pf pf = {J->rows.base, J->rows.row_bytes, slots + knext, nn, 0, 0, 0};
     if (nn == 0 && next && next->k0 < next->k1) { /* the next piece's first tile */
       pf.slots = P->kv_indices + P->kv_indptr[next->req] + next->k0;
       pf.rows = next->k1 - next->k0 < MLA_CPU_KEYS ? next->k1 - next->k0 : MLA_CPU_KEYS;
     }
+    for (int j = 0; j < pf.rows; j++)
+      rp_next[j] = J->rows.base + (size_t)pf.slots[j] * J->rows.row_bytes;
     if (have == 0) { /* a piece's first tile: nothing converted it yet */
-      start_block(J, slots + kt, n, 0, blk[0], &cv, NULL);
+      start_block(J, slots + kt, n, 0, blk[0], &cv, NULL, rp_cur, NULL);
       mla_cpu_conv_finish(k, &cv);
       have = 1;
     }
     for (int b = 0; b < NBLK; b++) {
       const int c0 = b * COLS;
       if (have < NBLK)
-        start_block(J, slots + kt, n, have * COLS, blk[have], &cv, &pf);
+        start_block(J, slots + kt, n, have * COLS, blk[have], &cv, &pf, rp_cur, rp_next);
       else
-        idle_conv(&cv, &pf);
+        idle_conv(&cv, &pf, rp_next);
       if (pair)
         k->qk16p(n, COLS, blk[b], QT + (size_t)c0 * 16, S2, c0 > 0, &cv);
       else
@@ -308,15 +330,18 @@ static void run_piece(const ab_job *J, const piece *pc, int worker, const piece 
     int nhave = 0;
     for (int b = 0; b < MLA_LATENT / COLS; b++) {
       if (b >= 1 && nn > 0) {
-        start_block(J, slots + knext, nn, (b - 1) * COLS, blk[b - 1], &cv, &pf);
+        start_block(J, slots + knext, nn, (b - 1) * COLS, blk[b - 1], &cv, &pf, rp_next, rp_next);
         nhave = b;
       } else {
-        idle_conv(&cv, &pf);
+        idle_conv(&cv, &pf, rp_next);
       }
       k->pv(n, rows, S, rb, blk[b], COLS, COLS, alpha, acc + (size_t)b * COLS, MLA_LATENT, &cv);
       mla_cpu_conv_finish(k, &cv);
     }
     have = nhave;
+    const unsigned char **t = rp_cur;
+    rp_cur = rp_next;
+    rp_next = t;
   }
 
   for (int r = 0; r < rows; r++) {
@@ -402,10 +427,28 @@ static void qt_range(void *arg, int64_t b, int64_t e, int worker) {
     build_qt(J, &J->items[it], stage, J->item_qt + (size_t)it * MLA_ROW * J->g.rb);
 }
 
-static void pieces_range(void *arg, int64_t b, int64_t e, int worker) {
+static void merge_range(void *arg, int64_t b, int64_t e, int worker);
+
+/* One call per worker: the pieces are handed out one at a time from a
+ * counter (the pool's chunks are an eighth of the work for 2 workers, and
+ * the worker that wakes late leaves up to a chunk of imbalance at the
+ * end); a worker claims its next piece before it runs the current one, so
+ * the current one's last tile prefetches the next one's first. */
+static void pieces_worker(void *arg, int64_t b, int64_t e, int worker) {
   const ab_job *J = arg;
-  for (int64_t p = b; p < e; p++)
-    run_piece(J, &J->pieces[p], worker, p + 1 < e ? &J->pieces[p + 1] : NULL, p > b);
+  (void)b;
+  (void)e;
+  int p = atomic_fetch_add_explicit(J->next_piece, 1, memory_order_relaxed);
+  for (int first = 1; p < J->num_pieces; first = 0) {
+    const int q = atomic_fetch_add_explicit(J->next_piece, 1, memory_order_relaxed);
+    const piece *pc = &J->pieces[p];
+    run_piece(J, pc, worker, q < J->num_pieces ? &J->pieces[q] : NULL, !first);
+    /* acq_rel: the last one sees every other piece's partial state */
+    if (pc->part >= 0 &&
+        atomic_fetch_sub_explicit(&J->item_left[pc->item], 1, memory_order_acq_rel) == 1)
+      merge_range(arg, (int64_t)pc->item * J->g.rb, (int64_t)(pc->item + 1) * J->g.rb, worker);
+    p = q;
+  }
 }
 
 /* Merge the partial states of split items: one row = one (token, head). */
@@ -679,10 +722,20 @@ mla_status mla_cpu_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, i
   J.items = items;
   J.item_first_part = first_part;
   J.item_num_parts = num_parts;
-  /* each item's query block once, shared by its pieces */
-  mla_parallel_for(ctx, ni, 1, qt_range, &J);
-  /* chunks of 2 pieces: a worker prefetches its next piece's first tile */
-  mla_parallel_for(ctx, np, 2, pieces_range, &J);
-  mla_parallel_for(ctx, (int64_t)ni * g.rb, 8, merge_range, &J);
+  atomic_int left[SPLIT_MIN_ITEMS];
+  for (int it = 0; it < ni; it++) atomic_init(&left[it], num_parts[it]);
+  J.item_left = left;
+  /* each item's query block once, shared by its pieces; a few 16-row
+   * blocks are built here (microseconds) rather than waking the pool */
+  if ((int64_t)ni * g.rb <= 64)
+    qt_range(&J, 0, ni, 0);
+  else
+    mla_parallel_for(ctx, ni, 1, qt_range, &J);
+  /* the last piece of a split item merges it */
+  atomic_int next_piece;
+  atomic_init(&next_piece, 0);
+  J.next_piece = &next_piece;
+  J.num_pieces = np;
+  mla_parallel_for(ctx, workers, 1, pieces_worker, &J);
   return MLA_OK;
 }
