@@ -38,7 +38,7 @@ extern "C" {
 /* Version                                                                   */
 /* ------------------------------------------------------------------------ */
 #define MLA_VERSION_MAJOR 0
-#define MLA_VERSION_MINOR 1
+#define MLA_VERSION_MINOR 2
 #define MLA_VERSION_PATCH 0
 #define MLA_VERSION_NUMBER \
   (MLA_VERSION_MAJOR * 10000 + MLA_VERSION_MINOR * 100 + MLA_VERSION_PATCH)

@@ -113,7 +113,7 @@ int main(void) {
   TU_CHECK(strcmp(mla_status_string(MLA_ERR_CACHE_FULL), "MLA_ERR_CACHE_FULL") == 0 &&
                strcmp(mla_status_string((mla_status)999), "MLA_ERR_UNKNOWN") == 0,
            "status strings");
-  TU_CHECK(mla_version() == MLA_VERSION_NUMBER && strcmp(mla_version_string(), "0.1.0") == 0,
+  TU_CHECK(mla_version() == MLA_VERSION_NUMBER && strcmp(mla_version_string(), "0.2.0") == 0,
            "version");
   /* mla_convert: through every pair, and its argument checks. */
   {

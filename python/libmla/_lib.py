@@ -33,7 +33,7 @@ FLAG_LSE_BASE2 = 1
 FLAG_OUT_F32 = 2
 PLAN_PAGES_ONLY = 1  # mla_plan_limits.flags: no token-level kv_indices
 VERSION_MAJOR = 0  # the header this binding was written against
-VERSION_MINOR = 1
+VERSION_MINOR = 2
 
 
 class Status(enum.IntEnum):
