@@ -418,63 +418,64 @@ static void write_bucket_range(void *arg, int64_t begin, int64_t end, int worker
   }
 }
 
-mla_status mla_kv_cache_write(mla_kv_cache *cache, int layer, int num_tokens,
-                              const int32_t *slots /* [T] */, const void *c /* [T, 512] */,
-                              const void *r /* [T, 64] */, mla_dtype src_dtype) {
-  if (!cache) return MLA_ERR_INVALID_ARGUMENT;
+/* Both writes: world 1 is the plain write (slots are the cache's), world > 1
+ * a decode-context-parallel rank's share (global slots; rows of other ranks
+ * skipped, the rest at slot / world). Every argument is checked before any
+ * row is written. */
+static mla_status write_rows(mla_kv_cache *cache, const char *fn, int layer, int num_tokens,
+                             const int32_t *slots /* [T] */, const char *slots_name, const void *c /* [T, 512] */,
+                             const void *r /* [T, 64] */, mla_dtype src_dtype, int world, int rank) {
   mla_errbuf *eb = &cache->err;
-  MLA_REQUIRE(eb, layer >= 0 && layer < cache->num_layers, MLA_ERR_OUT_OF_RANGE,
-              "layer = %d, expected 0..%d", layer, cache->num_layers - 1);
-  MLA_REQUIRE(eb, num_tokens >= 0, MLA_ERR_INVALID_ARGUMENT, "num_tokens = %d, expected >= 0",
-              num_tokens);
-  mla_status st = check_act_dtype(eb, __func__, "src_dtype", src_dtype);
+  if (layer < 0 || layer >= cache->num_layers)
+    return mla_fail(eb, MLA_ERR_OUT_OF_RANGE, fn, "layer = %d, expected 0..%d", layer, cache->num_layers - 1);
+  if (num_tokens < 0)
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "num_tokens = %d, expected >= 0", num_tokens);
+  mla_status st = check_act_dtype(eb, fn, "src_dtype", src_dtype);
   if (st != MLA_OK) return st;
   if (num_tokens == 0) return MLA_OK;
-  MLA_REQUIRE_PTR(eb, slots);
-  MLA_REQUIRE_PTR(eb, c);
-  MLA_REQUIRE_PTR(eb, r);
-  if (cache->on_device) return device_write(cache, layer, num_tokens, slots, c, r, src_dtype, 1, 0);
-  st = check_slots(eb, __func__, "slots", cache, num_tokens, slots);
-  if (st != MLA_OK) return st;
-
-  write_job j = {cache, layer, num_tokens, slots, c, r, src_dtype, 1, 1, 0};
+  if (!slots || !c || !r)
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "argument '%s' is NULL", !slots ? slots_name : !c ? "c" : "r");
+  if (cache->on_device) return device_write(cache, layer, num_tokens, slots, c, r, src_dtype, world, rank);
+  if (world == 1) {
+    st = check_slots(eb, fn, slots_name, cache, num_tokens, slots);
+    if (st != MLA_OK) return st;
+  } else {
+    for (int t = 0; t < num_tokens; t++) {
+      const int32_t g = slots[t];
+      if (g < 0 || (g % world == rank && g / world >= cache->num_slots))
+        return mla_fail(eb, MLA_ERR_OUT_OF_RANGE, fn,
+                        "%s[%d] = %d: negative, or local slot %d outside this rank's %lld", slots_name, t, (int)g,
+                        (int)(g / world), (long long)cache->num_slots);
+    }
+  }
+  write_job j = {cache, layer, num_tokens, slots, c, r, src_dtype, 1, world, rank};
   int workers = mla_ctx_workers(cache->ctx);
   if (num_tokens < PARALLEL_MIN_ROWS || workers == 1) {
     for (int t = 0; t < num_tokens; t++) write_one(&j, t);
   } else {
+    /* Buckets by the slot as given: repeated slots keep their order. */
     j.num_buckets = (int64_t)workers * 8;
     mla_parallel_for(cache->ctx, j.num_buckets, 1, write_bucket_range, &j);
   }
   return MLA_OK;
 }
 
+mla_status mla_kv_cache_write(mla_kv_cache *cache, int layer, int num_tokens,
+                              const int32_t *slots /* [T] */, const void *c /* [T, 512] */,
+                              const void *r /* [T, 64] */, mla_dtype src_dtype) {
+  if (!cache) return MLA_ERR_INVALID_ARGUMENT;
+  return write_rows(cache, __func__, layer, num_tokens, slots, "slots", c, r, src_dtype, 1, 0);
+}
+
 mla_status mla_kv_cache_write_shard(mla_kv_cache *cache, int layer, int num_tokens,
                                     const int32_t *global_slots /* [T] */, const void *c /* [T, 512] */,
                                     const void *r /* [T, 64] */, mla_dtype src_dtype, int world, int rank) {
   if (!cache) return MLA_ERR_INVALID_ARGUMENT;
-  mla_errbuf *eb = &cache->err;
-  MLA_REQUIRE(eb, world >= 1 && world <= 64 && mla_is_pow2(world) && rank >= 0 && rank < world,
+  MLA_REQUIRE(&cache->err, world >= 1 && world <= 64 && mla_is_pow2(world) && rank >= 0 && rank < world,
               MLA_ERR_INVALID_ARGUMENT, "world = %d, rank = %d: expected a power of two 1..64 and 0..world-1",
               world, rank);
-  MLA_REQUIRE(eb, layer >= 0 && layer < cache->num_layers, MLA_ERR_OUT_OF_RANGE,
-              "layer = %d, expected 0..%d", layer, cache->num_layers - 1);
-  MLA_REQUIRE(eb, num_tokens >= 0, MLA_ERR_INVALID_ARGUMENT, "num_tokens = %d, expected >= 0", num_tokens);
-  mla_status st = check_act_dtype(eb, __func__, "src_dtype", src_dtype);
-  if (st != MLA_OK) return st;
-  if (num_tokens == 0) return MLA_OK;
-  MLA_REQUIRE_PTR(eb, global_slots);
-  MLA_REQUIRE_PTR(eb, c);
-  MLA_REQUIRE_PTR(eb, r);
-  if (cache->on_device) return device_write(cache, layer, num_tokens, global_slots, c, r, src_dtype, world, rank);
-  for (int t = 0; t < num_tokens; t++) {
-    const int32_t g = global_slots[t];
-    MLA_REQUIRE(eb, g >= 0 && (g % world != rank || g / world < cache->num_slots), MLA_ERR_OUT_OF_RANGE,
-                "global_slots[%d] = %d: negative, or local slot %d outside this rank's %lld", t, (int)g,
-                (int)(g / world), (long long)cache->num_slots);
-  }
-  write_job j = {cache, layer, num_tokens, global_slots, c, r, src_dtype, 1, world, rank};
-  for (int t = 0; t < num_tokens; t++) write_one(&j, t);
-  return MLA_OK;
+  return write_rows(cache, __func__, layer, num_tokens, global_slots, "global_slots", c, r, src_dtype, world,
+                    rank);
 }
 
 /* ---- read ----------------------------------------------------------------------- */
