@@ -514,6 +514,31 @@ mla_status mla_backend_graph_inputs(mla_backend *be, int32_t **req_ids, int32_t 
   return MLA_OK;
 }
 
+/* Workspace of a device-built step of kind 0 (eager), 1 (graph step) or 2
+ * (draft steps); the active step's kind is be->graph_step. */
+static void *ws_of(const mla_backend *be, int kind, size_t *bytes) {
+  *bytes = kind == 2 ? be->d_ws_bytes : kind ? be->g_ws_bytes : be->step_ws_bytes;
+  return kind == 2 ? be->d_ws : kind ? be->g_ws : be->step_ws;
+}
+
+/* Builds step d from the graph inputs into the graph (kind 1) or draft
+ * (kind 2) workspace and makes it the step forward runs. */
+static mla_status prepare_from_inputs(mla_backend *be, const char *fn, mla_step_desc d, int kind) {
+  const int32_t *r2t = be->on_cuda ? be->mirror.d_r2t : be->rt->req_to_token;
+  mla_step_inputs in = {r2t, be->desc.max_context, be->desc.max_reqs, be->g_ids, be->g_seq};
+  size_t bytes;
+  void *ws = ws_of(be, kind, &bytes);
+  mla_status st = mla_step_prepare(be->ctx, &d, be->cache, &in, ws, bytes);
+  if (st != MLA_OK) return forward_fail(be, st, fn, mla_ctx_last_error(be->ctx));
+  be->step = d;
+  be->step_active = 1;
+  be->graph_step = kind;
+  plan_from_step(be, &d);
+  be->planned = 1;
+  mla_clear_error(&be->err);
+  return MLA_OK;
+}
+
 mla_status mla_backend_graph_step(mla_backend *be, mla_mode mode, int batch_size, int num_draft_tokens) {
   if (!be) return MLA_ERR_INVALID_ARGUMENT;
   mla_errbuf *eb = &be->err;
@@ -533,18 +558,7 @@ mla_status mla_backend_graph_step(mla_backend *be, mla_mode mode, int batch_size
               mode == MLA_MODE_DECODE ? "0 for DECODE" : "1..max_draft_tokens of mla_backend_graph_init");
   MLA_REQUIRE(eb, (int64_t)batch_size * (ndt ? ndt : 1) <= be->desc.max_q_tokens, MLA_ERR_CAPACITY,
               "%d query tokens exceed max_q_tokens = %d", batch_size * (ndt ? ndt : 1), be->desc.max_q_tokens);
-  mla_step_desc d = step_desc_of(be, mode, batch_size, ndt);
-  const int32_t *r2t = be->on_cuda ? be->mirror.d_r2t : be->rt->req_to_token;
-  mla_step_inputs in = {r2t, be->desc.max_context, be->desc.max_reqs, be->g_ids, be->g_seq};
-  mla_status st = mla_step_prepare(be->ctx, &d, be->cache, &in, be->g_ws, be->g_ws_bytes);
-  if (st != MLA_OK) return forward_fail(be, st, __func__, mla_ctx_last_error(be->ctx));
-  be->step = d;
-  be->step_active = 1;
-  be->graph_step = 1;
-  plan_from_step(be, &d);
-  be->planned = 1;
-  mla_clear_error(eb);
-  return MLA_OK;
+  return prepare_from_inputs(be, __func__, step_desc_of(be, mode, batch_size, ndt), 1);
 }
 
 mla_status mla_backend_draft_init(mla_backend *be, int max_steps) {
@@ -580,17 +594,7 @@ mla_status mla_backend_draft_prepare(mla_backend *be, int batch_size, int num_st
               "num_steps = %d, expected 1..%d (mla_backend_draft_init)", num_steps, be->draft_max_steps);
   mla_step_desc d = step_desc_of(be, MLA_MODE_DECODE, batch_size, 0);
   d.num_steps = num_steps;
-  const int32_t *r2t = be->on_cuda ? be->mirror.d_r2t : be->rt->req_to_token;
-  mla_step_inputs in = {r2t, be->desc.max_context, be->desc.max_reqs, be->g_ids, be->g_seq};
-  mla_status st = mla_step_prepare(be->ctx, &d, be->cache, &in, be->d_ws, be->d_ws_bytes);
-  if (st != MLA_OK) return forward_fail(be, st, __func__, mla_ctx_last_error(be->ctx));
-  be->step = d;
-  be->step_active = 1;
-  be->graph_step = 2;
-  plan_from_step(be, &d);
-  be->planned = 1;
-  mla_clear_error(eb);
-  return MLA_OK;
+  return prepare_from_inputs(be, __func__, d, 2);
 }
 
 mla_status mla_backend_draft_select(mla_backend *be, int step) {
@@ -614,8 +618,8 @@ mla_status mla_backend_step_metadata(const mla_backend *be, mla_step_metadata *o
   MLA_REQUIRE_PTR(query_err(be), out);
   MLA_REQUIRE(query_err(be), be->planned && be->step_active, MLA_ERR_BAD_STATE,
               "the current plan is not a device-built step (no plan, or a host plan: mla_backend_get_plan)");
-  void *ws = be->graph_step == 2 ? be->d_ws : be->graph_step ? be->g_ws : be->step_ws;
-  const size_t bytes = be->graph_step == 2 ? be->d_ws_bytes : be->graph_step ? be->g_ws_bytes : be->step_ws_bytes;
+  size_t bytes;
+  void *ws = ws_of(be, be->graph_step, &bytes);
   mla_status st = mla_step_get_metadata(be->ctx, &be->step, ws, bytes, out);
   if (st != MLA_OK) return forward_fail((mla_backend *)be, st, __func__, mla_ctx_last_error(be->ctx));
   return MLA_OK;
@@ -662,12 +666,13 @@ static mla_status run_absorbed(mla_backend *be, const mla_forward_args *a) {
   aa.out = a->out;
   aa.lse = a->lse;
   mla_status st;
-  if (be->step_active)
-    st = mla_step_attention(be->ctx, &be->step, be->cache, a->layer, &aa,
-                            be->graph_step == 2 ? be->d_ws : be->graph_step ? be->g_ws : be->step_ws,
-                            be->graph_step == 2 ? be->d_ws_bytes : be->graph_step ? be->g_ws_bytes : be->step_ws_bytes);
-  else
+  if (be->step_active) {
+    size_t bytes;
+    void *ws = ws_of(be, be->graph_step, &bytes);
+    st = mla_step_attention(be->ctx, &be->step, be->cache, a->layer, &aa, ws, bytes);
+  } else {
     st = mla_attention_absorbed(be->ctx, be->cache, a->layer, &be->plan, &aa, be->attn_ws, be->attn_ws_bytes);
+  }
   if (st != MLA_OK) return forward_fail(be, st, "mla_backend_forward", mla_ctx_last_error(be->ctx));
   return MLA_OK;
 }
