@@ -4,10 +4,11 @@
  * prefix through chunked MHA (gather, cuBLAS expansion, ragged per chunk,
  * merge; a small chunk capacity forces several chunks), DECODE and
  * TARGET_VERIFY (device-built steps), over 2 layers with KV writes.
- * Outputs agree within bf16 tolerance (per element |gpu - cpu| <= 0.02 +
- * 0.02 |cpu|, cosine distance < 1e-4) and LSEs within 2e-3; refusals of what
- * the CUDA backend does not take (EXTEND over a prefix with the absorbed
- * impl). Skips without CUDA or a GPU. */
+ * With the absorbed impl, EXTEND over the prefix runs the paged absorbed
+ * prefill instead, and both flows end with a varlen DRAFT_EXTEND (host plans
+ * on the GPU). Outputs agree within bf16 tolerance (per element |gpu - cpu|
+ * <= 0.02 + 0.02 |cpu|, cosine distance < 1e-4) and LSEs within 2e-3. Skips
+ * without CUDA or a GPU. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -245,11 +246,10 @@ static void flow(mla_extend_impl impl) {
     T += ext[i];
   }
   b.prefix_lens = pre;
-  if (impl == MLA_EXTEND_MHA_CHUNKED) {
+  if (impl == MLA_EXTEND_MHA_CHUNKED)
     step_both(&p, &b, T, T, slots, 1, "extend over a prefix (chunked MHA)");
-  } else {
-    TU_STATUS(mla_backend_plan(p.gb, &b), MLA_ERR_UNSUPPORTED);
-  }
+  else
+    step_both(&p, &b, T, T, slots, 0, "extend over a prefix (absorbed: paged prefill)");
   b.prefix_lens = NULL;
 
   /* DECODE, then TARGET_VERIFY (ndt 3) over what is cached */
@@ -263,6 +263,20 @@ static void flow(mla_extend_impl impl) {
   b.mode = MLA_MODE_TARGET_VERIFY;
   b.num_draft_tokens = 3;
   step_both(&p, &b, 3 * BS, 3 * BS, slots, 0, "target verify");
+  /* DRAFT_EXTEND, varlen (accepted + 1 tokens per request): a host plan on
+   * the GPU too, like the paged prefill */
+  T = 0;
+  for (int i = 0; i < BS; i++) {
+    ext[i] = tu_randint(&rng, 1, 4);
+    ok &= extend_both(&p, ids[i], ext[i], slots + T);
+    seq[i] += ext[i];
+    T += ext[i];
+  }
+  b.mode = MLA_MODE_DRAFT_EXTEND;
+  b.num_draft_tokens = 0;
+  b.extend_lens = ext;
+  step_both(&p, &b, T, T, slots, 0, "draft extend (varlen)");
+  b.extend_lens = NULL;
   TU_CHECK(ok, "table operations agree");
   free(slots);
   free(p.w);

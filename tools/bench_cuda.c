@@ -12,7 +12,9 @@
  * b s_q H s_k 1088 2 / t; GB/s = (KV rows + q + o bytes) / t. The device's
  * copy rate (cudaMemcpy device to device, read + write bytes) is measured in
  * the same run. Then the prefill shapes: causal ragged MHA 192/128, H=128, one
- * 8K and one 16K sequence and 16 x 1K, TFLOP/s with causal FLOPs counted once.
+ * 8K and one 16K sequence and 16 x 1K, TFLOP/s with causal FLOPs counted once;
+ * and the paged absorbed prefill: 16 requests of a 4K prefix + 512 new tokens
+ * (the issue's shape), 1 x (16K + 1K), 4 x (8K + 256), H=128.
  * Compiled to a stub without CUDA. */
 #include "bench_cuda.h"
 
@@ -396,6 +398,125 @@ static int run_prefill(mla_ctx *ctx, int seqs, int n, int runs, void *flush, siz
   return 0;
 }
 
+/* Paged absorbed prefill (EXTEND over a cached prefix, the absorbed impl)
+ * through a host plan and mla_attention_absorbed: b requests of `prefix`
+ * cached keys plus `ext` new tokens each, page 64, bf16, pages of the
+ * requests interleaved. TFLOP/s with causal FLOPs counted once: token t of
+ * a request sees prefix + t + 1 keys, 2 H (576 + 512) FLOPs per key. The
+ * time includes the plan upload mla_attention_absorbed does per call. */
+static int run_paged_prefill(mla_ctx *ctx, int b, int prefix, int ext, int H, int runs, void *flush,
+                             size_t flush_bytes, uint64_t *seed, double *us, double *tflops, char *note,
+                             size_t note_n) {
+  const int P = 64, K = prefix + ext, per = (K + P - 1) / P;
+  const int64_t T = (int64_t)b * ext;
+  mla_kv_cache *cache = NULL;
+  mla_req_table *rt = NULL;
+  mla_kv_cache_desc cd = {1, b * per + 2, P, MLA_DTYPE_BF16, NULL};
+  mla_req_table_desc rd = {b, K, b * per + 2, P};
+  int32_t *ids = malloc(sizeof(int32_t) * (size_t)b), *seq = malloc(sizeof(int32_t) * (size_t)b);
+  int32_t *pre = malloc(sizeof(int32_t) * (size_t)b);
+  void *pws = NULL, *ws = NULL, *qn = NULL, *qr = NULL, *out = NULL;
+  float *lse = NULL, *t = malloc(sizeof(float) * (size_t)runs);
+  mla_status st = mla_kv_cache_create(ctx, &cd, &cache);
+  if (st == MLA_OK) st = mla_req_table_create(ctx, &rd, cache, &rt);
+  for (int i = 0; i < b && st == MLA_OK; i++) {
+    st = mla_req_add(rt, &ids[i]);
+    seq[i] = K;
+    pre[i] = prefix;
+  }
+  for (int j = 0; j < per && st == MLA_OK; j++) /* a page per request in turn */
+    for (int i = 0; i < b && st == MLA_OK; i++) st = mla_req_extend(rt, ids[i], K - j * P < P ? K - j * P : P, NULL);
+  /* every slot of the cache: one random chunk of rows written over and over */
+  if (st == MLA_OK) {
+    enum { CH = 16384 };
+    void *c = rand_bf16(seed, (size_t)CH * MLA_LATENT), *r = rand_bf16(seed, (size_t)CH * MLA_ROPE);
+    int32_t *sh = malloc(sizeof(int32_t) * CH), *sd = NULL;
+    BC_CK(cudaMalloc((void **)&sd, sizeof(int32_t) * CH));
+    const int64_t total = (int64_t)cd.num_pages * P;
+    for (int64_t s0 = 0; s0 < total && st == MLA_OK; s0 += CH) {
+      const int n = total - s0 < CH ? (int)(total - s0) : CH;
+      for (int i = 0; i < n; i++) sh[i] = (int32_t)(s0 + i);
+      BC_CK(cudaMemcpy(sd, sh, sizeof(int32_t) * n, cudaMemcpyHostToDevice));
+      st = mla_kv_cache_write(cache, 0, n, sd, c, r, MLA_DTYPE_BF16);
+    }
+    cudaFree(c);
+    cudaFree(r);
+    cudaFree(sd);
+    free(sh);
+  }
+  mla_plan plan;
+  mla_batch bt;
+  memset(&bt, 0, sizeof bt);
+  bt.mode = MLA_MODE_EXTEND;
+  bt.batch_size = b;
+  bt.req_ids = ids;
+  bt.seq_lens = seq;
+  bt.prefix_lens = pre;
+  int sms = 0;
+  BC_CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  mla_plan_limits lim = {b, (int)T, b * K, K, P, sms, MLA_PLAN_PAGES_ONLY};
+  size_t pb = 0, wb = 0;
+  if (st == MLA_OK) st = mla_plan_workspace_size(ctx, &lim, &pb);
+  if (st == MLA_OK && !(pws = malloc(pb))) st = MLA_ERR_OUT_OF_MEMORY;
+  if (st == MLA_OK) st = mla_plan_build(ctx, rt, &bt, &lim, H, pws, pb, &plan);
+  if (st == MLA_OK) st = mla_attention_absorbed_workspace_size(ctx, &plan, H, &wb);
+  if (st == MLA_OK) {
+    qn = rand_bf16(seed, (size_t)T * H * MLA_LATENT);
+    qr = rand_bf16(seed, (size_t)T * H * MLA_ROPE);
+    BC_CK(cudaMalloc(&ws, wb ? wb : 16));
+    BC_CK(cudaMalloc(&out, 2 * (size_t)T * H * MLA_LATENT));
+    BC_CK(cudaMalloc((void **)&lse, sizeof(float) * (size_t)T * H));
+  }
+  mla_absorbed_args a;
+  memset(&a, 0, sizeof a);
+  a.num_heads = H;
+  a.scale = 0.0721687836f;
+  a.act_dtype = MLA_DTYPE_BF16;
+  a.q_nope = qn;
+  a.q_rope = qr;
+  a.out = out;
+  a.lse = lse;
+  cudaEvent_t e0, e1;
+  BC_CK(cudaEventCreate(&e0));
+  BC_CK(cudaEventCreate(&e1));
+  for (int r = -2; r < runs && st == MLA_OK; r++) {
+    BC_CK(cudaMemsetAsync(flush, r & 0xff, flush_bytes, NULL));
+    BC_CK(cudaEventRecord(e0, NULL));
+    st = mla_attention_absorbed(ctx, cache, 0, &plan, &a, ws, wb);
+    BC_CK(cudaEventRecord(e1, NULL));
+    BC_CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    BC_CK(cudaEventElapsedTime(&ms, e0, e1));
+    if (r >= 0) t[r] = ms;
+  }
+  if (st == MLA_OK) st = mla_ctx_synchronize(ctx);
+  if (st != MLA_OK) {
+    snprintf(note, note_n, "%s", mla_ctx_last_error(ctx));
+  } else {
+    qsort(t, (size_t)runs, sizeof(float), cmp_f);
+    *us = 1e3 * t[runs / 2];
+    const double keys = (double)ext * prefix + (double)ext * (ext + 1) / 2.0;
+    *tflops = 2.0 * H * (MLA_LATENT + MLA_ROPE + MLA_LATENT) * keys * b / (*us * 1e-6) / 1e12;
+    snprintf(note, note_n, "parts %d, splits %d, workspace %.1f MiB", (int)plan.num_sm_parts, (int)plan.total_splits,
+             wb / 1048576.0);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(qn);
+  cudaFree(qr);
+  cudaFree(out);
+  cudaFree(lse);
+  cudaFree(ws);
+  free(pws);
+  free(ids);
+  free(seq);
+  free(pre);
+  free(t);
+  mla_req_table_destroy(rt);
+  mla_kv_cache_destroy(cache);
+  return st == MLA_OK ? 0 : 1;
+}
+
 static int bc_usage(FILE *f) {
   fprintf(f,
           "usage: mla bench --device cuda [options]\n"
@@ -407,7 +528,8 @@ static int bc_usage(FILE *f) {
           "  --page-size P  (default 64)\n"
           "  --runs N       timed runs per case (default 30, quick 5)\n"
           "  --quick        s_k 8192 only, few runs\n"
-          "  --no-prefill   skip the ragged MHA prefill cases (1 x 8K, 1 x 16K, 16 x 1K; H=128, 192/128)\n"
+          "  --no-prefill   skip the prefill cases (ragged MHA 1 x 8K, 1 x 16K, 16 x 1K, 192/128; paged absorbed\n"
+          "                 prefill 16 x (4K + 512), 1 x (16K + 1K), 4 x (8K + 256)); H=128\n"
           "  --csv          comma-separated output\n");
   return f == stderr ? 2 : 0;
 }
@@ -563,6 +685,24 @@ int bench_cuda_main(int argc, char **argv) {
         printf("%6d %6d %10s %9s  %s\n", shapes[i][0], shapes[i][1], "-", "-", note);
       else
         printf("%6d %6d %10.1f %9.1f\n", shapes[i][0], shapes[i][1], us, tf);
+      fflush(stdout);
+    }
+    /* The paged absorbed prefill shape of the same issue. */
+    printf("# paged absorbed prefill (EXTEND over a cached prefix, mla_attention_absorbed), H=128, bf16 cache, "
+           "page 64, median of %d runs, L2 flushed\n",
+           o.runs);
+    printf("%6s %6s %6s %10s %9s  %s\n", "b", "prefix", "extend", "t_us", "TFLOP/s", "note");
+    static const int pshapes[][3] = {{16, 4096, 512}, {1, 16384, 1024}, {4, 8192, 256}};
+    for (int i = 0; i < 3; i++) {
+      double us = 0, tf = 0;
+      char note[200] = "";
+      const int failed = run_paged_prefill(ctx, pshapes[i][0], pshapes[i][1], pshapes[i][2], 128, o.runs, flush,
+                                           flush_bytes, &seed, &us, &tf, note, sizeof note);
+      rc |= failed;
+      if (failed)
+        printf("%6d %6d %6d %10s %9s  %s\n", pshapes[i][0], pshapes[i][1], pshapes[i][2], "-", "-", note);
+      else
+        printf("%6d %6d %6d %10.1f %9.1f  %s\n", pshapes[i][0], pshapes[i][1], pshapes[i][2], us, tf, note);
       fflush(stdout);
     }
   }

@@ -117,7 +117,8 @@ void mla_backend_destroy(mla_backend *be) {
   mla_req_table_destroy(be->rt);
   mla_kv_cache_destroy(be->cache);
   free(be->plan_ws);
-  free(be->attn_ws);
+  if (be->on_cuda) dev_free(be, be->attn_ws);
+  else free(be->attn_ws); /* host: grown by realloc (size_attention_workspace) */
   free(be->chunk_ws);
   dev_free(be, be->chunk_c);
   dev_free(be, be->chunk_r);
@@ -151,6 +152,41 @@ static mla_status size_attention_workspace(mla_backend *be, const mla_plan *plan
 }
 
 static void *alloc_or_null(size_t bytes) { return bytes ? malloc(bytes) : NULL; }
+
+/* CUDA: the device workspace of mla_attention_absorbed over host plans (the
+ * paged absorbed prefill: EXTEND over a prefix, varlen DRAFT_EXTEND), sized
+ * once for every plan the limits allow. Its partial states depend on the
+ * query length through the split rule (mla_sched_num_parts: the wider the
+ * query side, the fewer the parts, and one part keeps none), so the largest
+ * size over the query lengths at which parts >= 2 is taken; past those the
+ * size only grows with the per-request arrays, counted at max_q_tokens. */
+static mla_status size_cuda_attention_workspace(mla_backend *be) {
+  const mla_backend_desc *d = &be->desc;
+  mla_plan shape;
+  memset(&shape, 0, sizeof shape);
+  shape.mode = MLA_MODE_EXTEND;
+  shape.batch_size = d->max_bs;
+  shape.page_size = d->cache.page_size;
+  shape.block_table_width = (int32_t)mla_cdiv(d->max_context, d->cache.page_size);
+  shape.num_heads = d->num_heads;
+  size_t need = 0;
+  for (int q = 1; q <= d->max_q_tokens; q++) {
+    shape.max_q_len = q;
+    shape.num_sm_parts = mla_sched_num_parts(d->num_sm, q, d->num_heads);
+    shape.total_splits = d->max_bs + shape.num_sm_parts;
+    size_t n = 0;
+    mla_status st = mla_attention_absorbed_workspace_size(be->ctx, &shape, d->num_heads, &n);
+    if (st != MLA_OK) return forward_fail(be, st, "mla_backend_create", mla_ctx_last_error(be->ctx));
+    if (n > need) need = n;
+    if (shape.num_sm_parts < 2 && q < d->max_q_tokens) q = d->max_q_tokens - 1; /* jump to the widest */
+  }
+  be->attn_ws = dev_alloc(be, need);
+  if (!be->attn_ws)
+    return mla_fail(&be->err, MLA_ERR_OUT_OF_MEMORY, "mla_backend_create",
+                    "device attention workspace of %zu bytes", need);
+  be->attn_ws_bytes = need;
+  return MLA_OK;
+}
 
 mla_status mla_backend_create(mla_ctx *ctx, const mla_backend_desc *desc, mla_backend **out) {
   if (!out) return ctx ? mla_fail(&ctx->err, MLA_ERR_INVALID_ARGUMENT, __func__, "argument 'out' is NULL")
@@ -209,7 +245,10 @@ mla_status mla_backend_create(mla_ctx *ctx, const mla_backend_desc *desc, mla_ba
     return st;
   }
 
-  mla_plan_limits lim = {d.max_bs, d.max_q_tokens, (int)max_kv, d.max_context, d.cache.page_size, d.num_sm, 0};
+  /* CUDA kernels read the block table, never token-level kv_indices: plan
+   * pages only there (O(pages) host work instead of O(keys)). */
+  mla_plan_limits lim = {d.max_bs,  d.max_q_tokens, (int)max_kv, d.max_context, d.cache.page_size, d.num_sm,
+                         on_cuda ? MLA_PLAN_PAGES_ONLY : 0u};
   be->lim = lim;
   st = mla_plan_workspace_size(ctx, &lim, &be->plan_ws_bytes);
   if (st == MLA_OK && !(be->plan_ws = malloc(be->plan_ws_bytes))) st = MLA_ERR_OUT_OF_MEMORY;
@@ -218,6 +257,7 @@ mla_status mla_backend_create(mla_ctx *ctx, const mla_backend_desc *desc, mla_ba
   if (st == MLA_OK && on_cuda) st = mla_mirror_init(&be->mirror, be->rt, eb);
   if (st == MLA_OK && on_cuda && !(be->d_qo = dev_alloc(be, sizeof(int32_t) * ((size_t)d.max_bs + 1))))
     st = mla_fail(eb, MLA_ERR_OUT_OF_MEMORY, __func__, "device qo_indptr");
+  if (st == MLA_OK && on_cuda) st = size_cuda_attention_workspace(be);
   if (st == MLA_OK && !on_cuda) {
     /* The largest plan the limits allow sizes the attention workspace. */
     mla_plan worst;
@@ -406,17 +446,12 @@ mla_status mla_backend_plan(mla_backend *be, const mla_batch *batch) {
   int has_prefix = 0;
   if (batch->mode == MLA_MODE_EXTEND && batch->prefix_lens)
     for (int i = 0; i < batch->batch_size; i++) has_prefix |= batch->prefix_lens[i] > 0;
-  if (be->on_cuda && plan.mode != MLA_MODE_IDLE && plan.batch_size > 0) {
-    /* CUDA: decode-type steps went above; what is left runs through MHA
-     * (EXTEND without prefix, or chunked over a prefix) or is not there yet. */
-    MLA_REQUIRE(&be->err,
-                plan.mode == MLA_MODE_EXTEND && (!has_prefix || be->desc.extend_impl == MLA_EXTEND_MHA_CHUNKED),
-                MLA_ERR_UNSUPPORTED,
-                "%s: the CUDA backend takes DECODE, TARGET_VERIFY, DRAFT_EXTEND with a fixed window and "
-                "EXTEND through MHA (no prefix, or MLA_EXTEND_MHA_CHUNKED); the paged absorbed prefill and "
-                "varlen draft extend are CPU-only for now",
-                plan.mode == MLA_MODE_EXTEND ? "EXTEND with a prefix, extend_impl ABSORBED"
-                                             : "DRAFT_EXTEND with extend_lens");
+  const int uses_mha = plan.mode == MLA_MODE_EXTEND && (!has_prefix || be->desc.extend_impl == MLA_EXTEND_MHA_CHUNKED);
+  if (be->on_cuda && uses_mha && plan.batch_size > 0) {
+    /* CUDA: decode-type steps went above. EXTEND through MHA needs qo_indptr
+     * on the device; the paged absorbed prefill (EXTEND over a prefix,
+     * varlen DRAFT_EXTEND) uploads its host plan inside
+     * mla_attention_absorbed. */
     st = mla_mirror_upload(&be->mirror, be->d_qo, plan.qo_indptr, plan.batch_size + 1, be->ctx->stream, &be->err);
     if (st != MLA_OK) return st;
   }

@@ -10,9 +10,16 @@
  * The kernels walk the plan's block table (page ids), the CPU path its
  * kv_indices: both are checked to name the same page at every page start.
  *
+ * Any mode the planner builds runs here: decode and verify, and also the
+ * paged absorbed prefill (EXTEND over a cached prefix, varlen DRAFT_EXTEND),
+ * whose long query side the kernels cut into 64-row m-blocks; the split rule
+ * gives such plans one part, so nothing is cut and no partials are kept.
+ *
  * Device workspace: [qo_indptr bs+1][kv_lens bs][block_table bs x width]
- * [sched_meta parts x 8][num_splits bs+1][o_accum total_splits x R x 512 f32]
- * [lse_accum total_splits x R f32], R = max_q_len * num_heads. */
+ * [sched_meta parts x 8][num_splits bs+1][o_accum S x R x 512 f32]
+ * [lse_accum S x R f32], R = max_q_len * num_heads, S =
+ * mla_decode_partial_slots(parts) (decode.h: 0 for one part, and S x R <=
+ * 2 x 64 x num_sm otherwise). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -38,14 +45,14 @@ typedef struct dev_ws {
 /* Carves the layout above (count mode when w has no base). */
 static void carve(mla_ws *w, const mla_plan *p, int H, dev_ws *d) {
   const size_t bs = (size_t)p->batch_size, rows = (size_t)p->max_q_len * (size_t)H;
-  const size_t ts = (size_t)p->total_splits;
+  const size_t ts = (size_t)mla_decode_partial_slots(p->num_sm_parts);
   d->qo_indptr = mla_ws_take(w, sizeof(int32_t) * (bs + 1));
   d->kv_lens = mla_ws_take(w, sizeof(int32_t) * (bs ? bs : 1));
   d->block_table = mla_ws_take(w, sizeof(int32_t) * (bs * (size_t)p->block_table_width + 1));
   d->sched_meta = mla_ws_take(w, sizeof(int32_t) * ((size_t)p->num_sm_parts * MLA_SCHED_META_INTS + 1));
   d->num_splits = mla_ws_take(w, sizeof(int32_t) * (bs + 1));
-  d->o_accum = mla_ws_take(w, sizeof(float) * (ts * rows * MLA_LATENT + 1));
-  d->lse_accum = mla_ws_take(w, sizeof(float) * (ts * rows + 1));
+  d->o_accum = ts ? mla_ws_take(w, sizeof(float) * ts * rows * MLA_LATENT) : NULL;
+  d->lse_accum = ts ? mla_ws_take(w, sizeof(float) * ts * rows) : NULL;
 }
 
 static mla_status check_sizes(mla_errbuf *eb, const mla_plan *p) {
@@ -116,6 +123,10 @@ static mla_status check_plan(mla_errbuf *eb, const mla_kv_cache *cache, const ml
   for (int i = 0; i < p->batch_size; i++) {
     REQ(eb, p->num_splits[i + 1] >= p->num_splits[i], MLA_ERR_INVALID_ARGUMENT,
         "plan->num_splits decreases at %d", i);
+    /* one part cuts nothing (the workspace then holds no partial states) */
+    REQ(eb, p->num_sm_parts >= 2 || p->num_splits[i + 1] - p->num_splits[i] <= 1, MLA_ERR_INVALID_ARGUMENT,
+        "plan: request %d is cut into %d pieces by a schedule of one part", i,
+        (int)(p->num_splits[i + 1] - p->num_splits[i]));
     const int64_t pages = mla_cdiv(p->kv_lens[i], P);
     REQ(eb, pages <= p->block_table_width, MLA_ERR_INVALID_ARGUMENT,
         "plan: request %d needs %lld pages, block_table_width = %d", i, (long long)pages,
@@ -242,6 +253,12 @@ mla_status mla_cuda_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, 
     return MLA_OK; /* nothing to compute, nothing written */
   st = check_plan(eb, cache, plan);
   if (st != MLA_OK) return st;
+  /* The kernels' grid has one row of blocks per 64 (query token, head) rows
+   * of the longest request, and CUDA caps a grid dimension at 65535. */
+  REQ(eb, (int64_t)plan->max_q_len * H <= 65535LL * 64, MLA_ERR_UNSUPPORTED,
+      "plan->max_q_len = %d with %d heads: the CUDA kernels take at most 4194240 (query token, head) rows "
+      "per request (%d tokens at this head count); split the request's extend",
+      (int)plan->max_q_len, H, (int)(65535LL * 64 / H));
   size_t need;
   {
     mla_ws w = mla_ws_counter();

@@ -52,8 +52,12 @@ typedef struct mla_decode_params {
 
   uint16_t *out;   /* [Tq, H, 512] act_dtype */
   float *lse;      /* [Tq, H] or NULL */
-  float *o_accum;  /* [total_splits, max_q_len * H, 512] partials of split requests (o / l) */
-  float *lse_accum;/* [total_splits, max_q_len * H] (natural log; -inf for an empty piece) */
+  /* Partial states of the requests the schedule cuts into pieces, by slot
+   * (mla_decode_partial_slot below; NULL when num_sm_parts < 2: nothing is
+   * cut then). The dev/cuda ladder indexes these by num_splits[i] + piece
+   * instead and sizes them [total_splits, ...]. */
+  float *o_accum;  /* [mla_decode_partial_slots(num_sm_parts), max_q_len * H, 512] (o / l) */
+  float *lse_accum;/* [mla_decode_partial_slots(num_sm_parts), max_q_len * H] (natural log; -inf: empty piece) */
 } mla_decode_params;
 
 #ifdef __CUDACC__
@@ -67,6 +71,21 @@ typedef struct mla_decode_params {
 static inline MLA_DECODE_HD int mla_decode_rows(const mla_decode_params *p) { return p->max_q_len * p->num_heads; }
 static inline MLA_DECODE_HD int mla_decode_m_blocks(const mla_decode_params *p) {
   return (mla_decode_rows(p) + 63) / 64;
+}
+
+/* Where a piece of a cut request keeps its partial state: a part (the
+ * schedule's unit of work) holds at most two cut requests, its first and its
+ * last, so the piece a part computes for its first request goes to slot 2p
+ * and the one for its last request to 2p + 1. A schedule of one part cuts
+ * nothing. The partial buffers thus scale with the parts, not the batch:
+ * with rows = max_q_len * H, the split schedule's rule (include/mla.h) gives
+ * parts * rows <= 64 * num_sm whenever parts >= 2, so they never exceed
+ * 2 * 64 * num_sm rows however long the query side (prefill) is. */
+static inline MLA_DECODE_HD int mla_decode_partial_slots(int num_sm_parts) {
+  return num_sm_parts >= 2 ? 2 * num_sm_parts : 0;
+}
+static inline MLA_DECODE_HD int mla_decode_partial_slot(int part, int is_first_req_of_part) {
+  return 2 * part + (is_first_req_of_part ? 0 : 1);
 }
 
 #ifdef __cplusplus

@@ -183,7 +183,7 @@ struct ReqWork {
   int kend;      // end key of this piece (exclusive)
   int kend_blk;  // kend cut by the causal limit of the m-block's last row
   int rows;      // valid rows of this m-block (0: the m-block has no rows here)
-  int split_idx; // partial-state index
+  int split_idx; // partial-state slot (decode.h: mla_decode_partial_slot)
   int is_split;  // 1: write partials, 0: write the final output
   int n_tiles;   // 64-key tiles to visit
 };
@@ -197,9 +197,8 @@ static __device__ __forceinline__ ReqWork req_work(const mla_decode_params &p, c
   w.K = p.kv_lens[req];
   w.kstart = req == br ? meta[SCHED_BEGIN_TOK] : 0;
   w.kend = req == er ? meta[SCHED_END_TOK] : w.K;
-  const int piece = req == br ? meta[SCHED_BEGIN_SPLIT] : 0;
   const int pieces = p.num_splits[req + 1] - p.num_splits[req];
-  w.split_idx = p.num_splits[req] + piece;
+  w.split_idx = mla_decode_partial_slot(blockIdx.x, req == br);  // the grid's x is the part
   w.is_split = pieces > 1;
   const int H = p.num_heads;
   const int r0 = mb * 64;

@@ -80,8 +80,28 @@ cudaError_t make_kv_tmap_bytes(const mla_decode_params *p, CUtensorMap *map, int
 // ---------------------------------------------------------------------------
 // Split-KV combine: one warp per (request, row); requests cut into one piece
 // are skipped (the split kernel wrote them). Launched as a programmatic
-// dependent of the split kernel.
+// dependent of the split kernel, only when the schedule has >= 2 parts.
 // ---------------------------------------------------------------------------
+
+// The part holding the first piece of request req: the first part whose last
+// request is >= req (END_REQ never decreases over the parts; the empty parts
+// at the end carry END_REQ = batch_size).
+static __device__ __forceinline__ int first_part_of(const mla_decode_params &p, int req) {
+  int lo = 0, hi = p.num_sm_parts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (p.sched_meta[mid * SCHED_INTS + SCHED_END_REQ] >= req) hi = mid;
+    else lo = mid + 1;
+  }
+  return lo;
+}
+
+// Slot of piece j of request req, whose first piece is in part p0: piece j
+// is computed by part p0 + j, where req is the first request except maybe
+// in p0.
+static __device__ __forceinline__ int piece_slot(const mla_decode_params &p, int p0, int req, int j) {
+  return mla_decode_partial_slot(p0 + j, j > 0 || p.sched_meta[p0 * SCHED_INTS + SCHED_BEGIN_REQ] == req);
+}
 static constexpr int kCombineWarps = 8;
 
 template <bool kF16>
@@ -93,7 +113,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   const int req = blockIdx.x;
-  const int s0 = p.num_splits[req], pieces = p.num_splits[req + 1] - s0;
+  const int pieces = p.num_splits[req + 1] - p.num_splits[req];
   if (pieces <= 1) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rg = blockIdx.y * kCombineWarps + warp;
@@ -101,15 +121,18 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   const int H = p.num_heads;
   if (rg >= qlen * H) return;
   const int R = mla_decode_rows(&p);
+  const int p0 = first_part_of(p, req);
 
   // Global lse over the pieces (natural log); empty pieces carry -inf.
   float mx = -INFINITY;
-  for (int j = lane; j < pieces; j += 32) mx = fmaxf(mx, p.lse_accum[(size_t)(s0 + j) * R + rg]);
+  for (int j = lane; j < pieces; j += 32)
+    mx = fmaxf(mx, p.lse_accum[(size_t)piece_slot(p, p0, req, j) * R + rg]);
 #pragma unroll
   for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   float sum = 0.f;
   if (mx != -INFINITY)
-    for (int j = lane; j < pieces; j += 32) sum += __expf(p.lse_accum[(size_t)(s0 + j) * R + rg] - mx);
+    for (int j = lane; j < pieces; j += 32)
+      sum += __expf(p.lse_accum[(size_t)piece_slot(p, p0, req, j) * R + rg] - mx);
 #pragma unroll
   for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
   const float lse = mx == -INFINITY ? -INFINITY : mx + logf(sum);
@@ -120,10 +143,11 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   for (int i = 0; i < 16; i++) acc[i] = 0.f;
   if (mx != -INFINITY) {
     for (int j = 0; j < pieces; j++) {
-      const float l = p.lse_accum[(size_t)(s0 + j) * R + rg];
+      const size_t slot = (size_t)piece_slot(p, p0, req, j);
+      const float l = p.lse_accum[slot * R + rg];
       if (l == -INFINITY) continue;  // an empty piece's o is 0 but never weigh it
       const float wgt = __expf(l - lse);
-      const float4 *src = reinterpret_cast<const float4 *>(p.o_accum + ((size_t)(s0 + j) * R + rg) * 512);
+      const float4 *src = reinterpret_cast<const float4 *>(p.o_accum + (slot * R + rg) * 512);
 #pragma unroll
       for (int c = 0; c < 4; c++) {
         float4 v = src[lane + 32 * c];
@@ -150,7 +174,8 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
 // it in the stream: the launch overlaps that kernel's tail (it triggers early).
 cudaError_t combine_launch_pdl(const mla_decode_params *p, cudaStream_t stream) {
   const int rows = mla_decode_rows(p);
-  if (p->batch_size == 0) return cudaSuccess;
+  if (p->batch_size == 0 || p->num_sm_parts < 2) return cudaSuccess;  // one part cuts nothing
+  if ((rows + kCombineWarps - 1) / kCombineWarps > 65535) return cudaErrorInvalidConfiguration;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(p->batch_size, (rows + kCombineWarps - 1) / kCombineWarps);
   cfg.blockDim = dim3(kCombineWarps * 32);
@@ -818,6 +843,8 @@ extern "C" int mla_cuda_decode(const mla_decode_params *p, void *stream_) {
       p->row_bytes != expected_row_bytes(p->kv_dtype))
     return (int)cudaErrorNotSupported;
   if (p->batch_size == 0 || p->num_sm_parts == 0) return (int)cudaSuccess;
+  if (mla_decode_m_blocks(p) > 65535) return (int)cudaErrorInvalidConfiguration;  // grid.y
+  if (p->num_sm_parts >= 2 && (!p->o_accum || !p->lse_accum)) return (int)cudaErrorInvalidValue;
   // Built without sm_90a code (CMAKE_CUDA_ARCHITECTURES without 90a) the
   // kernel bodies are compiled out: refuse instead of returning garbage.
   cudaFuncAttributes fa;

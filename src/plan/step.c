@@ -5,14 +5,16 @@
  * Workspace layout (device memory on a CUDA context):
  *   [qo_indptr bs+1][kv_lens bs][block_table bs x W][sched_meta parts x 8]
  *   [num_splits bs+1]
- *   CUDA: [o_accum max_splits x R x 512 f32][lse_accum max_splits x R f32]
+ *   CUDA: [o_accum S x R x 512 f32][lse_accum S x R f32] (none when S = 0)
  *   CPU:  [kv_indptr bs+1][kv_indices bs x max_kv_len][CPU attention scratch]
- * with W = ceil(max_kv_len / P), R = q_len * H, max_splits = bs + parts. */
+ * with W = ceil(max_kv_len / P), R = q_len * H and S the kernels' partial
+ * slots, 2 per part (../cuda/decode.h). */
 #include <string.h>
 
 #include "../cache/cache.h"
 #include "../core/internal.h"
 #include "../cpu/cpu.h"
+#include "../cuda/decode.h" /* plain C: the partial-slot rule of the CUDA kernels */
 #include "plan.h"
 #include "step_build.h"
 #ifdef MLA_WITH_CUDA
@@ -121,8 +123,10 @@ static mla_status carve(mla_ctx *ctx, const mla_step_geom *g, int H, mla_ws *w, 
   L->num_splits = mla_ws_take(w, sizeof(int32_t) * (bs + 1));
   const size_t rows = (size_t)g->q_len * (size_t)H;
   if (ctx->device == MLA_DEVICE_CUDA) {
-    L->o_accum = mla_ws_take(w, sizeof(float) * (size_t)g->max_splits * rows * MLA_LATENT);
-    L->lse_accum = mla_ws_take(w, sizeof(float) * (size_t)g->max_splits * rows);
+    /* partial states by slot, 2 per part (none for one part): decode.h */
+    const size_t slots = (size_t)mla_decode_partial_slots(g->num_parts);
+    L->o_accum = slots ? mla_ws_take(w, sizeof(float) * slots * rows * MLA_LATENT) : NULL;
+    L->lse_accum = slots ? mla_ws_take(w, sizeof(float) * slots * rows) : NULL;
     return MLA_OK;
   }
   L->kv_indptr = mla_ws_take(w, sizeof(int32_t) * (bs + 1));

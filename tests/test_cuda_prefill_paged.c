@@ -1,0 +1,420 @@
+/* The paged absorbed prefill on a CUDA context: mla_attention_absorbed over
+ * host plans of EXTEND batches with a cached prefix, and of varlen
+ * DRAFT_EXTEND batches, against a float64 oracle.
+ *
+ * Grid: prefixes 0 .. ~16K keys, extends 0 .. 300 tokens, page sizes 1 and 64
+ * (plus 16 for f16), heads 1, 3, 16, 128, bf16 / f16 / fp8 per-tensor / fp8
+ * block-scaled caches. Long query sides are what this path adds over decode:
+ * a request of Q tokens x H heads is Q*H kernel rows cut into 64-row
+ * m-blocks, the split rule gives such plans one part (nothing cut, no partial
+ * states, no combine), and short-query batches (DRAFT_EXTEND) still split.
+ *
+ * Setup as tests/test_cuda_decode_dtypes.c: cache written on a CPU context
+ * (quantized there), every row no request owns NaN, pages handed out in a
+ * shuffled order, block-table entries past each request TU_SENTINEL, the GPU
+ * cache gets the CPU cache's bytes; outputs poisoned with guards after them.
+ *
+ * The oracle is float64 on sampled rows (first and last token of every
+ * request, random tokens between, up to 4 heads each, all heads for H <= 4):
+ * a 16K-key prefix times every (token, head) row would be minutes of float64
+ * on the host. Every other output row is checked to be written (finite), the
+ * guards untouched. Oracle inputs: the CPU's dequantization rounded to the
+ * kernel's operand type. Tolerance as test_cuda_attention: |o - ref| <= 8e-4
+ * + 2/128 |ref| + u sum_j p_j |c_j| (u = 2^-8 for bf16 P, 2^-11 for f16), lse
+ * within 1e-4 + 1e-5 |lse| (fp32 sums over up to 16K keys).
+ *
+ * Also: the workspace of such a plan holds no partial states (its size is
+ * far below one partial state per request), and a request too long for the
+ * grid is refused (UNSUPPORTED) with the outputs untouched. Skips (passing)
+ * without CUDA or without a GPU. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mla.h"
+#include "test_util.h"
+
+#ifndef MLA_TEST_CUDA
+int main(void) {
+  printf("test_cuda_prefill_paged: skipped: built without CUDA\n");
+  return tu_finish("test_cuda_prefill_paged");
+}
+#else
+#include "cuda_util.h"
+
+#define O_ATOL 8e-4
+#define O_RTOL (2.0 / 128.0)
+#define LSE_ATOL 1e-4
+#define LSE_RTOL 1e-5
+#define GUARD 64 /* poisoned 4-byte elements after every output */
+#define MAXB 8
+#define NPAD 7
+#define SAMPLE_TOKENS 6
+
+static const double SCALE = 0.0721687836; /* 192^-0.5 */
+static tu_rng rng;
+static mla_ctx *cpu, *gpu;
+
+typedef struct pcase {
+  const char *name;
+  mla_mode mode; /* EXTEND (prefix + extend) or DRAFT_EXTEND (varlen) */
+  mla_dtype kv, act;
+  int P, H, bs;
+  int prefix[MAXB], ext[MAXB];
+} pcase;
+
+typedef struct world {
+  const pcase *c;
+  mla_kv_cache *cache, *dcache;
+  mla_req_table *rt;
+  int32_t req_ids[MAXB], seq[MAXB], ext[MAXB], pre[MAXB];
+  int kv_len[MAXB];
+  int64_t Tq, Tk;
+  void *pws;
+  mla_plan plan;
+  void *qn, *qr;        /* act [Tq, H, 512], [Tq, H, 64] */
+  double *qn_d, *qr_d;  /* the same, float64 */
+  double *c_d, *r_d;    /* [Tk, 512], [Tk, 64] the rows as the kernel's operands */
+} world;
+
+static mla_dtype operand_of(mla_dtype kv) { return kv == MLA_DTYPE_F16 ? MLA_DTYPE_F16 : MLA_DTYPE_BF16; }
+
+static int world_build(world *w, const pcase *c, int with_q) {
+  memset(w, 0, sizeof *w);
+  w->c = c;
+  int pages = 2 + NPAD, maxkv = 1;
+  for (int i = 0; i < c->bs; i++) {
+    w->kv_len[i] = c->prefix[i] + c->ext[i];
+    w->pre[i] = c->prefix[i];
+    w->ext[i] = c->ext[i];
+    w->seq[i] = w->kv_len[i];
+    pages += (w->kv_len[i] + c->P - 1) / c->P;
+    w->Tq += c->ext[i];
+    w->Tk += w->kv_len[i];
+    if (w->kv_len[i] > maxkv) maxkv = w->kv_len[i];
+  }
+  mla_kv_cache_desc cd = {1, pages, c->P, c->kv, NULL};
+  float scale = 0.5f; /* fp8 per-tensor: stored = value / scale */
+  if (c->kv == MLA_DTYPE_FP8_E4M3) cd.fp8_scales = &scale;
+  mla_req_table_desc rd = {c->bs + NPAD, maxkv, pages, c->P};
+  if (mla_kv_cache_create(cpu, &cd, &w->cache) != MLA_OK || mla_kv_cache_create(gpu, &cd, &w->dcache) != MLA_OK ||
+      mla_req_table_create(cpu, &rd, w->cache, &w->rt) != MLA_OK) {
+    TU_CHECK(0, "%s: cannot create caches / table: %s / %s", c->name, mla_ctx_last_error(cpu),
+             mla_ctx_last_error(gpu));
+    return -1;
+  }
+  tu_poison_cache(w->cache);
+  /* free pages handed out in a shuffled order */
+  int32_t pad[NPAD];
+  for (int p = 0; p < NPAD; p++) {
+    mla_req_add(w->rt, &pad[p]);
+    mla_req_extend(w->rt, pad[p], c->P, NULL);
+  }
+  tu_shuffle_i32(&rng, pad, NPAD);
+  for (int p = 0; p < NPAD; p++) mla_req_free(w->rt, pad[p]);
+  int have[MAXB] = {0}, left = 1;
+  for (int i = 0; i < c->bs; i++) TU_STATUS(mla_req_add(w->rt, &w->req_ids[i]), MLA_OK);
+  while (left) { /* interleaved growth: the requests' pages alternate */
+    left = 0;
+    for (int i = 0; i < c->bs; i++) {
+      int n = w->kv_len[i] - have[i];
+      if (n <= 0) continue;
+      int step = tu_randint(&rng, 1, n < 3 * c->P + 40 ? n : 3 * c->P + 40);
+      if (mla_req_extend(w->rt, w->req_ids[i], step, NULL) != MLA_OK) {
+        TU_CHECK(0, "%s: mla_req_extend: %s", c->name, mla_req_table_last_error(w->rt));
+        return -1;
+      }
+      have[i] += step;
+      left |= have[i] < w->kv_len[i];
+    }
+  }
+  /* the rows the requests own: c, r ~ N(0, 1), quantized by the CPU cache */
+  const int32_t *r2t;
+  mla_req_table_data(w->rt, &r2t);
+  int32_t *slots = malloc(sizeof(int32_t) * (size_t)(w->Tk + 1));
+  int64_t k = 0;
+  for (int i = 0; i < c->bs; i++)
+    for (int j = 0; j < w->kv_len[i]; j++) slots[k++] = r2t[(size_t)w->req_ids[i] * maxkv + j];
+  float *cf = malloc(sizeof(float) * (size_t)(w->Tk + 1) * MLA_LATENT);
+  float *rf = malloc(sizeof(float) * (size_t)(w->Tk + 1) * MLA_ROPE);
+  for (int64_t i = 0; i < w->Tk * MLA_LATENT; i++) cf[i] = (float)tu_normal(&rng);
+  for (int64_t i = 0; i < w->Tk * MLA_ROPE; i++) rf[i] = (float)tu_normal(&rng);
+  TU_STATUS(mla_kv_cache_write(w->cache, 0, (int)w->Tk, slots, cf, rf, MLA_DTYPE_F32), MLA_OK);
+  TU_STATUS(mla_kv_cache_read(w->cache, 0, (int)w->Tk, slots, cf, rf, MLA_DTYPE_F32), MLA_OK);
+  const mla_dtype op = operand_of(c->kv);
+  w->c_d = malloc(sizeof(double) * (size_t)(w->Tk + 1) * MLA_LATENT);
+  w->r_d = malloc(sizeof(double) * (size_t)(w->Tk + 1) * MLA_ROPE);
+  for (int64_t i = 0; i < w->Tk * MLA_LATENT; i++) w->c_d[i] = tu_round_to(op, cf[i]);
+  for (int64_t i = 0; i < w->Tk * MLA_ROPE; i++) w->r_d[i] = tu_round_to(op, rf[i]);
+  free(slots);
+  free(cf);
+  free(rf);
+  {
+    void *hp = NULL, *dp = NULL;
+    size_t rb = 0;
+    mla_kv_cache_layer_data(w->cache, 0, &hp);
+    mla_kv_cache_layer_data(w->dcache, 0, &dp);
+    mla_kv_cache_row_bytes(w->cache, &rb);
+    CK(cudaMemcpy(dp, hp, rb * (size_t)pages * c->P, cudaMemcpyHostToDevice));
+  }
+  mla_batch b;
+  memset(&b, 0, sizeof b);
+  b.mode = c->mode;
+  b.batch_size = c->bs;
+  b.req_ids = w->req_ids;
+  b.seq_lens = w->seq;
+  if (c->mode == MLA_MODE_EXTEND) b.prefix_lens = w->pre;
+  else b.extend_lens = w->ext;
+  /* pages only: what a GPU consumer plans (the kernels read the block table) */
+  mla_plan_limits lim = {c->bs, (int)w->Tq + 1, (int)w->Tk + 1, maxkv, c->P, 132, MLA_PLAN_PAGES_ONLY};
+  size_t pb = 0;
+  TU_STATUS(mla_plan_workspace_size(cpu, &lim, &pb), MLA_OK);
+  w->pws = malloc(pb);
+  mla_status st = mla_plan_build(cpu, w->rt, &b, &lim, c->H, w->pws, pb, &w->plan);
+  TU_CHECK(st == MLA_OK, "%s: mla_plan_build: %s", c->name, mla_ctx_last_error(cpu));
+  if (st != MLA_OK) return -1;
+  int32_t *bt = (int32_t *)w->plan.block_table;
+  for (int i = 0; i < c->bs; i++)
+    for (int j = (w->kv_len[i] + c->P - 1) / c->P; j < w->plan.block_table_width; j++)
+      bt[(size_t)i * w->plan.block_table_width + j] = TU_SENTINEL;
+  if (!with_q) return 0;
+  const int64_t nq = w->Tq * c->H;
+  float *tmp = malloc(sizeof(float) * (size_t)(nq + 1) * MLA_LATENT);
+  const size_t es = tu_act_size(c->act);
+  w->qn = malloc(es * (size_t)(nq + 1) * MLA_LATENT);
+  w->qr = malloc(es * (size_t)(nq + 1) * MLA_ROPE);
+  w->qn_d = malloc(sizeof(double) * (size_t)(nq + 1) * MLA_LATENT);
+  w->qr_d = malloc(sizeof(double) * (size_t)(nq + 1) * MLA_ROPE);
+  tu_fill_bf16_normal(&rng, tmp, nq * MLA_LATENT, 1.0);
+  tu_to_dtype(c->act, tmp, w->qn, nq * MLA_LATENT);
+  tu_from_dtype(c->act, w->qn, w->qn_d, nq * MLA_LATENT);
+  tu_fill_bf16_normal(&rng, tmp, nq * MLA_ROPE, 1.0);
+  tu_to_dtype(c->act, tmp, w->qr, nq * MLA_ROPE);
+  tu_from_dtype(c->act, w->qr, w->qr_d, nq * MLA_ROPE);
+  free(tmp);
+  return 0;
+}
+
+static void world_free(world *w) {
+  mla_req_table_destroy(w->rt);
+  mla_kv_cache_destroy(w->cache);
+  mla_kv_cache_destroy(w->dcache);
+  free(w->pws);
+  free(w->qn);
+  free(w->qr);
+  free(w->qn_d);
+  free(w->qr_d);
+  free(w->c_d);
+  free(w->r_d);
+}
+
+/* Float64 attention of one (token, head) row: o [512], lse (natural), and the
+ * P-rounding bound per element. Returns the visible key count. */
+static int oracle_row(const world *w, int64_t k0, int K, int Q, int t, int64_t row, double *o, double *lse,
+                      double *bound, double *s) {
+  const double sc = (double)(float)SCALE;
+  const double u = operand_of(w->c->kv) == MLA_DTYPE_F16 ? 1.0 / 2048 : 1.0 / 256;
+  const int vis = K - Q + t + 1; /* causal, bottom-right */
+  const double *qn = w->qn_d + row * MLA_LATENT, *qr = w->qr_d + row * MLA_ROPE;
+  double mx = -INFINITY, sum = 0;
+  for (int j = 0; j < vis; j++) {
+    const double *c = w->c_d + (k0 + j) * MLA_LATENT, *r = w->r_d + (k0 + j) * MLA_ROPE;
+    double a = 0;
+    for (int d = 0; d < MLA_LATENT; d++) a += qn[d] * c[d];
+    for (int d = 0; d < MLA_ROPE; d++) a += qr[d] * r[d];
+    s[j] = a * sc;
+    if (s[j] > mx) mx = s[j];
+  }
+  for (int j = 0; j < vis; j++) sum += (s[j] = exp(s[j] - mx));
+  for (int d = 0; d < MLA_LATENT; d++) o[d] = bound[d] = 0;
+  for (int j = 0; j < vis; j++) {
+    const double p = s[j] / sum;
+    const double *c = w->c_d + (k0 + j) * MLA_LATENT;
+    for (int d = 0; d < MLA_LATENT; d++) {
+      o[d] += p * c[d];
+      bound[d] += u * p * fabs(c[d]);
+    }
+  }
+  *lse = mx + log(sum);
+  return vis;
+}
+
+static void run_case(const pcase *c) {
+  world w;
+  if (world_build(&w, c, 1) != 0) {
+    world_free(&w);
+    return;
+  }
+  const int H = c->H;
+  const int64_t nq = w.Tq * H;
+  const size_t es = tu_act_size(c->act);
+  const size_t ob = es * (size_t)nq * MLA_LATENT, lb = sizeof(float) * (size_t)nq;
+  void *dqn = tu_dev_copy(w.qn, es * (size_t)(nq ? nq : 1) * MLA_LATENT);
+  void *dqr = tu_dev_copy(w.qr, es * (size_t)(nq ? nq : 1) * MLA_ROPE);
+  void *dout = tu_dev_alloc(ob + 4 * GUARD);
+  float *dlse = tu_dev_alloc(lb + 4 * GUARD);
+  CK(cudaMemset(dout, 0xFF, ob + 4 * GUARD));
+  CK(cudaMemset(dlse, 0xFF, lb + 4 * GUARD));
+  size_t wsb = 0;
+  TU_STATUS(mla_attention_absorbed_workspace_size(gpu, &w.plan, H, &wsb), MLA_OK);
+  void *dws = tu_dev_alloc(wsb ? wsb : 16);
+  mla_absorbed_args a;
+  memset(&a, 0, sizeof a);
+  a.num_heads = H;
+  a.scale = (float)SCALE;
+  a.act_dtype = c->act;
+  a.q_nope = dqn;
+  a.q_rope = dqr;
+  a.out = dout;
+  a.lse = dlse;
+  mla_status st = mla_attention_absorbed(gpu, w.dcache, 0, &w.plan, &a, dws, wsb);
+  TU_CHECK(st == MLA_OK, "%s: mla_attention_absorbed: %s", c->name, mla_ctx_last_error(gpu));
+  CK(cudaDeviceSynchronize());
+  unsigned char *out = malloc(ob + 4 * GUARD);
+  float *lse = malloc(lb + 4 * GUARD);
+  CK(cudaMemcpy(out, dout, ob + 4 * GUARD, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(lse, dlse, lb + 4 * GUARD, cudaMemcpyDeviceToHost));
+
+  /* every row written, guards untouched */
+  double *got = malloc(sizeof(double) * (size_t)(nq + 1) * MLA_LATENT);
+  tu_from_dtype(c->act, out, got, nq * MLA_LATENT);
+  int64_t unwritten = 0;
+  for (int64_t i = 0; i < nq * MLA_LATENT; i++) unwritten += !isfinite(got[i]);
+  for (int64_t i = 0; i < nq; i++) unwritten += !isfinite(lse[i]); /* every row sees >= 1 key */
+  TU_CHECK(unwritten == 0, "%s: %lld output / lse elements not written (still poisoned)", c->name,
+           (long long)unwritten);
+  TU_CHECK(tu_all_poisoned(out + ob, 4 * GUARD) && tu_all_poisoned((unsigned char *)lse + lb, 4 * GUARD),
+           "%s: guard elements after out / lse overwritten", c->name);
+
+  /* sampled rows against the float64 oracle */
+  double o[MLA_LATENT], bound[MLA_LATENT], lref;
+  int maxk = 1;
+  for (int i = 0; i < c->bs; i++)
+    if (w.kv_len[i] > maxk) maxk = w.kv_len[i];
+  double *s = malloc(sizeof(double) * (size_t)maxk);
+  int64_t t0 = 0, k0 = 0, rows = 0, bad = 0, lbad = 0;
+  double worst = 0, lworst = 0;
+  for (int i = 0; i < c->bs; i++) {
+    const int Q = w.ext[i], K = w.kv_len[i];
+    for (int n = 0; n < SAMPLE_TOKENS && n < Q; n++) {
+      const int t = n == 0 ? 0 : n == 1 ? Q - 1 : tu_randint(&rng, 0, Q - 1);
+      for (int m = 0; m < (H <= 4 ? H : 4); m++) {
+        const int h = H <= 4 ? m : m == 0 ? 0 : m == 1 ? H - 1 : tu_randint(&rng, 1, H - 2);
+        const int64_t row = (t0 + t) * H + h;
+        oracle_row(&w, k0, K, Q, t, row, o, &lref, bound, s);
+        rows++;
+        for (int d = 0; d < MLA_LATENT; d++) {
+          const double e = fabs(got[row * MLA_LATENT + d] - o[d]);
+          const double tol = O_ATOL + O_RTOL * fabs(o[d]) + bound[d];
+          if (!(e <= tol)) bad++;
+          if (e / tol > worst) worst = e / tol;
+        }
+        const double le = fabs((double)lse[row] - lref);
+        if (!(le <= LSE_ATOL + LSE_RTOL * fabs(lref))) lbad++;
+        if (le > lworst) lworst = le;
+      }
+    }
+    t0 += Q;
+    k0 += K;
+  }
+  TU_CHECK(bad == 0 && lbad == 0 && rows > 0,
+           "%s: %lld sampled rows: %lld elements out of tolerance (worst err/tol %.3g), %lld lse off (worst %.3g)",
+           c->name, (long long)rows, (long long)bad, worst, (long long)lbad, lworst);
+  printf("  %-44s P=%-3d H=%-3d Tq=%-5lld Tk=%-6lld parts=%-3d splits=%d ws=%zu B: %lld rows, worst err/tol %.3f, "
+         "lse err %.2g\n",
+         c->name, c->P, H, (long long)w.Tq, (long long)w.Tk, (int)w.plan.num_sm_parts, (int)w.plan.total_splits, wsb,
+         (long long)rows, worst, lworst);
+  /* a one-part plan keeps no partial states: far below one per request */
+  if (w.plan.num_sm_parts == 1)
+    TU_CHECK(wsb < (size_t)c->bs * w.plan.max_q_len * H * MLA_LATENT * sizeof(float),
+             "%s: one-part plan, workspace %zu bytes holds partial states", c->name, wsb);
+  free(s);
+  free(got);
+  free(out);
+  free(lse);
+  cudaFree(dqn);
+  cudaFree(dqr);
+  cudaFree(dout);
+  cudaFree(dlse);
+  cudaFree(dws);
+  world_free(&w);
+}
+
+/* A request with more (token, head) rows than the kernels' grid takes is
+ * refused before any launch, outputs untouched. The plan is a shape only
+ * (the check precedes any launch: q buffers of a few KiB stand in). */
+static void too_long(void) {
+  pcase c = {"too long", MLA_MODE_EXTEND, MLA_DTYPE_BF16, MLA_DTYPE_BF16, 64, 128, 1, {0}, {32768}};
+  world w;
+  if (world_build(&w, &c, 0) != 0) {
+    world_free(&w);
+    return;
+  }
+  void *dqn = tu_dev_alloc(1 << 16), *dqr = tu_dev_alloc(1 << 16);
+  void *dout = tu_dev_alloc(2 * 64);
+  CK(cudaMemset(dout, 0xFF, 2 * 64));
+  size_t wsb = 0;
+  TU_STATUS(mla_attention_absorbed_workspace_size(gpu, &w.plan, 128, &wsb), MLA_OK);
+  void *dws = tu_dev_alloc(wsb);
+  mla_absorbed_args a;
+  memset(&a, 0, sizeof a);
+  a.num_heads = 128;
+  a.scale = (float)SCALE;
+  a.act_dtype = MLA_DTYPE_BF16;
+  a.q_nope = dqn;
+  a.q_rope = dqr;
+  a.out = dout;
+  TU_STATUS(mla_attention_absorbed(gpu, w.dcache, 0, &w.plan, &a, dws, wsb), MLA_ERR_UNSUPPORTED);
+  TU_CHECK(strstr(mla_ctx_last_error(gpu), "max_q_len") != NULL, "too long: message names the bound: %s",
+           mla_ctx_last_error(gpu));
+  unsigned char chk[128];
+  CK(cudaMemcpy(chk, dout, sizeof chk, cudaMemcpyDeviceToHost));
+  TU_CHECK(tu_all_poisoned(chk, sizeof chk), "too long: output touched after a refusal");
+  printf("  refusal: %s\n", mla_ctx_last_error(gpu));
+  cudaFree(dqn);
+  cudaFree(dqr);
+  cudaFree(dout);
+  cudaFree(dws);
+  world_free(&w);
+}
+
+int main(void) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    printf("test_cuda_prefill_paged: skipped: no GPU\n");
+    return tu_finish("test_cuda_prefill_paged");
+  }
+  rng.s = tu_seed("test_cuda_prefill_paged", 20261130);
+  mla_ctx_desc cd = {MLA_DEVICE_CPU, 0, 0}, gd = {MLA_DEVICE_CUDA, 0, 0};
+  TU_STATUS(mla_ctx_create(&cd, &cpu), MLA_OK);
+  TU_STATUS(mla_ctx_create(&gd, &gpu), MLA_OK);
+  const mla_dtype B = MLA_DTYPE_BF16, F = MLA_DTYPE_F16, E = MLA_DTYPE_FP8_E4M3, EB = MLA_DTYPE_FP8_E4M3_BLOCK;
+  const mla_mode X = MLA_MODE_EXTEND, D = MLA_MODE_DRAFT_EXTEND;
+  /* prefix / extend per request; a random part added below */
+  pcase cases[] = {
+      {"extend H=128 long prefix", X, B, B, 64, 128, 3, {16000, 0, 3000}, {40, 300, 1}},
+      {"extend H=128 page 1", X, B, B, 1, 128, 2, {5000, 700}, {64, 129}},
+      {"extend H=16 page 1, a zero extend", X, B, B, 1, 16, 3, {16300, 0, 900}, {100, 250, 0}},
+      {"extend H=16 page 64", X, B, B, 64, 16, 4, {0, 64, 4095, 12000}, {200, 64, 33, 7}},
+      {"extend H=1", X, B, B, 64, 1, 4, {8000, 1, 0, 333}, {300, 5, 100, 64}},
+      {"extend H=3", X, B, B, 64, 3, 3, {2000, 0, 10}, {77, 190, 1}},
+      {"extend f16 cache page 16", X, F, F, 16, 16, 3, {6000, 0, 100}, {90, 120, 20}},
+      {"extend fp8 per-tensor", X, E, B, 64, 16, 3, {9000, 0, 200}, {50, 160, 3}},
+      {"extend fp8 block-scaled H=128", X, EB, B, 64, 128, 2, {4000, 0}, {48, 100}},
+      {"extend fp8 block-scaled page 1", X, EB, B, 1, 16, 3, {3000, 10, 0}, {30, 2, 150}},
+      {"draft extend varlen H=16", D, B, B, 64, 16, 6, {900, 2500, 40, 0, 7000, 1}, {1, 4, 2, 3, 1, 2}},
+      {"draft extend varlen H=128 page 1", D, B, B, 1, 128, 4, {3000, 100, 0, 600}, {3, 1, 2, 4}},
+  };
+  const int nc = (int)(sizeof cases / sizeof cases[0]);
+  for (int k = 0; k < nc; k++) {
+    pcase c = cases[k];
+    for (int i = 0; i < c.bs; i++) /* a random part, keeping zero / tiny lengths as they are */
+      if (c.prefix[i] > 100) c.prefix[i] += tu_randint(&rng, 0, 60);
+    run_case(&c);
+  }
+  too_long();
+  mla_ctx_destroy(cpu);
+  mla_ctx_destroy(gpu);
+  return tu_finish("test_cuda_prefill_paged");
+}
+#endif
