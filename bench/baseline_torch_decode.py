@@ -13,6 +13,8 @@ Also measures, in the same process, the device's bf16 matmul rate
 
 Prints one line per shape:
   TORCH b=128 sq=1 H=128 sk=8192 P=64 t_us=... tflops=... gbs=...
+then the paged absorbed prefill shapes (EXTEND over a cached prefix):
+  TORCH paged-prefill explicit|sdpa b=16 prefix=4096 extend=512 H=128 P=64 t_us=... tflops=...
 """
 import argparse
 import statistics
@@ -54,6 +56,36 @@ def decode_fn(cache, block_table, q, b, sq, H, sk, scale):
         return torch.bmm(p, kv[:, :, :512])
 
     return run
+
+
+def paged_prefill_fns(cache, block_table, q, b, ext, H, K, scale):
+    """EXTEND over a cached prefix: request i's ext tokens (q [b, ext, H, 576]) see the
+    K - ext prefix keys and the new ones up to their own (bottom-right causal). Two
+    baselines: the explicit gather + matmuls + softmax, one request at a time (a
+    [ext * H, K] fp32 score block per request), and SDPA over the gathered keys with K/V
+    broadcast to every head (torch picks its backend; none of the fused ones takes 576)."""
+    t = torch.arange(ext, device=q.device)
+    j = torch.arange(K, device=q.device)
+    mask = j[None, :] > (K - ext + t)[:, None]  # [ext, K], True = hidden
+
+    def explicit():
+        outs = []
+        for i in range(b):
+            kv = cache[block_table[i]].view(K, 576)
+            s = (q[i].view(ext * H, 576) @ kv.t()).float() * scale
+            s = s.view(ext, H, K).masked_fill_(mask[:, None, :], float("-inf"))
+            p = torch.softmax(s, dim=-1).to(torch.bfloat16).view(ext * H, K)
+            outs.append(p @ kv[:, :512])
+        return outs
+
+    def sdpa():
+        kv = cache[block_table].view(b, 1, K, 576)
+        qh = q.permute(0, 2, 1, 3)  # [b, H, ext, 576]
+        return torch.nn.functional.scaled_dot_product_attention(
+            qh, kv.expand(b, H, K, 576), kv[..., :512].expand(b, H, K, 512),
+            attn_mask=~mask, scale=scale)
+
+    return explicit, sdpa
 
 
 def main():
@@ -98,6 +130,31 @@ def main():
                 del q, fn
                 torch.cuda.empty_cache()
         del cache, block_table, perm
+        torch.cuda.empty_cache()
+
+    # Paged absorbed prefill (EXTEND over a cached prefix), the shapes of `mla bench
+    # --device cuda`: b x (prefix + extend), H=128, page 64. FLOPs counted once over the
+    # visible pairs, as there: 2 H 1088 b (ext * prefix + ext (ext + 1) / 2).
+    H = 128
+    for b, prefix, ext in ((16, 4096, 512), (1, 16384, 1024), (4, 8192, 256)):
+        K = prefix + ext
+        per = (K + P - 1) // P
+        num_pages = b * per + 1
+        cache = (torch.rand(num_pages, P, 576, device=dev, dtype=torch.bfloat16) * 2 - 1)
+        block_table = (torch.randperm(num_pages - 1, device=dev)[: b * per] + 1).view(b, per)
+        q = torch.rand(b, ext, H, 576, device=dev, dtype=torch.bfloat16) * 2 - 1
+        flop = 2.0 * H * 1088 * b * (ext * prefix + ext * (ext + 1) / 2)
+        for name, fn in zip(("explicit", "sdpa"), paged_prefill_fns(cache, block_table, q, b, ext, H,
+                                                                      K, scale)):
+            try:
+                ms = timed(fn, max(3, args.runs // 4), flush)
+                print(f"TORCH paged-prefill {name} b={b} prefix={prefix} extend={ext} H={H} P={P} "
+                      f"t_us={ms * 1e3:.1f} tflops={flop / (ms * 1e-3) * 1e-12:.1f}", flush=True)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+                print(f"TORCH paged-prefill {name} b={b} prefix={prefix} extend={ext}: refused "
+                      f"({str(e).splitlines()[0][:120]})", flush=True)
+            torch.cuda.empty_cache()
+        del cache, block_table, q
         torch.cuda.empty_cache()
 
 

@@ -210,7 +210,8 @@ if want libgpu; then
   # The Python binding's GPU tests (torch on the device) against this build.
   cmake --build "$ROOT/build-gpu" -j"$JOBS" --target mla > /dev/null 2>&1
   ( cd "$ROOT" && MLA_LIBRARY="$ROOT/build-gpu/libmla.so" PYTHONPATH="$ROOT/python" timeout 300 \
-      python3 -m pytest -q -rs python/tests/test_gpu.py python/tests/test_torch.py python/tests/test_sglang_gpu.py ) \
+      python3 -m pytest -q -rs python/tests/test_gpu.py python/tests/test_torch.py python/tests/test_sglang_gpu.py \
+      python/tests/test_overhead.py::test_gpu_step_call_overhead ) \
     > "$OUT/pygpu.txt" 2>&1 || status=1
   q=""; [ "$QUICK" = 1 ] && q="--quick"
   timeout 400 "$ROOT/build-gpu/mla" bench --device cuda $q > "$OUT/libbench.txt" 2>&1 || status=1

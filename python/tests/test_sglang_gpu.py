@@ -3,7 +3,8 @@ or a CUDA build of libmla).
 
 Eager: prefill through forward_extend (ragged MHA on the GPU, latent rows stored on the
 way), decode and target verify through forward_decode / forward_extend (steps the library
-builds on the device), against a torch float32 reference computed from a shadow copy of
+builds on the device), then EXTEND over the cached prefix (the paged absorbed prefill) and a
+varlen DRAFT_EXTEND (host plans run by the GPU kernels), against a torch float32 reference computed from a shadow copy of
 every latent row written. Graphs: sglang's CUDA-graph lifecycle (init_cuda_graph_state,
 the capture hook + warm-up passes + a torch.cuda.CUDAGraph capture of 2 layers per batch
 bucket and mode, then the replay hook + graph.replay()) through a decode loop with
@@ -98,24 +99,27 @@ class Shadow:
 
 
 def absorbed_reference(shadow, layer, rids, kv_lens, q_len, q, causal):
-    """float32 absorbed attention, q [rows * q_len, H * 576] of the listed requests in
-    order (their query rows first)."""
-    T = len(rids) * q_len
+    """float32 absorbed attention, q [sum of q lens, H * 576] of the listed requests in
+    order (their query rows first); q_len: one count for every request, or a list."""
+    q_lens = list(q_len) if hasattr(q_len, "__len__") else [q_len] * len(rids)
+    T = sum(q_lens)
     H = q.shape[1] // 576
     q3 = q[:T].reshape(T, H, 576).float()
     o = torch.zeros(T, H, 512, device="cuda")
     lse = torch.full((T, H), -math.inf, device="cuda")
-    for i, (rid, kv) in enumerate(zip(rids, kv_lens)):
+    a = 0
+    for rid, kv, n in zip(rids, kv_lens, q_lens):
         c, r = shadow.keys(layer, int(rid), int(kv))
-        a, b = i * q_len, (i + 1) * q_len
+        b = a + n
         s = (torch.einsum("qhd,kd->qhk", q3[a:b, :, :512], c) +
              torch.einsum("qhd,kd->qhk", q3[a:b, :, 512:], r)) * SCALE
-        if causal:  # query j of the row sees keys up to kv - q_len + j
-            qi = torch.arange(q_len, device="cuda")[:, None, None]
+        if causal:  # query j of the row sees keys up to kv - n + j
+            qi = torch.arange(n, device="cuda")[:, None, None]
             kj = torch.arange(int(kv), device="cuda")[None, None, :]
-            s = s.masked_fill(kj > int(kv) - q_len + qi, -math.inf)
+            s = s.masked_fill(kj > int(kv) - n + qi, -math.inf)
         lse[a:b] = torch.logsumexp(s, dim=-1)
         o[a:b] = torch.einsum("qhk,kd->qhd", torch.softmax(s, dim=-1), c)
+        a = b
     return o.reshape(T, H * 512), lse
 
 
@@ -213,6 +217,50 @@ def test_sglang_cuda_eager_against_reference(cctx, H, P):
         o_ref, l_ref = absorbed_reference(sh, lid, rids, [s + NDT for s in seq], NDT, q, True)
         close(o, o_ref, 1e-2, 1.6e-2, "verify out H=%d P=%d layer %d" % (H, P, lid))
         close(lse, l_ref, 2e-3, 1e-4, "verify lse H=%d P=%d layer %d" % (H, P, lid))
+
+    seq = [s + NDT for s in seq]
+
+    # EXTEND over the cached prefix with the absorbed impl: the paged absorbed prefill on the
+    # GPU (a host plan; every token of a request sees the prefix and the tokens before it).
+    ext = [40, 3, 17, 1, 60]
+    loc = np.concatenate([sg.extend_req(r, n) for r, n in zip(rids, ext)])
+    fb = libmla.ForwardBatch(libmla.ForwardMode.EXTEND, rids, [s + n for s, n in zip(seq, ext)],
+                             out_cache_loc=dev_i32(loc), extend_prefix_lens=seq,
+                             extend_seq_lens=ext)
+    md = sg.init_forward_metadata(fb)
+    assert not md.uses_mha and md.has_host_plan and md.num_q_tokens == sum(ext)
+    seq = [s + n for s, n in zip(seq, ext)]
+    T = sum(ext)
+    for lid in range(L):
+        q = (torch.randn(T, H * 576, generator=gen, device="cuda") * 0.5).to(BF16)
+        kv = torch.randn(T, 576, generator=gen, device="cuda").to(BF16)
+        o, lse = sg.forward_extend(q, kv, None, Layer(lid), fb, return_lse=True)
+        sh.write(lid, loc, kv)
+        torch.cuda.synchronize()
+        cctx.synchronize()
+        o_ref, l_ref = absorbed_reference(sh, lid, rids, seq, ext, q, True)
+        close(o, o_ref, 1e-2, 1.6e-2, "paged prefill out H=%d P=%d layer %d" % (H, P, lid))
+        close(lse, l_ref, 2e-3, 1e-4, "paged prefill lse H=%d P=%d layer %d" % (H, P, lid))
+
+    # DRAFT_EXTEND, varlen (accepted drafts + 1 per request): a host plan on the GPU too.
+    ext = [1, 3, 2, 1, 2]
+    loc = np.concatenate([sg.extend_req(r, n) for r, n in zip(rids, ext)])
+    seq = [s + n for s, n in zip(seq, ext)]
+    fb = libmla.ForwardBatch("draft_extend", rids, seq, out_cache_loc=dev_i32(loc),
+                             extend_seq_lens=ext)
+    md = sg.init_forward_metadata(fb)
+    assert md.has_host_plan and md.num_q_tokens == sum(ext)
+    T = sum(ext)
+    for lid in range(L):
+        q = (torch.randn(T, H * 576, generator=gen, device="cuda") * 0.5).to(BF16)
+        kv = torch.randn(T, 576, generator=gen, device="cuda").to(BF16)
+        o, lse = sg.forward_extend(q, kv, None, Layer(lid), fb, return_lse=True)
+        sh.write(lid, loc, kv)
+        torch.cuda.synchronize()
+        cctx.synchronize()
+        o_ref, l_ref = absorbed_reference(sh, lid, rids, seq, ext, q, True)
+        close(o, o_ref, 1e-2, 1.6e-2, "draft extend out H=%d P=%d layer %d" % (H, P, lid))
+        close(lse, l_ref, 2e-3, 1e-4, "draft extend lse H=%d P=%d layer %d" % (H, P, lid))
 
     # Argument checks of the CUDA paths.
     with pytest.raises(ValueError, match="'new_slots'.*on cpu"):
