@@ -19,6 +19,12 @@
 #   libgpu    (not in all) only the library's GPU tests (test_cuda_* and test_backend_graph, or LIBGPU_TESTS="a b";
 #             quicker than lib), the Python binding's GPU tests (pytest, torch) and `mla bench --device cuda`
 #             (the library's decode path, CUDA events, L2 flushed)
+#   dcp       (not in all) decode context parallel over NCCL: nvidia-smi topo -m, the library's CUDA build
+#             (NCCL found through MLA_NCCL_ROOT or torch's nvidia-nccl pip package), tests/test_cuda_dcp_nccl
+#             (2 GPUs, one thread per rank) and `mla bench --dcp 2` (b=64 s_k=65536 H=128 bf16 page 64,
+#             1 GPU vs 2; DCP_BENCH_ARGS adds options, DCP_TIMEOUT bounds each run, default 300 s)
+#   libsan    (not in all) compute-sanitizer memcheck (must be clean) and racecheck (reported) over the
+#             library's GPU tests in their small modes
 #   ncu       (not in all) Nsight Compute sections for one launch per version (NCU_VERSIONS, NCU_HS="128 16")
 #   full      all + lib
 # Environment: VERSIONS (default 1,...,10), OUT (log folder; the device tool sets it), QUICK=1 (bench s_k 8192 only),
@@ -45,8 +51,8 @@ status=0
 
 want() {  # want STAGE: is this stage selected?
   case "$STAGE" in
-    all) [ "$1" != lib ] && [ "$1" != ncu ] && [ "$1" != libgpu ] ;;
-    full) [ "$1" != ncu ] && [ "$1" != libgpu ] ;;
+    all) [ "$1" != lib ] && [ "$1" != ncu ] && [ "$1" != libgpu ] && [ "$1" != dcp ] ;;
+    full) [ "$1" != ncu ] && [ "$1" != libgpu ] && [ "$1" != dcp ] ;;
     *) [[ ",$STAGE," == *",$1,"* ]] ;;
   esac
 }
@@ -217,6 +223,37 @@ if want libgpu; then
   timeout 400 "$ROOT/build-gpu/mla" bench --device cuda $q > "$OUT/libbench.txt" 2>&1 || status=1
 fi
 
+if want dcp; then
+  {
+    nvidia-smi topo -m
+    cmake -S "$ROOT" -B "$ROOT/build-gpu" -DMLA_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
+      && cmake --build "$ROOT/build-gpu" -j"$JOBS" --target mla_cli test_cuda_dcp_nccl \
+      && NCCL_NVLS_ENABLE=0 timeout "${DCP_TIMEOUT:-300}" "$ROOT/build-gpu/tests/test_cuda_dcp_nccl" \
+      && NCCL_NVLS_ENABLE=0 timeout "${DCP_TIMEOUT:-300}" "$ROOT/build-gpu/mla" bench --dcp 2 ${DCP_BENCH_ARGS:-}
+  } > "$OUT/dcp.txt" 2>&1 || status=1
+fi
+
+if want libsan; then
+  # compute-sanitizer over the library's kernels on small grids (the tests' "small" mode):
+  # memcheck must be clean; racecheck hazards are reported (the wgmma/TMA kernels order
+  # shared memory through mbarriers, which racecheck models only in part).
+  {
+    cmake -S "$ROOT" -B "$ROOT/build-gpu" -DMLA_CUDA=ON -DCMAKE_BUILD_TYPE=Release > /dev/null \
+      && cmake --build "$ROOT/build-gpu" -j"$JOBS" --target test_cuda_prefill_paged test_cuda_ragged test_cuda_cache \
+        test_cuda_step > /dev/null
+    for t in "test_cuda_prefill_paged small" "test_cuda_ragged small" "test_cuda_cache" "test_cuda_step"; do
+      echo "== memcheck $t"
+      timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 "$ROOT/build-gpu/tests/"$t 2>&1 | tail -3
+      echo "exit ${PIPESTATUS[0]}"
+    done
+    for t in "test_cuda_prefill_paged small" "test_cuda_ragged small"; do
+      echo "== racecheck $t"
+      timeout 300 compute-sanitizer --tool racecheck "$ROOT/build-gpu/tests/"$t 2>&1 | tail -3
+    done
+  } > "$OUT/libsan.txt" 2>&1
+  grep -q "^exit [1-9]" "$OUT/libsan.txt" && status=1
+fi
+
 # ---- short table, printed last -------------------------------------------
 {
   echo "==== gpu-check summary ($(date -u +%F), $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null)+uncommitted dev/)"
@@ -232,6 +269,8 @@ fi
     grep -m1 "own reference vs" "$OUT/check.txt"
     grep "^CHECK .*FAIL" "$OUT/check.txt" | head -8
   fi
+  [ -f "$OUT/libsan.txt" ] && grep -E "^== |ERROR SUMMARY|RACECHECK SUMMARY|^exit" "$OUT/libsan.txt" | paste -sd' ' \
+    | sed 's/== /\n/g' | grep -v '^$' | sed 's/^/libsan: /'
   if [ -f "$OUT/sanitize.txt" ]; then
     grep -E "^== |ERROR SUMMARY|RACECHECK SUMMARY|exit [0-9]" "$OUT/sanitize.txt" | paste -sd' ' | sed 's/== /\n/g' | grep -v '^$' | sed 's/^/sanitize: /'
   fi
@@ -257,6 +296,7 @@ fi
   [ -f "$OUT/libgpu.txt" ] && grep -E "tests passed|tests failed|: test_cuda_[a-z_]*: [0-9]+ passed|skipped|FAIL|\*\*\*Failed" "$OUT/libgpu.txt" | head -40
   [ -f "$OUT/pygpu.txt" ] && tail -3 "$OUT/pygpu.txt" | sed 's/^/python gpu: /'
   [ -f "$OUT/libbench.txt" ] && cat "$OUT/libbench.txt"
+  [ -f "$OUT/dcp.txt" ] && grep -E "^-- NCCL|^NCCL [0-9]|test_cuda_dcp_nccl: [0-9]+ passed|skipped|^FAIL|max \|o\(|^DCP |GPUs?:|rank [0-9]: att|speed-up|^mla bench" "$OUT/dcp.txt" | sed 's/^/dcp: /'
   echo "status: $status"
 } | tee "$OUT/summary.txt"
 exit $status

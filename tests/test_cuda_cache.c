@@ -1,6 +1,8 @@
 /* The KV cache on a CUDA device: the quantize-on-write and dequantizing read
  * kernels store and return exactly the bytes and values of the CPU cache, for
- * every cache dtype, source dtype and page size; bad slots are skipped and
+ * every cache dtype, source dtype and page size (layer 0 through the
+ * vectorized write of 16-byte-aligned sources, layer 1 through the
+ * row-per-block write of misaligned ones); bad slots are skipped and
  * reported; host pointers are refused; copy-on-write copies device rows.
  * Skips (passing) where the library was built without CUDA or no GPU is
  * present. */
@@ -80,9 +82,16 @@ int main(void) {
         tu_to_dtype(act, r, ra, (int64_t)T * 64);
         void *d_c = tu_dev_copy(ca, es * T * 512), *d_r = tu_dev_copy(ra, es * T * 64);
         int32_t *d_slots = tu_dev_copy(slots, sizeof(int32_t) * T);
+        /* Layer 1 from sources one element off 16-byte alignment: the
+         * row-per-block write instead of the vectorized warp-per-row one. */
+        unsigned char *d_cm = tu_dev_alloc(es * (T * 512 + 1)), *d_rm = tu_dev_alloc(es * (T * 64 + 1));
+        CK(cudaMemcpy(d_cm + es, ca, es * T * 512, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(d_rm + es, ra, es * T * 64, cudaMemcpyHostToDevice));
         for (int layer = 0; layer < 2; layer++) {
           TU_STATUS(mla_kv_cache_write(hc, layer, T, slots, ca, ra, act), MLA_OK);
-          TU_STATUS(mla_kv_cache_write(dc, layer, T, d_slots, d_c, d_r, act), MLA_OK);
+          TU_STATUS(mla_kv_cache_write(dc, layer, T, d_slots, layer ? (void *)(d_cm + es) : d_c,
+                                       layer ? (void *)(d_rm + es) : d_r, act),
+                    MLA_OK);
         }
         TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
         /* Stored bytes identical to the CPU cache's, whole layer. */
@@ -99,6 +108,30 @@ int main(void) {
           for (size_t i = 0; i < lb; i++) diff += got[i] != ((unsigned char *)hp)[i];
           TU_CHECK(diff == 0, "%s cache, %s rows, P=%d, layer %d: %zu stored bytes differ from the CPU's",
                    mla_dtype_name(cdt), mla_dtype_name(act), P, layer, diff);
+        }
+        /* The shard write of decode context parallel: the rows of one rank
+         * (global slot mod world) at local slot global / world, the same bytes
+         * as the CPU's shard write. */
+        for (int world = 2; world <= 4; world *= 2) {
+          const int rank = (int)(tu_next(&rng) % (uint64_t)world);
+          mla_kv_cache *hs = NULL, *ds = NULL;
+          mla_kv_cache_desc sd = kd;
+          sd.num_layers = 1;
+          TU_STATUS(mla_kv_cache_create(cpu, &sd, &hs), MLA_OK);
+          TU_STATUS(mla_kv_cache_create(gpu, &sd, &ds), MLA_OK);
+          TU_STATUS(mla_kv_cache_write_shard(hs, 0, T, slots, ca, ra, act, world, rank), MLA_OK);
+          TU_STATUS(mla_kv_cache_write_shard(ds, 0, T, d_slots, d_c, d_r, act, world, rank), MLA_OK);
+          TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
+          void *hp = NULL, *dp = NULL;
+          mla_kv_cache_layer_data(hs, 0, &hp);
+          mla_kv_cache_layer_data(ds, 0, &dp);
+          CK(cudaMemcpy(got, dp, lb, cudaMemcpyDeviceToHost));
+          size_t diff = 0;
+          for (size_t i = 0; i < lb; i++) diff += got[i] != ((unsigned char *)hp)[i];
+          TU_CHECK(diff == 0, "%s cache, %s rows, P=%d, shard %d of %d: %zu stored bytes differ from the CPU's",
+                   mla_dtype_name(cdt), mla_dtype_name(act), P, rank, world, diff);
+          mla_kv_cache_destroy(hs);
+          mla_kv_cache_destroy(ds);
         }
         /* Reads back identical to the CPU's read, in every dtype. */
         for (int oi = 0; oi < 3; oi++) {
@@ -137,6 +170,8 @@ int main(void) {
         free(slots);
         CK(cudaFree(d_c));
         CK(cudaFree(d_r));
+        CK(cudaFree(d_cm));
+        CK(cudaFree(d_rm));
         CK(cudaFree(d_slots));
         mla_kv_cache_destroy(hc);
         mla_kv_cache_destroy(dc);

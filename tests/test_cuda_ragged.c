@@ -7,7 +7,9 @@
  * lengths crossing the 128-row / 128-key tiles, one long request (~2.5K),
  * heads 1, 16 (grouped kv heads 4 and 2) and 128, qk/v dims 192/128 and
  * 128/128, bf16 and f16, causal and not, softcap, natural and base-2 LSE,
- * MLA_FLAG_OUT_F32, a NULL lse; every consumer loop of the kernel
+ * MLA_FLAG_OUT_F32, a NULL lse; long varlen batches (lengths up to 8192,
+ * >= 32K tokens, heads 1, 16, 128; the oracle on sampled rows there); every
+ * consumer loop of the kernel
  * (MLA_PREFILL_VARIANT plain, pingpong) and the default. Outputs are poisoned (0xFF) with guard
  * elements after them: every row must be written, the guards must not.
  *
@@ -205,6 +207,142 @@ static void run_ragged(const rcase *c) {
   free(q), free(k), free(v), free(qb), free(kb), free(vb), free(o_ref), free(l_ref), free(pb);
   free(out), free(lse);
   cudaFree(dq), cudaFree(dk), cudaFree(dv), cudaFree(dqo), cudaFree(dkvp), cudaFree(dout), cudaFree(dlse);
+}
+
+/* ---- long varlen batches, sampled oracle ----------------------------------- */
+static double bf16_at(const uint16_t *p, int64_t i) {
+  union {
+    uint32_t u;
+    float f;
+  } x;
+  x.u = (uint32_t)p[i] << 16;
+  return x.f;
+}
+
+/* n bf16 values, uniform in [-1, 1), from a cheap generator (the long batches
+ * hold billions of values: tu_normal would take minutes). */
+static uint16_t *rand_bf16_bits(int64_t n) {
+  uint16_t *b = malloc(sizeof(uint16_t) * (size_t)(n ? n : 1));
+  float f[4096];
+  uint64_t st = tu_next(&rng) | 1;
+  for (int64_t i0 = 0; i0 < n; i0 += 4096) {
+    const int m = n - i0 < 4096 ? (int)(n - i0) : 4096;
+    for (int i = 0; i < m; i++) {
+      st ^= st << 13, st ^= st >> 7, st ^= st << 17;
+      f[i] = (float)((double)(st >> 11) * 0x1.0p-52 - 1.0);
+    }
+    tu_to_dtype(MLA_DTYPE_BF16, f, b + i0, m);
+  }
+  return b;
+}
+
+/* Lengths 1..8192 (one request of exactly 8192), total >= 32768 tokens,
+ * self-attention prefill (kv = q), bf16 192/128: every row must be written;
+ * the float64 oracle runs on sampled rows (first and last token of each
+ * request and random ones, 4 heads each), same tolerance as run_ragged. */
+#define LONG_MAXB 32
+static void run_long(int H, int Hkv, int causal) {
+  int q_len[LONG_MAXB], kv_len[LONG_MAXB], bs = 0;
+  int32_t qo[LONG_MAXB + 1];
+  qo[0] = 0;
+  while (bs < LONG_MAXB && (bs == 0 || qo[bs] < 32768)) {
+    const int q = bs == 0 ? 8192 : tu_randint(&rng, 1, 8192);
+    q_len[bs] = kv_len[bs] = q;
+    qo[bs + 1] = qo[bs] + q;
+    bs++;
+  }
+  const int T = qo[bs], dqk = 192, dv = 128;
+  char cs[160];
+  snprintf(cs, sizeof cs, "long varlen (bs=%d H=%d/%d causal=%d T=%d)", bs, H, Hkv, causal, T);
+  const int64_t nq = (int64_t)T * H * dqk, nk = (int64_t)T * Hkv * dqk, nv = (int64_t)T * Hkv * dv;
+  const int64_t no = (int64_t)T * H * dv, nl = (int64_t)T * H;
+  uint16_t *qb = rand_bf16_bits(nq), *kb = rand_bf16_bits(nk), *vb = rand_bf16_bits(nv);
+  void *dq = tu_dev_copy(qb, 2 * (size_t)nq), *dk = tu_dev_copy(kb, 2 * (size_t)nk), *dv_ = tu_dev_copy(vb, 2 * (size_t)nv);
+  void *dqo = tu_dev_copy(qo, sizeof(int32_t) * (size_t)(bs + 1));
+  uint16_t *dout = tu_dev_alloc(2 * (size_t)(no + GUARD));
+  float *dlse = tu_dev_alloc(sizeof(float) * (size_t)(nl + GUARD));
+  CK(cudaMemset(dout, 0xff, 2 * (size_t)(no + GUARD)));
+  CK(cudaMemset(dlse, 0xff, sizeof(float) * (size_t)(nl + GUARD)));
+  mla_ragged_args a;
+  memset(&a, 0, sizeof a);
+  a.batch_size = bs;
+  a.num_heads = H;
+  a.num_kv_heads = Hkv;
+  a.qk_dim = dqk;
+  a.v_dim = dv;
+  a.scale = (float)(1.0 / sqrt((double)dqk));
+  a.causal = causal;
+  a.act_dtype = MLA_DTYPE_BF16;
+  a.qo_indptr = a.kv_indptr = dqo;
+  a.q = dq;
+  a.k = dk;
+  a.v = dv_;
+  a.out = dout;
+  a.lse = dlse;
+  mla_status st = mla_attention_ragged(gpu, &a);
+  TU_CHECK(st == MLA_OK, "%s: %s (%s)", cs, mla_status_string(st), mla_ctx_last_error(gpu));
+  st = mla_ctx_synchronize(gpu);
+  TU_CHECK(st == MLA_OK, "%s: synchronize %s (%s)", cs, mla_status_string(st), mla_ctx_last_error(gpu));
+  uint16_t *out = malloc(2 * (size_t)(no + GUARD));
+  float *lse = malloc(sizeof(float) * (size_t)(nl + GUARD));
+  CK(cudaMemcpy(out, dout, 2 * (size_t)(no + GUARD), cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(lse, dlse, sizeof(float) * (size_t)(nl + GUARD), cudaMemcpyDeviceToHost));
+  int64_t unwritten = 0;
+  for (int64_t i = 0; i < no; i++) unwritten += !isfinite(bf16_at(out, i));
+  for (int64_t i = 0; i < nl; i++) unwritten += !isfinite(lse[i]);
+  TU_CHECK(unwritten == 0, "%s: %lld outputs / lse not written", cs, (long long)unwritten);
+  TU_CHECK(tu_all_poisoned(out + no, 2 * GUARD) && tu_all_poisoned(lse + nl, sizeof(float) * GUARD),
+           "%s: guards written", cs);
+
+  double *s = malloc(sizeof(double) * 8192), o[128], pb[128];
+  int64_t rows = 0, bad = 0, lbad = 0;
+  double worst = 0, lworst = 0;
+  const int group = H / Hkv;
+  for (int i = 0; i < bs; i++)
+    for (int n = 0; n < 6; n++) {
+      const int t = n == 0 ? 0 : n == 1 ? q_len[i] - 1 : tu_randint(&rng, 0, q_len[i] - 1);
+      const int vis = causal ? t + 1 : kv_len[i]; /* kv = q: bottom-right = top-left */
+      for (int m = 0; m < (H < 4 ? H : 4); m++) {
+        const int h = H < 4 ? m : m == 0 ? 0 : m == 1 ? H - 1 : tu_randint(&rng, 0, H - 1);
+        const int hk = h / group;
+        const int64_t qrow = ((int64_t)(qo[i] + t) * H + h) * dqk;
+        double mx = -INFINITY, sum = 0;
+        for (int j = 0; j < vis; j++) {
+          const int64_t krow = ((int64_t)(qo[i] + j) * Hkv + hk) * dqk;
+          double d = 0;
+          for (int e = 0; e < dqk; e++) d += bf16_at(qb, qrow + e) * bf16_at(kb, krow + e);
+          s[j] = d * (double)a.scale;
+          if (s[j] > mx) mx = s[j];
+        }
+        for (int j = 0; j < vis; j++) sum += (s[j] = exp(s[j] - mx));
+        for (int e = 0; e < dv; e++) o[e] = pb[e] = 0;
+        for (int j = 0; j < vis; j++) {
+          const int64_t vrow = ((int64_t)(qo[i] + j) * Hkv + hk) * dv;
+          const double p = s[j] / sum;
+          for (int e = 0; e < dv; e++) {
+            const double x = bf16_at(vb, vrow + e);
+            o[e] += p * x;
+            pb[e] += p * fabs(x);
+          }
+        }
+        const int64_t orow = ((int64_t)(qo[i] + t) * H + h);
+        for (int e = 0; e < dv; e++) {
+          const double err = fabs(bf16_at(out, orow * dv + e) - o[e]);
+          const double tol = 1e-3 + fabs(o[e]) / 128.0 + pb[e] / 128.0;
+          bad += !(err <= tol);
+          if (err / tol > worst) worst = err / tol;
+        }
+        const double lref = mx + log(sum), le = fabs((double)lse[orow] - lref);
+        lbad += !(le <= 1e-4 + 1e-5 * fabs(lref));
+        if (le > lworst) lworst = le;
+        rows++;
+      }
+    }
+  TU_CHECK(bad == 0 && lbad == 0, "%s: %lld sampled rows: %lld elements out of tolerance (worst err/tol %.3g), "
+           "%lld lse off (worst %.3g)", cs, (long long)rows, (long long)bad, worst, (long long)lbad, lworst);
+  printf("  %s: %lld sampled rows, max err/tol %.3f, lse max err %.2e\n", cs, (long long)rows, worst, lworst);
+  free(s), free(qb), free(kb), free(vb), free(out), free(lse);
+  cudaFree(dq), cudaFree(dk), cudaFree(dv_), cudaFree(dqo), cudaFree(dout), cudaFree(dlse);
 }
 
 /* ---- merge ---------------------------------------------------------------- */
@@ -424,6 +562,10 @@ int main(int argc, char **argv) {
       run_merge(2, 9, 2, 64, ts[ti], 0, 0, 0);
     }
     run_merge(128, 6, 2, 32, MLA_DTYPE_F32, 0, 0, 1);
+    run_long(1, 1, 1);
+    run_long(16, 16, 1);
+    run_long(128, 128, 1);
+    run_long(16, 4, 0);
     refusals();
   }
   mla_ctx_destroy(cpu);

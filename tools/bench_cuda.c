@@ -14,8 +14,9 @@
  * the same run. Then the prefill shapes: causal ragged MHA 192/128, H=128, one
  * 8K and one 16K sequence and 16 x 1K, TFLOP/s with causal FLOPs counted once;
  * and the paged absorbed prefill: 16 requests of a 4K prefix + 512 new tokens
- * (the issue's shape), 1 x (16K + 1K), 4 x (8K + 256), H=128.
- * Compiled to a stub without CUDA. */
+ * (the issue's shape), 1 x (16K + 1K), 4 x (8K + 256), H=128. And the KV
+ * write (8K and 128K rows into bf16 / fp8 / fp8-block caches) against the
+ * copy rate. Compiled to a stub without CUDA. */
 #include "bench_cuda.h"
 
 #include <errno.h>
@@ -517,6 +518,69 @@ static int run_paged_prefill(mla_ctx *ctx, int b, int prefix, int ext, int H, in
   return st == MLA_OK ? 0 : 1;
 }
 
+/* KV write (mla_kv_cache_write): n latent rows of bf16 activations into a
+ * cache of `dt` at shuffled slots (whole pages of 64 in a random order), the
+ * quantize-on-write included. GB/s = (source rows read + cache rows written
+ * + slot ids read) / t: what the copy rate (read + write) bounds. */
+static int run_kv_write(mla_ctx *ctx, mla_dtype dt, int n, int runs, void *flush, size_t flush_bytes,
+                        uint64_t *seed, double *us, double *gbs, char *note, size_t note_n) {
+  const int P = 64, pages = n / P + 2;
+  mla_kv_cache *cache = NULL;
+  mla_kv_cache_desc cd = {1, pages, P, dt, NULL};
+  mla_status st = mla_kv_cache_create(ctx, &cd, &cache);
+  if (st != MLA_OK) {
+    snprintf(note, note_n, "%s", mla_ctx_last_error(ctx));
+    return 1;
+  }
+  size_t rb = 0;
+  mla_kv_cache_row_bytes(cache, &rb);
+  int32_t *perm = malloc(sizeof(int32_t) * (size_t)pages), *slots = malloc(sizeof(int32_t) * (size_t)n);
+  for (int i = 0; i < pages - 1; i++) perm[i] = i + 1;
+  for (int i = pages - 2; i > 0; i--) {
+    int j = (int)(bc_rng(seed) % (uint64_t)(i + 1));
+    int32_t x = perm[i];
+    perm[i] = perm[j];
+    perm[j] = x;
+  }
+  for (int i = 0; i < n; i++) slots[i] = perm[i / P] * P + i % P;
+  int32_t *ds = NULL;
+  BC_CK(cudaMalloc((void **)&ds, sizeof(int32_t) * (size_t)n));
+  BC_CK(cudaMemcpy(ds, slots, sizeof(int32_t) * (size_t)n, cudaMemcpyHostToDevice));
+  void *c = rand_bf16(seed, (size_t)n * MLA_LATENT), *r = rand_bf16(seed, (size_t)n * MLA_ROPE);
+  cudaEvent_t e0, e1;
+  BC_CK(cudaEventCreate(&e0));
+  BC_CK(cudaEventCreate(&e1));
+  float *t = malloc(sizeof(float) * (size_t)runs);
+  for (int k = -2; k < runs && st == MLA_OK; k++) {
+    BC_CK(cudaMemsetAsync(flush, k & 0xff, flush_bytes, NULL));
+    BC_CK(cudaEventRecord(e0, NULL));
+    st = mla_kv_cache_write(cache, 0, n, ds, c, r, MLA_DTYPE_BF16);
+    BC_CK(cudaEventRecord(e1, NULL));
+    BC_CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    BC_CK(cudaEventElapsedTime(&ms, e0, e1));
+    if (k >= 0) t[k] = ms;
+  }
+  if (st == MLA_OK) st = mla_ctx_synchronize(ctx);
+  if (st != MLA_OK) {
+    snprintf(note, note_n, "%s", mla_kv_cache_last_error(cache));
+  } else {
+    qsort(t, (size_t)runs, sizeof(float), cmp_f);
+    *us = 1e3 * t[runs / 2];
+    *gbs = ((double)n * (2 * (MLA_LATENT + MLA_ROPE) + rb + 4)) / (*us * 1e-6) / 1e9;
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(ds);
+  cudaFree(c);
+  cudaFree(r);
+  free(perm);
+  free(slots);
+  free(t);
+  mla_kv_cache_destroy(cache);
+  return st == MLA_OK ? 0 : 1;
+}
+
 static int bc_usage(FILE *f) {
   fprintf(f,
           "usage: mla bench --device cuda [options]\n"
@@ -668,6 +732,27 @@ int bench_cuda_main(int argc, char **argv) {
         }
       world_free(&w);
     }
+  {
+    /* KV write with quantize-on-write, against the copy rate measured above. */
+    printf("# KV write (mla_kv_cache_write, bf16 rows in, shuffled pages of 64), median of %d runs, L2 flushed; "
+           "copy %.0f GB/s\n",
+           o.runs, copy);
+    printf("%8s %-9s %10s %8s %8s  %s\n", "rows", "cache", "t_us", "GB/s", "%copy", "note");
+    static const mla_dtype wdt[3] = {MLA_DTYPE_BF16, MLA_DTYPE_FP8_E4M3, MLA_DTYPE_FP8_E4M3_BLOCK};
+    static const int wn[2] = {8192, 131072};
+    for (int i = 0; i < 3; i++)
+      for (int j = 0; j < 2; j++) {
+        double us = 0, gb = 0;
+        char note[200] = "";
+        if (run_kv_write(ctx, wdt[i], wn[j], o.runs, flush, flush_bytes, &seed, &us, &gb, note, sizeof note)) {
+          rc = 1;
+          printf("%8d %-9s %10s %8s %8s  %s\n", wn[j], dt_name(wdt[i]), "-", "-", "-", note);
+        } else {
+          printf("%8d %-9s %10.1f %8.0f %7.1f%%\n", wn[j], dt_name(wdt[i]), us, gb, 100.0 * gb / copy);
+        }
+        fflush(stdout);
+      }
+  }
   if (!o.no_prefill) {
     /* The prefill shapes of the CUDA prefill issue: causal ragged MHA. */
     static const int shapes[3][2] = {{1, 8192}, {1, 16384}, {16, 1024}};

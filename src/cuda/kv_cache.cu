@@ -103,6 +103,116 @@ __global__ void __launch_bounds__(kThreads) kv_write_kernel(unsigned char *layer
   }
 }
 
+// The vectorized write: one warp per row, 8 rows per block; lane l owns the
+// latent elements [16 l, 16 l + 16) (16-byte loads and stores) and the rope
+// elements [2 l, 2 l + 2). Same results as kv_write_kernel, bit for bit (the
+// same conversion helpers; the block scale is the same max over the same 128
+// elements, reduced over the 8 lanes that hold them). Used when every base
+// pointer is 16-byte aligned, which the row sizes then keep for every row.
+constexpr int kWarpRows = 8;
+
+template <int kSrc>
+__device__ __forceinline__ void load16(const void *c, const void *r, int64_t t, int lane, float *cv, float *rv) {
+  if (kSrc == DT_F32) {
+    const float4 *p = reinterpret_cast<const float4 *>(static_cast<const float *>(c) + t * kLatent + 16 * lane);
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      const float4 v = p[k];
+      cv[4 * k] = v.x, cv[4 * k + 1] = v.y, cv[4 * k + 2] = v.z, cv[4 * k + 3] = v.w;
+    }
+    const float2 w = reinterpret_cast<const float2 *>(static_cast<const float *>(r) + t * kRope)[lane];
+    rv[0] = w.x, rv[1] = w.y;
+  } else {
+    const uint4 *p = reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(c) + t * kLatent + 16 * lane);
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+      const uint4 v = p[k];
+      const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        const uint16_t lo = (uint16_t)(u[j] & 0xFFFFu), hi = (uint16_t)(u[j] >> 16);
+        cv[8 * k + 2 * j] = kSrc == DT_BF16 ? mla_bf16_to_f32(lo) : mla_f16_to_f32(lo);
+        cv[8 * k + 2 * j + 1] = kSrc == DT_BF16 ? mla_bf16_to_f32(hi) : mla_f16_to_f32(hi);
+      }
+    }
+    const uint32_t w = reinterpret_cast<const uint32_t *>(static_cast<const uint16_t *>(r) + t * kRope)[lane];
+    const uint16_t lo = (uint16_t)(w & 0xFFFFu), hi = (uint16_t)(w >> 16);
+    rv[0] = kSrc == DT_BF16 ? mla_bf16_to_f32(lo) : mla_f16_to_f32(lo);
+    rv[1] = kSrc == DT_BF16 ? mla_bf16_to_f32(hi) : mla_f16_to_f32(hi);
+  }
+}
+
+template <int kSrc>
+__global__ void __launch_bounds__(32 * kWarpRows) kv_write_rows_kernel(
+    unsigned char *layer, int64_t num_slots, int cache_dtype, size_t row_bytes, float fp8_scale,
+    const int32_t *slots, const void *c /* [T, 512] */, const void *r /* [T, 64] */, int num_tokens, int *bad,
+    int world, int rank) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = (int64_t)blockIdx.x * kWarpRows + (threadIdx.x >> 5);
+  if (t >= num_tokens) return;
+  int32_t slot = slots[t];
+  if (world > 1 && slot >= 0) {
+    if (slot % world != rank) return;
+    slot /= world;
+  }
+  if (slot < 0 || slot >= num_slots) {
+    if (lane == 0) atomicAdd(bad, 1);
+    return;
+  }
+  unsigned char *row = layer + static_cast<size_t>(slot) * row_bytes;
+  float cv[16], rv[2];
+  load16<kSrc>(c, r, t, lane, cv, rv);
+  if (cache_dtype == DT_BF16 || cache_dtype == DT_F16) {
+    const bool bf = cache_dtype == DT_BF16;
+    uint32_t u[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+      const uint16_t lo = bf ? mla_f32_to_bf16(cv[2 * j]) : mla_f32_to_f16(cv[2 * j]);
+      const uint16_t hi = bf ? mla_f32_to_bf16(cv[2 * j + 1]) : mla_f32_to_f16(cv[2 * j + 1]);
+      u[j] = (uint32_t)lo | ((uint32_t)hi << 16);
+    }
+    uint4 *dst = reinterpret_cast<uint4 *>(row + 32 * lane);
+    dst[0] = make_uint4(u[0], u[1], u[2], u[3]);
+    dst[1] = make_uint4(u[4], u[5], u[6], u[7]);
+    const uint16_t lo = bf ? mla_f32_to_bf16(rv[0]) : mla_f32_to_f16(rv[0]);
+    const uint16_t hi = bf ? mla_f32_to_bf16(rv[1]) : mla_f32_to_f16(rv[1]);
+    reinterpret_cast<uint32_t *>(row + 2 * kLatent)[lane] = (uint32_t)lo | ((uint32_t)hi << 16);
+    return;
+  }
+  float s = fp8_scale;
+  if (cache_dtype == DT_FP8_BLOCK) {  // amax over the 128 elements of lanes 8b..8b+7
+    float fin = 0.0f;
+    int nan = 0;
+#pragma unroll
+    for (int k = 0; k < 16; k++) {
+      const float a = fabsf(cv[k]);
+      nan |= a != a;
+      fin = fmaxf(fin, (a != a || a > FLT_MAX) ? 0.0f : a);
+    }
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) {
+      fin = fmaxf(fin, __shfl_xor_sync(0xffffffffu, fin, o));
+      nan |= __shfl_xor_sync(0xffffffffu, nan, o);
+    }
+    s = mla_fp8_block_scale_from(fin, nan);
+    if ((lane & 7) == 0) reinterpret_cast<float *>(row + kBlockScaleOff)[lane >> 3] = s;
+  }
+  uint32_t u[4];
+#pragma unroll
+  for (int j = 0; j < 4; j++)
+    u[j] = (uint32_t)mla_e4m3_quantize(cv[4 * j], s) | ((uint32_t)mla_e4m3_quantize(cv[4 * j + 1], s) << 8) |
+           ((uint32_t)mla_e4m3_quantize(cv[4 * j + 2], s) << 16) |
+           ((uint32_t)mla_e4m3_quantize(cv[4 * j + 3], s) << 24);
+  reinterpret_cast<uint4 *>(row)[lane] = make_uint4(u[0], u[1], u[2], u[3]);
+  if (cache_dtype == DT_FP8_BLOCK) {
+    const uint32_t w = (uint32_t)mla_f32_to_bf16(rv[0]) | ((uint32_t)mla_f32_to_bf16(rv[1]) << 16);
+    reinterpret_cast<uint32_t *>(row + kBlockRopeOff)[lane] = w;
+  } else {
+    const uint16_t w = (uint16_t)(mla_e4m3_quantize(rv[0], fp8_scale) | (mla_e4m3_quantize(rv[1], fp8_scale) << 8));
+    reinterpret_cast<uint16_t *>(row + kLatent)[lane] = w;
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) kv_read_kernel(const unsigned char *layer, int64_t num_slots,
                                                            int cache_dtype, size_t row_bytes, float fp8_scale,
                                                            const int32_t *slots, void *c, void *r,
@@ -156,9 +266,26 @@ extern "C" int mla_cuda_kv_write(void *layer, int64_t num_slots, int cache_dtype
                                  float fp8_scale, int num_tokens, const int32_t *slots, const void *c,
                                  const void *r, int src_dtype, int *bad, int world, int rank, void *stream) {
   if (num_tokens <= 0) return 0;
-  kv_write_kernel<<<num_tokens, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<unsigned char *>(layer), num_slots, cache_dtype, row_bytes, fp8_scale, slots, c, r,
-      src_dtype, bad, world, rank);
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  unsigned char *l = static_cast<unsigned char *>(layer);
+  const bool aligned = ((reinterpret_cast<uintptr_t>(layer) | reinterpret_cast<uintptr_t>(c) |
+                         reinterpret_cast<uintptr_t>(r)) & 15) == 0 && row_bytes % 16 == 0;
+  if (aligned) {  // every row keeps the alignment: rows of 1152 / 576 / 656 bytes, src rows of 1 or 2 KiB
+    const unsigned grid = (unsigned)((num_tokens + kWarpRows - 1) / kWarpRows);
+    if (src_dtype == DT_F32)
+      kv_write_rows_kernel<DT_F32><<<grid, 32 * kWarpRows, 0, st>>>(l, num_slots, cache_dtype, row_bytes, fp8_scale,
+                                                                    slots, c, r, num_tokens, bad, world, rank);
+    else if (src_dtype == DT_BF16)
+      kv_write_rows_kernel<DT_BF16><<<grid, 32 * kWarpRows, 0, st>>>(l, num_slots, cache_dtype, row_bytes,
+                                                                     fp8_scale, slots, c, r, num_tokens, bad, world,
+                                                                     rank);
+    else
+      kv_write_rows_kernel<DT_F16><<<grid, 32 * kWarpRows, 0, st>>>(l, num_slots, cache_dtype, row_bytes, fp8_scale,
+                                                                    slots, c, r, num_tokens, bad, world, rank);
+    return static_cast<int>(cudaGetLastError());
+  }
+  kv_write_kernel<<<num_tokens, kThreads, 0, st>>>(l, num_slots, cache_dtype, row_bytes, fp8_scale, slots, c, r,
+                                                   src_dtype, bad, world, rank);
   return static_cast<int>(cudaGetLastError());
 }
 
