@@ -2611,7 +2611,7 @@ static void run_backend(fz *f, world *w) {
     d.max_kv_len = bd.max_context;
     d.num_heads = H;
     d.page_size = P;
-    mla_step_inputs in = {r2t, bd.max_context, bd.max_reqs, g_ids, g_seq};
+    mla_step_inputs in = {r2t, bd.max_context, bd.max_reqs, g_ids, g_seq, NULL};
     const int args_ok = (mode == MLA_MODE_DECODE || mode == MLA_MODE_TARGET_VERIFY ||
                          mode == MLA_MODE_DRAFT_EXTEND) &&
                         bs >= 1 && bs <= gmax &&

@@ -533,7 +533,8 @@ MLA_API mla_status mla_expand_kv(mla_ctx *ctx, int num_tokens, int num_heads, in
  *
  * Row i reads req_to_token[req_ids[i], 0 : kv_len] where kv_len follows the
  * mode as in mla_batch (DECODE seq_len, TARGET_VERIFY seq_len + ndt,
- * DRAFT_EXTEND seq_len with a fixed window of ndt queries). Only the slot at
+ * DRAFT_EXTEND seq_len with a fixed window of ndt queries, EXTEND seq_len
+ * with extend_lens[i] queries, see num_tokens). Only the slot at
  * the start of each page is read (slot / page_size is the page), as the
  * allocator places positions page-aligned. A row with req_ids[i] ==
  * MLA_REQ_PAD reads page 0 only. A row whose request id, length or page ids
@@ -544,7 +545,7 @@ MLA_API mla_status mla_expand_kv(mla_ctx *ctx, int num_tokens, int num_heads, in
  * MLA_SLOT_UNUSED and read page 0. The metadata equals mla_plan_build's for
  * the same batch and num_sm (the block table is max_kv_len / page_size wide). */
 typedef struct mla_step_desc {
-  mla_mode mode;             /* DECODE, TARGET_VERIFY, or DRAFT_EXTEND (fixed window) */
+  mla_mode mode;             /* DECODE, TARGET_VERIFY, DRAFT_EXTEND (fixed window), or EXTEND */
   int32_t batch_size;        /* rows of the step (e.g. a graph's batch bucket), 1..8192 */
   int32_t num_draft_tokens;  /* TARGET_VERIFY ndt / DRAFT_EXTEND window 1..64; DECODE: 0 */
   int32_t max_kv_len;        /* bound on each row's kv length, 1..2^30 */
@@ -566,6 +567,18 @@ typedef struct mla_step_desc {
    * keys; merge the ranks' (o, lse) with mla_merge_states. 0 or 1: off. */
   int32_t dcp_world;
   int32_t dcp_rank;
+  /* EXTEND steps: the paged absorbed prefill over a cached prefix, capturable
+   * at a fixed token count (engines that capture prefill piecewise). Row i
+   * has extend_lens[i] query tokens (mla_step_inputs.extend_lens, 0 ..
+   * seq_lens[i]) and kv length seq_lens[i] (prefix included), causal
+   * bottom-right; its queries follow the rows before it (qo_indptr is the
+   * running sum, built on the device). num_tokens is the bucket: the most
+   * query tokens of the whole batch (q and out hold that many rows; rows past
+   * the real total are left untouched). A batch whose extend lens add up to
+   * more is not attended at all (counted like a bad row). 1..65536 with
+   * num_tokens * num_heads <= 4194240 (the kernels' grid); 0 for the other
+   * modes. num_draft_tokens must be 0, dcp_world and num_steps 0 or 1/0. */
+  int32_t num_tokens;
 } mla_step_desc;
 
 typedef struct mla_step_inputs {
@@ -574,13 +587,14 @@ typedef struct mla_step_inputs {
   int32_t max_reqs;            /* rows of req_to_token */
   const int32_t *req_ids;      /* [bs] row of req_to_token or MLA_REQ_PAD */
   const int32_t *seq_lens;     /* [bs] see mla_mode */
+  const int32_t *extend_lens;  /* [bs] EXTEND steps: query tokens of each row; NULL otherwise */
 } mla_step_inputs;
 
 /* What mla_step_prepare writes, as pointers into the workspace (device
  * memory on a CUDA context), e.g. to hand the block table to other kernels. */
 typedef struct mla_step_metadata {
   int32_t batch_size, q_len, block_table_width, num_sm_parts, max_splits;
-  const int32_t *qo_indptr;   /* [bs+1] i * q_len */
+  const int32_t *qo_indptr;   /* [bs+1] i * q_len (EXTEND: running sum of extend_lens; q_len is num_tokens) */
   const int32_t *kv_lens;     /* [bs] (0 for a row found out of range) */
   const int32_t *block_table; /* [bs, block_table_width], MLA_BLOCK_TABLE_PAD past */
   const int32_t *sched_meta;  /* [num_sm_parts, MLA_SCHED_META_INTS] */
@@ -603,6 +617,51 @@ MLA_API mla_status mla_step_attention(mla_ctx *ctx, const mla_step_desc *desc,
                                       size_t workspace_bytes);
 MLA_API mla_status mla_step_get_metadata(mla_ctx *ctx, const mla_step_desc *desc, void *workspace,
                                          size_t workspace_bytes, mla_step_metadata *out);
+
+/* ------------------------------------------------------------------------ */
+/* Decode context parallel: merging the ranks' partial states over NCCL     */
+/* ------------------------------------------------------------------------ */
+/* After each rank's DCP step (mla_step_desc.dcp_world = world) produced its
+ * partial (o, lse) over its shard of the keys, mla_dcp_merge_nccl all-gathers
+ * every rank's (o_local, lse_local) into the workspace (one NCCL group of two
+ * ncclAllGather on the context's stream) and merges the `world` states there
+ * (as mla_merge_states, natural-log LSE; a rank that held no key of a row,
+ * lse = -inf, drops out). Every rank gets the whole merged out / lse_out.
+ *
+ * Requirements (NCCL's collective rules):
+ *  - nccl_comm is the caller's ncclComm_t of exactly `world` ranks, in which
+ *    this caller is `rank`, on the context's device; NCCL stays the caller's
+ *    (the library never creates, aborts or destroys a communicator).
+ *  - Every rank calls with the same num_tokens, num_heads, head_dim and
+ *    act_dtype, in the same order relative to its other collectives.
+ *  - One host thread (or process) per rank: the call enqueues the NCCL
+ *    collectives and then the merge kernel on the same stream, so it must not
+ *    run inside an ncclGroupStart/ncclGroupEnd the caller opened (the merge
+ *    would be queued before the deferred gather), and one thread calling it
+ *    for several ranks in turn can wait forever on the ranks it has not
+ *    reached yet. The calling thread's current CUDA device is the context's.
+ *  - Asynchronous like every CUDA call; capturable in a CUDA graph when the
+ *    communicator allows capture. num_tokens = 0: nothing is enqueued.
+ *
+ * Without NCCL in the build (MLA_WITH_NCCL), or on a CPU context, both calls
+ * return MLA_ERR_UNSUPPORTED: the size query doubles as the capability probe.
+ * Every argument is checked before anything is enqueued: world 1..128, rank
+ * 0..world-1, the communicator's size, rank and device; device pointers,
+ * aligned to their element size; the workspace not overlapping o_local,
+ * lse_local, out or lse_out. NCCL and CUDA failures (including an
+ * asynchronous error already pending on the communicator) return
+ * MLA_ERR_DEVICE with NCCL's / CUDA's text. out may alias o_local and
+ * lse_out lse_local. */
+MLA_API mla_status mla_dcp_merge_workspace_size(mla_ctx *ctx, int world, int num_tokens, int num_heads,
+                                                int head_dim, mla_dtype act_dtype, size_t *bytes);
+MLA_API mla_status mla_dcp_merge_nccl(mla_ctx *ctx, void *nccl_comm /* ncclComm_t */, int world, int rank,
+                                      int num_tokens, int num_heads, int head_dim, mla_dtype act_dtype,
+                                      const void *o_local /* [T, H, head_dim] act_dtype */,
+                                      const float *lse_local /* [T, H] natural log */,
+                                      void *workspace /* device, mla_dcp_merge_workspace_size */,
+                                      size_t workspace_bytes,
+                                      void *out /* [T, H, head_dim] act_dtype */,
+                                      float *lse_out /* [T, H] or NULL */);
 
 /* ------------------------------------------------------------------------ */
 /* Backend: cache + request table + workspace, one call per forward mode      */

@@ -248,7 +248,8 @@ if want libsan; then
     done
     for t in "test_cuda_prefill_paged small" "test_cuda_ragged small"; do
       echo "== racecheck $t"
-      timeout 300 compute-sanitizer --tool racecheck "$ROOT/build-gpu/tests/"$t 2>&1 | tail -3
+      timeout 300 compute-sanitizer --tool racecheck --print-limit 6 "$ROOT/build-gpu/tests/"$t 2>&1 \
+        | grep -v "^  [a-z]" | head -60
     done
   } > "$OUT/libsan.txt" 2>&1
   grep -q "^exit [1-9]" "$OUT/libsan.txt" && status=1
@@ -296,7 +297,7 @@ fi
   [ -f "$OUT/libgpu.txt" ] && grep -E "tests passed|tests failed|: test_cuda_[a-z_]*: [0-9]+ passed|skipped|FAIL|\*\*\*Failed" "$OUT/libgpu.txt" | head -40
   [ -f "$OUT/pygpu.txt" ] && tail -3 "$OUT/pygpu.txt" | sed 's/^/python gpu: /'
   [ -f "$OUT/libbench.txt" ] && cat "$OUT/libbench.txt"
-  [ -f "$OUT/dcp.txt" ] && grep -E "^-- NCCL|^NCCL [0-9]|test_cuda_dcp_nccl: [0-9]+ passed|skipped|^FAIL|max \|o\(|^DCP |GPUs?:|rank [0-9]: att|speed-up|^mla bench" "$OUT/dcp.txt" | sed 's/^/dcp: /'
+  [ -f "$OUT/dcp.txt" ] && grep -E "^-- NCCL|^NCCL [0-9]|test_cuda_dcp_nccl: [0-9]+ passed|skipped|^FAIL|max \|o\(|^DCP |GPUs? *:|rank [0-9]: att|speed-up|^mla bench" "$OUT/dcp.txt" | sed 's/^/dcp: /'
   echo "status: $status"
 } | tee "$OUT/summary.txt"
 exit $status

@@ -70,6 +70,23 @@ int main(void) {
           for (int i = 0; i < 512; i++) c[t * 512 + i] = (float)(tu_normal(&rng) * sigma);
           for (int i = 0; i < 64; i++) r[t * 64 + i] = (float)(tu_normal(&rng) * sigma);
         }
+        if (cdt == MLA_DTYPE_FP8_E4M3) {
+          /* Rows 20..39: values whose quotient by the layer's scale lies on or
+           * within a float ulp of a midpoint between two e4m3 values (the
+           * cases where a quotient rounded twice would differ). */
+          for (int t = 20; t < 40; t++) {
+            const double sc = t < 30 ? scales[0] : scales[1];
+            for (int i = 0; i < 512; i++) {
+              const int b = tu_randint(&rng, 0, 125), e = b >> 3, m = b & 7, e1 = (b + 1) >> 3, m1 = (b + 1) & 7;
+              const double v0 = e ? (1 + m / 8.0) * ldexp(1.0, e - 7) : m / 8.0 * ldexp(1.0, -6);
+              const double v1 = e1 ? (1 + m1 / 8.0) * ldexp(1.0, e1 - 7) : m1 / 8.0 * ldexp(1.0, -6);
+              float f = (float)((v0 + v1) / 2 * sc);
+              const int nudge = tu_randint(&rng, -1, 1);
+              if (nudge) f = nextafterf(f, nudge > 0 ? INFINITY : 0.0f);
+              c[t * 512 + i] = tu_randint(&rng, 0, 1) ? -f : f;
+            }
+          }
+        }
         c[5 * 512 + 130] = NAN;
         c[9 * 512 + 7] = INFINITY;
         r[11 * 64 + 3] = -INFINITY;

@@ -101,7 +101,7 @@ static void poison_out(dev_step *d) {
 
 /* One eager step: prepare + attention, results copied to o / lse (host). */
 static mla_status eager_step(const sw_world *w, dev_step *d, const mla_step_desc *desc, void *o, float *lse) {
-  mla_step_inputs in = {d->r2t, w->max_context, w->max_reqs, d->ids, d->seq};
+  mla_step_inputs in = {d->r2t, w->max_context, w->max_reqs, d->ids, d->seq, NULL};
   mla_absorbed_args a = dev_args(w, d);
   mla_status st = mla_step_prepare(gpu, desc, d->dcache, &in, d->ws, d->ws_bytes);
   if (st == MLA_OK) st = mla_step_attention(gpu, desc, d->dcache, 0, &a, d->ws, d->ws_bytes);
@@ -137,7 +137,7 @@ static void metadata_and_attention(mla_mode mode, int ndt, int P, int H) {
   TU_STATUS(mla_step_workspace_size(gpu, &desc, &d.ws_bytes), MLA_OK);
   d.ws = tu_dev_alloc(d.ws_bytes);
   CK(cudaMemset(d.ws, 0xA5, d.ws_bytes));
-  mla_step_inputs in = {d.r2t, w.max_context, w.max_reqs, d.ids, d.seq};
+  mla_step_inputs in = {d.r2t, w.max_context, w.max_reqs, d.ids, d.seq, NULL};
   TU_STATUS(mla_step_prepare(gpu, &desc, d.dcache, &in, d.ws, d.ws_bytes), MLA_OK);
   TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
   mla_step_metadata m;
@@ -178,7 +178,7 @@ static void metadata_and_attention(mla_mode mode, int ndt, int P, int H) {
     size_t cwb = 0;
     TU_STATUS(mla_step_workspace_size(cpu, &desc, &cwb), MLA_OK);
     void *cws = malloc(cwb);
-    mla_step_inputs cin = {w.r2t, w.max_context, w.max_reqs, w.req_ids, w.seq};
+    mla_step_inputs cin = {w.r2t, w.max_context, w.max_reqs, w.req_ids, w.seq, NULL};
     mla_absorbed_args ca;
     memset(&ca, 0, sizeof ca);
     ca.num_heads = H;
@@ -279,8 +279,8 @@ static void draft_steps(int P, int H, int num_steps) {
   TU_STATUS(mla_step_workspace_size(cpu, &desc, &cwb), MLA_OK);
   d.ws = tu_dev_alloc(d.ws_bytes);
   void *cws = malloc(cwb);
-  mla_step_inputs in = {d.r2t, w.max_context, w.max_reqs, d.ids, d.seq};
-  mla_step_inputs cin = {w.r2t, w.max_context, w.max_reqs, w.req_ids, w.seq};
+  mla_step_inputs in = {d.r2t, w.max_context, w.max_reqs, d.ids, d.seq, NULL};
+  mla_step_inputs cin = {w.r2t, w.max_context, w.max_reqs, w.req_ids, w.seq, NULL};
   TU_STATUS(mla_step_prepare(gpu, &desc, d.dcache, &in, d.ws, d.ws_bytes), MLA_OK);
   TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
   TU_STATUS(mla_step_prepare(cpu, &desc, w.cache, &cin, cws, cwb), MLA_OK);
@@ -350,7 +350,7 @@ static void schedule_equality(int cases) {
     TU_STATUS(mla_step_workspace_size(gpu, &d, &wsb), MLA_OK);
     void *ws = tu_dev_alloc(wsb);
     CK(cudaMemcpy(d_seq, seq, sizeof(int32_t) * bs, cudaMemcpyHostToDevice));
-    mla_step_inputs in = {d_r2t, maxkv, 1, d_ids, d_seq};
+    mla_step_inputs in = {d_r2t, maxkv, 1, d_ids, d_seq, NULL};
     mla_status st = mla_step_prepare(gpu, &d, dc, &in, ws, wsb);
     if (st == MLA_OK) st = mla_ctx_synchronize(gpu);
     mla_step_metadata m;
@@ -385,6 +385,194 @@ static void schedule_equality(int cases) {
   mla_kv_cache_destroy(dc);
 }
 
+/* EXTEND steps (the capturable paged prefill): per round a batch of live
+ * rows with random extend lens (0..max_ext) and padding rows under a fixed
+ * token bucket. The GPU step's metadata equals the CPU step's, its output
+ * the CPU step's within bf16 tolerance; one step captured in a CUDA graph
+ * (kernel nodes only) and replayed per round after rewriting ids, lengths,
+ * extend lens and queries equals the eager GPU step bit for bit. A batch
+ * over the bucket is emptied and reported by mla_ctx_synchronize. */
+static void extend_steps(int P, int H, int max_ext, int rounds) {
+  char name[96];
+  snprintf(name, sizeof name, "extend steps P=%d H=%d max_ext=%d", P, H, max_ext);
+  const int BS = 10;
+  sw_world w;
+  if (sw_make(&w, cpu, &rng, MLA_MODE_EXTEND, 0, P, H, 14) != 0) {
+    TU_CHECK(0, "%s: world: %s", name, mla_ctx_last_error(cpu));
+    return;
+  }
+  w.bs = BS;
+  const int bucket = BS * max_ext;
+  dev_step d;
+  if (dev_make(&d, &w, BS, bucket) != 0) {
+    TU_CHECK(0, "%s: device setup", name);
+    return;
+  }
+  int32_t *d_ext = tu_dev_alloc(sizeof(int32_t) * BS);
+  mla_step_desc desc = sw_desc(&w);
+  desc.num_draft_tokens = 0;
+  desc.num_tokens = bucket;
+  TU_STATUS(mla_step_workspace_size(gpu, &desc, &d.ws_bytes), MLA_OK);
+  d.ws = tu_dev_alloc(d.ws_bytes);
+  size_t cwb = 0;
+  TU_STATUS(mla_step_workspace_size(cpu, &desc, &cwb), MLA_OK);
+  void *cws = malloc(cwb);
+  const int64_t nq = (int64_t)bucket * H;
+  const size_t ob = 2 * (size_t)nq * MLA_LATENT, lb = sizeof(float) * (size_t)nq;
+  uint16_t *qn = malloc(2 * (size_t)nq * MLA_LATENT), *qr = malloc(2 * (size_t)nq * MLA_ROPE);
+  uint16_t *oc = malloc(ob), *oe = malloc(ob), *og = malloc(ob);
+  float *lc = malloc(lb), *le = malloc(lb), *lg = malloc(lb), *tmp = malloc(sizeof(float) * (size_t)nq * MLA_LATENT);
+  int32_t ext[SW_MAXB];
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  TU_STATUS(mla_ctx_set_stream(gpu, s), MLA_OK);
+  mla_step_inputs gin = {d.r2t, w.max_context, w.max_reqs, d.ids, d.seq, d_ext};
+  mla_step_inputs cin = {w.r2t, w.max_context, w.max_reqs, w.req_ids, w.seq, ext};
+  mla_absorbed_args ga = dev_args(&w, &d);
+  cudaGraphExec_t exec = NULL;
+  int meta_bad = 0, far = 0, mismatches = 0, errors = 0, total_rows = 0;
+  for (int round = 0; round < rounds; round++) {
+    /* the batch: live requests in random order, 0..4 padding rows */
+    int32_t ids[SW_MAXB];
+    for (int i = 0; i < w.num_live; i++) ids[i] = i;
+    tu_shuffle_i32(&rng, ids, w.num_live);
+    const int npad = tu_randint(&rng, 0, 4);
+    int total = 0;
+    for (int i = 0; i < BS; i++) {
+      const int pad = i >= BS - npad;
+      w.req_ids[i] = pad ? MLA_REQ_PAD : ids[i];
+      w.seq[i] = pad ? 1 : tu_randint(&rng, 1, w.live_len[ids[i]]);
+      ext[i] = pad ? tu_randint(&rng, 0, 1) : tu_randint(&rng, 0, w.seq[i] < max_ext ? w.seq[i] : max_ext);
+      total += ext[i];
+    }
+    tu_fill_bf16_normal(&rng, tmp, nq * MLA_LATENT, 1.0);
+    tu_to_dtype(MLA_DTYPE_BF16, tmp, qn, nq * MLA_LATENT);
+    tu_fill_bf16_normal(&rng, tmp, nq * MLA_ROPE, 1.0);
+    tu_to_dtype(MLA_DTYPE_BF16, tmp, qr, nq * MLA_ROPE);
+    CK(cudaMemcpy(d.ids, w.req_ids, sizeof(int32_t) * BS, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d.seq, w.seq, sizeof(int32_t) * BS, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_ext, ext, sizeof(int32_t) * BS, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d.qn, qn, 2 * (size_t)nq * MLA_LATENT, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d.qr, qr, 2 * (size_t)nq * MLA_ROPE, cudaMemcpyHostToDevice));
+    total_rows += total;
+
+    /* the CPU step */
+    mla_absorbed_args ca;
+    memset(&ca, 0, sizeof ca);
+    ca.num_heads = H;
+    ca.scale = SW_SCALE;
+    ca.act_dtype = MLA_DTYPE_BF16;
+    ca.q_nope = qn;
+    ca.q_rope = qr;
+    ca.out = oc;
+    ca.lse = lc;
+    if (mla_step_prepare(cpu, &desc, w.cache, &cin, cws, cwb) != MLA_OK ||
+        mla_step_attention(cpu, &desc, w.cache, 0, &ca, cws, cwb) != MLA_OK) {
+      TU_CHECK(0, "%s: CPU step: %s", name, mla_ctx_last_error(cpu));
+      break;
+    }
+    /* the eager GPU step, its metadata against the CPU step's */
+    poison_out(&d);
+    mla_status st = mla_step_prepare(gpu, &desc, d.dcache, &gin, d.ws, d.ws_bytes);
+    if (st == MLA_OK) st = mla_step_attention(gpu, &desc, d.dcache, 0, &ga, d.ws, d.ws_bytes);
+    if (st == MLA_OK) st = mla_ctx_synchronize(gpu);
+    if (st != MLA_OK) {
+      TU_CHECK(0, "%s: GPU step: %s", name, mla_ctx_last_error(gpu));
+      break;
+    }
+    CK(cudaMemcpy(oe, d.o, ob, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(le, d.lse, lb, cudaMemcpyDeviceToHost));
+    mla_step_metadata cm, gm;
+    TU_STATUS(mla_step_get_metadata(cpu, &desc, cws, cwb, &cm), MLA_OK);
+    TU_STATUS(mla_step_get_metadata(gpu, &desc, d.ws, d.ws_bytes, &gm), MLA_OK);
+    {
+      const size_t nbt = (size_t)BS * gm.block_table_width, nsm = (size_t)gm.num_sm_parts * MLA_SCHED_META_INTS;
+      int32_t *g_qo = malloc(4 * (BS + 1)), *g_kv = malloc(4 * BS), *g_bt = malloc(4 * nbt), *g_sm = malloc(4 * nsm);
+      int32_t *g_ns = malloc(4 * (BS + 1));
+      CK(cudaMemcpy(g_qo, gm.qo_indptr, 4 * (BS + 1), cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(g_kv, gm.kv_lens, 4 * BS, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(g_bt, gm.block_table, 4 * nbt, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(g_sm, gm.sched_meta, 4 * nsm, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(g_ns, gm.num_splits, 4 * (BS + 1), cudaMemcpyDeviceToHost));
+      meta_bad += memcmp(g_qo, cm.qo_indptr, 4 * (BS + 1)) != 0 || memcmp(g_kv, cm.kv_lens, 4 * BS) != 0 ||
+                  memcmp(g_bt, cm.block_table, 4 * nbt) != 0 || memcmp(g_sm, cm.sched_meta, 4 * nsm) != 0 ||
+                  memcmp(g_ns, cm.num_splits, 4 * (BS + 1)) != 0 || g_qo[BS] != total;
+      free(g_qo), free(g_kv), free(g_bt), free(g_sm), free(g_ns);
+    }
+    /* live rows: GPU vs CPU within bf16 tolerance */
+    for (int i = 0; i < BS; i++) {
+      if (w.req_ids[i] == MLA_REQ_PAD) continue;
+      for (int64_t e = (int64_t)cm.qo_indptr[i] * H * MLA_LATENT; e < (int64_t)cm.qo_indptr[i + 1] * H * MLA_LATENT;
+           e++) {
+        const double c = bf16_to_double(oc[e]), g = bf16_to_double(oe[e]);
+        far += !(fabs(g - c) <= 0.02 + 0.02 * fabs(c));
+      }
+    }
+    /* the graph: captured once (round 0), replayed every round */
+    if (!exec) {
+      cudaGraph_t graph;
+      CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+      mla_status s1 = mla_step_prepare(gpu, &desc, d.dcache, &gin, d.ws, d.ws_bytes);
+      mla_status s2 = mla_step_attention(gpu, &desc, d.dcache, 0, &ga, d.ws, d.ws_bytes);
+      cudaError_t ce = cudaStreamEndCapture(s, &graph);
+      TU_CHECK(s1 == MLA_OK && s2 == MLA_OK && ce == cudaSuccess, "%s: capture: %d %d %s", name, (int)s1, (int)s2,
+               cudaGetErrorString(ce));
+      if (ce != cudaSuccess) break;
+      size_t n = 0;
+      CK(cudaGraphGetNodes(graph, NULL, &n));
+      cudaGraphNode_t *nodes = malloc(sizeof(cudaGraphNode_t) * (n ? n : 1));
+      CK(cudaGraphGetNodes(graph, nodes, &n));
+      int others = 0;
+      for (size_t k = 0; k < n; k++) {
+        enum cudaGraphNodeType t;
+        CK(cudaGraphNodeGetType(nodes[k], &t));
+        others += t != cudaGraphNodeTypeKernel;
+      }
+      free(nodes);
+      TU_CHECK(n >= 3 && others == 0, "%s: graph of %zu nodes, %d not kernels", name, n, others);
+      CK(cudaGraphInstantiate(&exec, graph, 0));
+      CK(cudaGraphDestroy(graph));
+    }
+    poison_out(&d);
+    CK(cudaGraphLaunch(exec, s));
+    CK(cudaStreamSynchronize(s));
+    if (mla_ctx_synchronize(gpu) != MLA_OK) errors++;
+    CK(cudaMemcpy(og, d.o, ob, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(lg, d.lse, lb, cudaMemcpyDeviceToHost));
+    mismatches += memcmp(oe, og, ob) != 0 || memcmp(le, lg, lb) != 0;
+  }
+  TU_CHECK(meta_bad == 0, "%s: %d rounds with GPU metadata unlike the CPU step's", name, meta_bad);
+  TU_CHECK(far == 0, "%s: %d output elements off the CPU step's", name, far);
+  TU_CHECK(mismatches == 0 && errors == 0, "%s: %d of %d replays differ from eager (%d errors)", name, mismatches,
+           rounds, errors);
+  /* over the bucket: every row emptied, reported */
+  if (exec) {
+    int32_t big[SW_MAXB];
+    for (int i = 0; i < BS; i++) big[i] = w.req_ids[i] == MLA_REQ_PAD ? 0 : w.seq[i];
+    int sum = 0;
+    for (int i = 0; i < BS; i++) sum += big[i];
+    if (sum > bucket) {
+      CK(cudaMemcpy(d_ext, big, sizeof(int32_t) * BS, cudaMemcpyHostToDevice));
+      CK(cudaGraphLaunch(exec, s));
+      CK(cudaStreamSynchronize(s));
+      TU_STATUS(mla_ctx_synchronize(gpu), MLA_ERR_OUT_OF_RANGE);
+      mla_step_metadata gm;
+      TU_STATUS(mla_step_get_metadata(gpu, &desc, d.ws, d.ws_bytes, &gm), MLA_OK);
+      int32_t q_end = -1;
+      CK(cudaMemcpy(&q_end, gm.qo_indptr + BS, 4, cudaMemcpyDeviceToHost));
+      TU_CHECK(q_end == 0, "%s: a batch over the bucket keeps %d query rows", name, (int)q_end);
+    }
+    CK(cudaGraphExecDestroy(exec));
+  }
+  printf("  %s: %d rounds, %d query tokens, bucket %d\n", name, rounds, total_rows, bucket);
+  TU_STATUS(mla_ctx_set_stream(gpu, NULL), MLA_OK);
+  CK(cudaStreamDestroy(s));
+  free(qn), free(qr), free(oc), free(oe), free(og), free(lc), free(le), free(lg), free(tmp), free(cws);
+  cudaFree(d_ext);
+  dev_free(&d);
+  sw_free(&w);
+}
+
 /* Capture one step in a graph, replay with new inputs, compare with eager. */
 static void graph_replay(mla_mode mode, int ndt, int P, int H, int replays) {
   char name[96];
@@ -408,7 +596,7 @@ static void graph_replay(mla_mode mode, int ndt, int P, int H, int replays) {
   TU_STATUS(mla_ctx_set_stream(gpu, s), MLA_OK);
   dev_load(&d, &w);
 
-  mla_step_inputs in = {d.r2t, w.max_context, w.max_reqs, d.ids, d.seq};
+  mla_step_inputs in = {d.r2t, w.max_context, w.max_reqs, d.ids, d.seq, NULL};
   mla_absorbed_args a = dev_args(&w, &d);
   cudaGraph_t graph;
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
@@ -496,6 +684,9 @@ int main(void) {
   draft_steps(16, 128, 5);
   graph_replay(MLA_MODE_DECODE, 0, 64, 16, 100);
   graph_replay(MLA_MODE_TARGET_VERIFY, 2, 64, 128, 20);
+  extend_steps(64, 16, 120, 12);
+  extend_steps(1, 128, 40, 6);
+  extend_steps(16, 3, 4, 12);
   mla_ctx_destroy(cpu);
   mla_ctx_destroy(gpu);
   return tu_finish("test_cuda_step");

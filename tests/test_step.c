@@ -44,7 +44,7 @@ static void one_case(mla_mode mode, int ndt, int P, int H) {
     TU_CHECK(0, "%s: world setup: %s", name, mla_ctx_last_error(cpu));
     return;
   }
-  mla_step_inputs in = {w.r2t, w.max_context, w.max_reqs, w.req_ids, w.seq};
+  mla_step_inputs in = {w.r2t, w.max_context, w.max_reqs, w.req_ids, w.seq, NULL};
   for (int round = 0; round < 3; round++) {
     const int bs = round == 0 ? 12 : round == 1 ? 9 : 12, npad = round == 0 ? 0 : round == 1 ? 3 : 5;
     if (sw_batch(&w, cpu, &rng, bs, npad) != 0) {
@@ -137,6 +137,164 @@ static void one_case(mla_mode mode, int ndt, int P, int H) {
   sw_free(&w);
 }
 
+/* EXTEND steps (the capturable paged prefill): live rows with extend lens
+ * (0..300, one row without a prefix; `small`: 0..4) and padding rows, the
+ * bucket num_tokens at or above their sum. The metadata equals
+ * mla_plan_build's for the same EXTEND batch (its num_sm chosen so both have
+ * the same part count: the schedule then matches too) and the attention bit
+ * for bit; rows past the real total are left untouched. Refusals: an extend
+ * len past seq_len or negative, lens over the bucket (OUT_OF_RANGE, the
+ * workspace unchanged), NULL extend_lens, num_tokens out of range or set
+ * outside EXTEND, num_draft_tokens set. */
+static void extend_case(int P, int H, int small) {
+  char name[96];
+  snprintf(name, sizeof name, "extend step P=%d H=%d%s", P, H, small ? " small" : "");
+  sw_world w;
+  if (sw_make(&w, cpu, &rng, MLA_MODE_EXTEND, 0, P, H, 12) != 0) {
+    TU_CHECK(0, "%s: world setup: %s", name, mla_ctx_last_error(cpu));
+    return;
+  }
+  const int bs = 14, npad = 3;
+  w.bs = bs;
+  int32_t ids[SW_MAXB], rows[SW_MAXB], ext[SW_MAXB], pre[SW_MAXB];
+  for (int i = 0; i < w.num_live; i++) ids[i] = i;
+  tu_shuffle_i32(&rng, ids, w.num_live);
+  for (int i = 0; i < bs; i++) rows[i] = i < npad ? MLA_REQ_PAD : ids[i - npad];
+  tu_shuffle_i32(&rng, rows, bs);
+  int total = 0, whole = -1;
+  for (int i = 0; i < bs; i++) {
+    w.req_ids[i] = rows[i];
+    if (rows[i] == MLA_REQ_PAD) {
+      w.seq[i] = 1;
+      ext[i] = tu_randint(&rng, 0, 1);
+    } else {
+      const int len = w.live_len[rows[i]];
+      w.seq[i] = tu_randint(&rng, len / 2 > 0 ? len / 2 : 1, len);
+      const int cap = small ? 4 : 300;
+      ext[i] = tu_randint(&rng, 0, w.seq[i] < cap ? w.seq[i] : cap);
+      if (!small && whole < 0 && w.seq[i] <= 400) { /* a request without prefix */
+        ext[i] = w.seq[i];
+        whole = i;
+      }
+    }
+    pre[i] = w.seq[i] - ext[i];
+    total += ext[i];
+  }
+  const int bucket = total + tu_randint(&rng, 0, 40);
+  mla_step_desc d = sw_desc(&w);
+  d.num_draft_tokens = 0;
+  d.num_tokens = bucket;
+  mla_step_inputs in = {w.r2t, w.max_context, w.max_reqs, w.req_ids, w.seq, ext};
+  size_t wsb = 0;
+  TU_STATUS(mla_step_workspace_size(cpu, &d, &wsb), MLA_OK);
+  void *ws = malloc(wsb);
+  tu_poison(ws, wsb);
+  TU_STATUS(mla_step_prepare(cpu, &d, w.cache, &in, ws, wsb), MLA_OK);
+  mla_step_metadata m;
+  TU_STATUS(mla_step_get_metadata(cpu, &d, ws, wsb, &m), MLA_OK);
+  TU_CHECK(m.q_len == bucket && m.qo_indptr[bs] == total, "%s: q_len %d (bucket %d), qo_indptr[bs] %d (total %d)",
+           name, (int)m.q_len, bucket, (int)m.qo_indptr[bs], total);
+
+  /* the host plan of the same batch, with the step's part count */
+  int maxq = 1;
+  for (int i = 0; i < bs; i++)
+    if (ext[i] > maxq) maxq = ext[i];
+  const int tiles = (maxq * H + 63) / 64;
+  mla_batch b;
+  memset(&b, 0, sizeof b);
+  b.mode = MLA_MODE_EXTEND;
+  b.batch_size = bs;
+  b.req_ids = w.req_ids;
+  b.seq_lens = w.seq;
+  b.prefix_lens = pre;
+  mla_plan_limits lim = {bs, total + 1, bs * w.max_context, w.max_context, P, m.num_sm_parts * tiles, 0};
+  size_t pb = 0;
+  TU_STATUS(mla_plan_workspace_size(cpu, &lim, &pb), MLA_OK);
+  w.pws = malloc(pb);
+  mla_status st = mla_plan_build(cpu, w.rt, &b, &lim, H, w.pws, pb, &w.plan);
+  TU_CHECK(st == MLA_OK, "%s: mla_plan_build: %s", name, mla_ctx_last_error(cpu));
+  if (st != MLA_OK) {
+    free(ws);
+    sw_free(&w);
+    return;
+  }
+  const int bad = sw_compare_meta(&w, &m, m.qo_indptr, m.kv_lens, m.block_table, m.sched_meta, m.num_splits);
+  TU_CHECK(bad == 0, "%s: %d metadata fields differ from mla_plan_build (parts %d / %d)", name, bad,
+           (int)m.num_sm_parts, (int)w.plan.num_sm_parts);
+
+  /* attention over a bucket-sized q / out: step vs plan, bit for bit */
+  const int64_t nq = (int64_t)bucket * H;
+  float *tmp = malloc(sizeof(float) * (size_t)nq * MLA_LATENT);
+  w.qn = malloc(2 * (size_t)nq * MLA_LATENT);
+  w.qr = malloc(2 * (size_t)nq * MLA_ROPE);
+  tu_fill_bf16_normal(&rng, tmp, nq * MLA_LATENT, 1.0);
+  tu_to_dtype(MLA_DTYPE_BF16, tmp, w.qn, nq * MLA_LATENT);
+  tu_fill_bf16_normal(&rng, tmp, nq * MLA_ROPE, 1.0);
+  tu_to_dtype(MLA_DTYPE_BF16, tmp, w.qr, nq * MLA_ROPE);
+  free(tmp);
+  const size_t ob = 2 * (size_t)nq * MLA_LATENT, lb = sizeof(float) * (size_t)nq;
+  run_out ra = {malloc(ob), malloc(lb)}, rb = {malloc(ob), malloc(lb)};
+  tu_poison(ra.o, ob);
+  tu_poison(ra.lse, lb);
+  tu_poison(rb.o, ob);
+  tu_poison(rb.lse, lb);
+  mla_absorbed_args aa = args_of(&w, &ra), ab = args_of(&w, &rb);
+  TU_STATUS(mla_step_attention(cpu, &d, w.cache, 0, &aa, ws, wsb), MLA_OK);
+  size_t pwb = 0;
+  TU_STATUS(mla_attention_absorbed_workspace_size(cpu, &w.plan, H, &pwb), MLA_OK);
+  void *pw = malloc(pwb);
+  TU_STATUS(mla_attention_absorbed(cpu, w.cache, 0, &w.plan, &ab, pw, pwb), MLA_OK);
+  const size_t used = 2 * (size_t)total * H * MLA_LATENT;
+  TU_CHECK(memcmp(ra.o, rb.o, used) == 0 && memcmp(ra.lse, rb.lse, sizeof(float) * (size_t)total * H) == 0,
+           "%s: step attention differs from the host-plan attention", name);
+  TU_CHECK(tu_all_poisoned((char *)ra.o + used, ob - used) &&
+               tu_all_poisoned(ra.lse + (size_t)total * H, lb - sizeof(float) * (size_t)total * H),
+           "%s: rows past the real total were written", name);
+  int unwritten = 0; /* live rows see at least their own key (padding rows read the dummy slot) */
+  for (int i = 0; i < bs; i++)
+    if (w.req_ids[i] != MLA_REQ_PAD)
+      for (int64_t r = (int64_t)m.qo_indptr[i] * H; r < (int64_t)m.qo_indptr[i + 1] * H; r++)
+        unwritten += isnan(ra.lse[r]) || isinf(ra.lse[r]);
+  TU_CHECK(unwritten == 0, "%s: %d live query rows without a result", name, unwritten);
+
+  /* refusals: nothing written */
+  void *copy = malloc(wsb);
+  memcpy(copy, ws, wsb);
+  int k = 0;
+  while (w.req_ids[k] == MLA_REQ_PAD) k++;
+  const int32_t keep = ext[k];
+  ext[k] = w.seq[k] + 1;
+  TU_STATUS(mla_step_prepare(cpu, &d, w.cache, &in, ws, wsb), MLA_ERR_OUT_OF_RANGE);
+  ext[k] = -1;
+  TU_STATUS(mla_step_prepare(cpu, &d, w.cache, &in, ws, wsb), MLA_ERR_OUT_OF_RANGE);
+  ext[k] = keep;
+  mla_step_desc dd = d;
+  dd.num_tokens = total - 1;
+  if (total > 1) TU_STATUS(mla_step_prepare(cpu, &dd, w.cache, &in, ws, wsb), MLA_ERR_OUT_OF_RANGE);
+  TU_CHECK(memcmp(copy, ws, wsb) == 0, "%s: a refused prepare changed the workspace", name);
+  mla_step_inputs no_ext = in;
+  no_ext.extend_lens = NULL;
+  TU_STATUS(mla_step_prepare(cpu, &d, w.cache, &no_ext, ws, wsb), MLA_ERR_INVALID_ARGUMENT);
+  size_t n = 0;
+  dd = d;
+  dd.num_tokens = 0;
+  TU_STATUS(mla_step_workspace_size(cpu, &dd, &n), MLA_ERR_INVALID_ARGUMENT);
+  dd.num_tokens = 65537;
+  TU_STATUS(mla_step_workspace_size(cpu, &dd, &n), MLA_ERR_INVALID_ARGUMENT);
+  dd.num_tokens = 40000;
+  dd.num_heads = 128;
+  TU_STATUS(mla_step_workspace_size(cpu, &dd, &n), MLA_ERR_UNSUPPORTED);
+  dd = d;
+  dd.num_draft_tokens = 2;
+  TU_STATUS(mla_step_workspace_size(cpu, &dd, &n), MLA_ERR_INVALID_ARGUMENT);
+  dd = d;
+  dd.mode = MLA_MODE_DECODE;
+  TU_STATUS(mla_step_workspace_size(cpu, &dd, &n), MLA_ERR_INVALID_ARGUMENT); /* num_tokens outside EXTEND */
+  free(copy);
+  free(ra.o), free(ra.lse), free(rb.o), free(rb.lse), free(pw), free(ws);
+  sw_free(&w);
+}
+
 /* Multi-step draft: one prepare builds num_steps DECODE steps, step k with
  * kv = seq_len + k + 1; each equals mla_plan_build's DECODE plan for those
  * lengths, and its attention equals the plan path's bit for bit. */
@@ -158,7 +316,7 @@ static void draft_case(int P, int H, int num_steps) {
   TU_STATUS(mla_step_workspace_size(cpu, &d1, &one), MLA_OK);
   TU_CHECK(wsb > one * (size_t)(num_steps - 1), "%s: workspace %zu for %d steps of %zu", name, wsb, num_steps, one);
   void *ws = malloc(wsb);
-  mla_step_inputs in = {w.r2t, w.max_context, w.max_reqs, w.req_ids, w.seq};
+  mla_step_inputs in = {w.r2t, w.max_context, w.max_reqs, w.req_ids, w.seq, NULL};
   TU_STATUS(mla_step_prepare(cpu, &d, w.cache, &in, ws, wsb), MLA_OK);
   const size_t ob = 2 * (size_t)w.bs * H * MLA_LATENT;
   run_out a = {malloc(ob), NULL}, b = {malloc(ob), NULL};
@@ -270,7 +428,7 @@ static void dcp_case(int Pg, int N, int H) {
   seq[bs - 1] = 1;
   const int32_t *r2t = NULL;
   mla_req_table_data(rt, &r2t);
-  mla_step_inputs in = {r2t, max_ctx, bs + 2, ids, seq};
+  mla_step_inputs in = {r2t, max_ctx, bs + 2, ids, seq, NULL};
   const int64_t nq = (int64_t)bs * H;
   float *qn = malloc(sizeof(float) * nq * MLA_LATENT), *qr = malloc(sizeof(float) * nq * MLA_ROPE);
   for (int64_t k = 0; k < nq * MLA_LATENT; k++) qn[k] = (float)tu_normal(&rng);
@@ -386,7 +544,7 @@ static void refusals(void) {
   size_t wsb = 0;
   TU_STATUS(mla_step_workspace_size(cpu, &good, &wsb), MLA_OK);
   void *ws = malloc(wsb);
-  mla_step_inputs in = {w.r2t, w.max_context, w.max_reqs, w.req_ids, w.seq};
+  mla_step_inputs in = {w.r2t, w.max_context, w.max_reqs, w.req_ids, w.seq, NULL};
   mla_step_desc d;
 #define BAD_DESC(field, value)                                               \
   do {                                                                       \
@@ -478,6 +636,9 @@ int main(void) {
   dcp_case(16, 2, 16);
   dcp_case(64, 4, 3);
   dcp_case(8, 8, 1);
+  extend_case(16, 16, 0);
+  extend_case(1, 3, 0);
+  extend_case(64, 16, 1);
   refusals();
   mla_ctx_destroy(cpu);
   return tu_finish("test_step");

@@ -15,6 +15,7 @@
  * at least once: the KV rows (or k / v), q and o. */
 #include "bench.h"
 #include "bench_cuda.h"
+#include "bench_dcp.h"
 
 #include <errno.h>
 #include <math.h>
@@ -539,6 +540,7 @@ static void bench_usage(FILE *f) {
   fprintf(f,
           "usage: mla bench [options]\n"
           "  --device D     cpu (default) or cuda (`mla bench --device cuda --help`)\n"
+          "  --dcp N        decode context parallel on N GPUs vs one (`mla bench --dcp 2 --help`)\n"
           "  --threads N    CPU threads, 0 = all online CPUs (default 0)\n"
           "  --quick        small shapes, few runs (a few seconds; for CI)\n"
           "  --case S       only the cases whose name contains S\n"
@@ -650,6 +652,8 @@ static void cpu_model(char *buf, size_t n) {
 }
 
 int bench_main(int argc, char **argv) {
+  for (int i = 0; i < argc; i++)
+    if (!strcmp(argv[i], "--dcp")) return bench_dcp_main(argc, argv);
   for (int i = 0; i + 1 < argc; i++)
     if (!strcmp(argv[i], "--device") && !strcmp(argv[i + 1], "cuda")) return bench_cuda_main(argc, argv);
   int threads = 0, quick = 0, csv = 0, runs = 0;

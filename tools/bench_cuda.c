@@ -193,7 +193,7 @@ static int run_case(mla_ctx *ctx, const bc_opts *o, const bc_world *w, int sk, i
   BC_CK(cudaMalloc((void **)&lse, sizeof(float) * (size_t)Tq * H));
   free(ids_h);
   free(seq_h);
-  mla_step_inputs in = {w->r2t, sk, b, ids, seq};
+  mla_step_inputs in = {w->r2t, sk, b, ids, seq, NULL};
   mla_absorbed_args a;
   memset(&a, 0, sizeof a);
   a.num_heads = H;

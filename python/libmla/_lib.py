@@ -297,6 +297,7 @@ class StepDesc(ctypes.Structure):
         ("step", _i32),
         ("dcp_world", _i32),
         ("dcp_rank", _i32),
+        ("num_tokens", _i32),  # EXTEND steps: the token bucket
     ]
 
 
@@ -307,6 +308,7 @@ class StepInputs(ctypes.Structure):
         ("max_reqs", _i32),
         ("req_ids", _ptr),  # [bs]
         ("seq_lens", _ptr),  # [bs]
+        ("extend_lens", _ptr),  # [bs] EXTEND steps
     ]
 
 
@@ -422,6 +424,9 @@ PROTOTYPES = {
         _S, [_P, _P, _int, ctypes.POINTER(Plan), ctypes.POINTER(AbsorbedArgs), _P, ctypes.c_size_t]),
     "mla_attention_ragged": (_S, [_P, ctypes.POINTER(RaggedArgs)]),
     "mla_merge_states": (_S, [_P, _int, _int, _int, _int, _enum, ctypes.c_uint, _P, _P, _P, _P]),
+    "mla_dcp_merge_workspace_size": (_S, [_P, _int, _int, _int, _int, _enum, _SZ]),
+    "mla_dcp_merge_nccl": (_S, [_P, _P, _int, _int, _int, _int, _int, _enum, _P, _P, _P, ctypes.c_size_t, _P,
+                                _P]),
     "mla_gather_latent": (_S, [_P, _P, _int, _int, _P, _enum, _P, _P]),
     "mla_expand_kv": (_S, [_P, _int, _int, _int, _int, _enum, _enum, _P, _P, _P, _P, _P]),
     # device-built steps

@@ -1402,8 +1402,11 @@ class Step:
     into the same tensors. On a CPU context the same calls run on host arrays.
 
     mode: "decode", "target_verify" (num_draft_tokens queries per row, seq_lens
-    exclude them) or "draft_extend" (a fixed window of num_draft_tokens queries,
-    keys = seq_lens). num_steps = N > 0 (decode only): one prepare builds N draft
+    exclude them), "draft_extend" (a fixed window of num_draft_tokens queries,
+    keys = seq_lens) or "extend" (the paged absorbed prefill, capturable: row i
+    has extend_lens[i] queries, given to prepare, and seq_lens[i] keys, prefix
+    included; num_tokens is the bucket, the rows q / out hold, at or above the
+    extend lens' sum). num_steps = N > 0 (decode only): one prepare builds N draft
     steps, step i attending seq_len + i + 1 keys; attention(..., step=i) runs one.
     dcp_world = N > 1, dcp_rank = r (decode only): decode context parallel, the
     cache being rank r's shard (page_size = the global page size / N) and
@@ -1417,7 +1420,7 @@ class Step:
 
     def __init__(self, ctx, mode="decode", *, batch_size, num_heads, max_kv_len, page_size=None,
                  num_draft_tokens=0, num_sm=0, scale=None, cache=None, workspace=None,
-                 num_steps=0, dcp_world=0, dcp_rank=0):
+                 num_steps=0, dcp_world=0, dcp_rank=0, num_tokens=0):
         if not isinstance(ctx, Context):
             raise ValueError("argument 'ctx': expected a libmla.Context, got %s" % type(ctx).__name__)
         if page_size is None:
@@ -1429,7 +1432,8 @@ class Step:
         self.mode = _parse_mode(mode)
         self.desc = _lib.StepDesc(int(self.mode), int(batch_size), int(num_draft_tokens or 0),
                                   int(max_kv_len), int(num_heads), int(page_size), int(num_sm),
-                                  int(num_steps), 0, int(dcp_world), int(dcp_rank))
+                                  int(num_steps), 0, int(dcp_world), int(dcp_rank),
+                                  int(num_tokens or 0))
         self.num_steps = int(num_steps)
         self.dcp_world, self.dcp_rank = int(dcp_world), int(dcp_rank)
         n = ctypes.c_size_t()
@@ -1439,8 +1443,12 @@ class Step:
         self.batch_size, self.num_heads = int(batch_size), int(num_heads)
         self.page_size, self.max_kv_len = int(page_size), int(max_kv_len)
         self.num_draft_tokens, self.num_sm = int(num_draft_tokens or 0), int(num_sm)
-        self.q_len = 1 if self.mode == Mode.DECODE else self.num_draft_tokens
-        self.num_q_tokens = self.batch_size * self.q_len
+        self.num_tokens = int(num_tokens or 0)
+        if self.mode == Mode.EXTEND:  # the bucket: q / out hold num_tokens rows
+            self.q_len, self.num_q_tokens = self.num_tokens, self.num_tokens
+        else:
+            self.q_len = 1 if self.mode == Mode.DECODE else self.num_draft_tokens
+            self.num_q_tokens = self.batch_size * self.q_len
         self.scale = None if scale is None else float(scale)
         self._dev = ctx.device
         self._dev_index = ctx.device_id if ctx.device == "cuda" else None
@@ -1510,7 +1518,7 @@ class Step:
 
     # -- the calls
 
-    def prepare(self, cache, req_to_token, req_ids, seq_lens):
+    def prepare(self, cache, req_to_token, req_ids, seq_lens, extend_lens=None):
         """Build the step's metadata (once per step, before the layers).
 
         req_to_token [max_reqs, >= max_kv_len] int32 (rows may be strided, the
@@ -1519,6 +1527,8 @@ class Step:
         when the kernels run (a captured graph reads what they hold at replay),
         rows found out of range are emptied and reported by ctx.synchronize().
         CPU: host arrays (lists are converted), out of range raises MLAError.
+        extend_lens [batch_size] int32: an "extend" step's query tokens per row
+        (required there, refused elsewhere).
         """
         ctx, dev, bs = self.ctx, self._dev, self.batch_size
         ch = _handle_of(cache, KVCache, "cache")
@@ -1547,19 +1557,30 @@ class Step:
         if cols < self.max_kv_len:
             raise ValueError("argument 'req_to_token': shape [%d, %d], the step reads up to "
                              "max_kv_len = %d positions per row" % (rows, cols, self.max_kv_len))
+        if (extend_lens is None) != (self.mode != Mode.EXTEND):
+            raise ValueError("argument 'extend_lens': %s" % (
+                "an extend step needs each row's query count" if extend_lens is None else
+                "only an extend step takes it"))
+        ep = None
         if dev == "cpu":
             ia, ip = int32_array(req_ids, "req_ids", length=bs)
             sa, sp = int32_array(seq_lens, "seq_lens", length=bs)
-            self._keep = (ia, sa)
+            ea = None
+            if extend_lens is not None:
+                ea, ep = int32_array(extend_lens, "extend_lens", length=bs)
+            self._keep = (ia, sa, ea)
         else:
             ip = ptr_of(req_ids, "req_ids", dtypes=("i32",), shape=(bs,), device=dev)
             sp = ptr_of(seq_lens, "seq_lens", dtypes=("i32",), shape=(bs,), device=dev)
             self._same_device(req_ids, "req_ids")
             self._same_device(seq_lens, "seq_lens")
+            if extend_lens is not None:
+                ep = ptr_of(extend_lens, "extend_lens", dtypes=("i32",), shape=(bs,), device=dev)
+                self._same_device(extend_lens, "extend_lens")
             ctx._before_launch(req_ids)
         i = self._in
         i.req_to_token, i.req_to_token_stride, i.max_reqs = tt.ptr, stride, rows
-        i.req_ids, i.seq_lens = ip, sp
+        i.req_ids, i.seq_lens, i.extend_lens = ip, sp, ep
         ctx._check(_c.mla_step_prepare(ctx.handle, _byref(self.desc), ch, _byref(i), self._wp,
                                        self._wn), "mla_step_prepare")
 

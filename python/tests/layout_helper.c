@@ -183,6 +183,7 @@ int main(void) {
   F(mla_step_desc, step);
   F(mla_step_desc, dcp_world);
   F(mla_step_desc, dcp_rank);
+  F(mla_step_desc, num_tokens);
 
   S(mla_step_inputs);
   F(mla_step_inputs, req_to_token);
@@ -190,6 +191,7 @@ int main(void) {
   F(mla_step_inputs, max_reqs);
   F(mla_step_inputs, req_ids);
   F(mla_step_inputs, seq_lens);
+  F(mla_step_inputs, extend_lens);
 
   S(mla_step_metadata);
   F(mla_step_metadata, batch_size);

@@ -357,3 +357,51 @@ def test_step_dcp_shards_merge_to_one_device(ctx, rng, world_n):
     o_m, l_m = libmla.merge_states(ctx, outs, lses)
     np.testing.assert_allclose(o_m, o_ref, rtol=0, atol=2e-5)
     np.testing.assert_allclose(l_m, l_ref, rtol=0, atol=2e-5)
+
+
+def test_step_extend_bucket_equals_reference(ctx, rng):
+    """An "extend" step (the paged absorbed prefill a graph can capture): rows with extend
+    lens under a token bucket; qo_indptr is their running sum, the attention matches the
+    float64 reference on the real rows, rows past the total stay untouched, and the
+    argument checks name extend_lens."""
+    H, BUCKET = 3, 200
+    lens = [int(n) for n in rng.integers(40, 300, size=7)]
+    w = World(ctx, rng, lens, page_size=16, max_reqs=10, max_context=320)
+    mc = w.rt.max_context
+    step = libmla.Step(ctx, "extend", batch_size=BS, num_heads=H, max_kv_len=mc, cache=w.cache,
+                       num_tokens=BUCKET, num_sm=NUM_SM, scale=SCALE)
+    assert step.num_q_tokens == BUCKET and step.q_len == BUCKET
+    ids, seq, ext = np.zeros(BS, np.int32), np.zeros(BS, np.int32), np.zeros(BS, np.int32)
+    for rnd in range(3):
+        live = list(rng.permutation(len(w.reqs))[:BS - 1])
+        rows = [w.reqs[i] for i in live] + [libmla.REQ_PAD]
+        for i, rid in enumerate(rows):
+            seq[i] = 1 if rid == libmla.REQ_PAD else w.rt.length(int(rid))
+            ext[i] = 0 if rid == libmla.REQ_PAD else rng.integers(0, min(int(seq[i]), 25) + 1)
+        ids[:] = rows
+        step.prepare(w.cache, w.rt, ids, seq, extend_lens=ext)
+        m = step.metadata()
+        np.testing.assert_array_equal(m.qo_indptr, np.concatenate([[0], np.cumsum(ext)]))
+        np.testing.assert_array_equal(m.kv_lens, seq)
+        total = int(ext.sum())
+        q_act, q = _q(rng, BUCKET, H, "f32")
+        out = np.full((BUCKET, H, 512), 7.0, np.float32)
+        o, lse = step.attention(w.cache, 0, q_act[..., :512], q_act[..., 512:], out=out,
+                                return_lse=True)
+        assert (out[total:] == 7.0).all(), "rows past the extend total were written"
+        keep = [i for i in range(BS) if rows[i] != libmla.REQ_PAD]
+        qrows = np.concatenate([np.arange(m.qo_indptr[i], m.qo_indptr[i + 1]) for i in keep])
+        o_ref, l_ref = absorbed_reference(w, 0, [int(rows[i]) for i in keep],
+                                          [int(ext[i]) for i in keep], [int(seq[i]) for i in keep],
+                                          q[qrows, :, :512], q[qrows, :, 512:], SCALE, True)
+        ref.assert_close(o[qrows], o_ref, *TOL["f32"], what="extend step round %d" % rnd)
+        ref.assert_close(lse[qrows], l_ref, 1e-4, 1e-5, "extend step lse round %d" % rnd)
+    with pytest.raises(ValueError, match="extend_lens"):
+        step.prepare(w.cache, w.rt, ids, seq)
+    big = seq.copy()
+    big[-1] = 0
+    with pytest.raises(libmla.MLAError):  # the lens add up to more than the bucket
+        step.prepare(w.cache, w.rt, ids, seq, extend_lens=big)
+    dec = libmla.Step(ctx, "decode", batch_size=BS, num_heads=H, max_kv_len=mc, cache=w.cache)
+    with pytest.raises(ValueError, match="extend_lens"):
+        dec.prepare(w.cache, w.rt, ids, seq, extend_lens=ext)

@@ -402,7 +402,7 @@ static mla_status plan_cuda_step(mla_backend *be, const mla_batch *b) {
   const int32_t *staged = NULL;
   st = mla_mirror_stage(&be->mirror, be->stage_scratch, 2 * bs, be->ctx->stream, &staged, &be->err);
   if (st != MLA_OK) return st;
-  mla_step_inputs in = {be->mirror.d_r2t, be->desc.max_context, be->desc.max_reqs, staged, staged + bs};
+  mla_step_inputs in = {be->mirror.d_r2t, be->desc.max_context, be->desc.max_reqs, staged, staged + bs, NULL};
   st = mla_step_prepare(be->ctx, &d, be->cache, &in, be->step_ws, be->step_ws_bytes);
   if (st != MLA_OK) return forward_fail(be, st, "mla_backend_plan", mla_ctx_last_error(be->ctx));
   be->step = d;
@@ -560,7 +560,7 @@ static void *ws_of(const mla_backend *be, int kind, size_t *bytes) {
  * (kind 2) workspace and makes it the step forward runs. */
 static mla_status prepare_from_inputs(mla_backend *be, const char *fn, mla_step_desc d, int kind) {
   const int32_t *r2t = be->on_cuda ? be->mirror.d_r2t : be->rt->req_to_token;
-  mla_step_inputs in = {r2t, be->desc.max_context, be->desc.max_reqs, be->g_ids, be->g_seq};
+  mla_step_inputs in = {r2t, be->desc.max_context, be->desc.max_reqs, be->g_ids, be->g_seq, NULL};
   size_t bytes;
   void *ws = ws_of(be, kind, &bytes);
   mla_status st = mla_step_prepare(be->ctx, &d, be->cache, &in, ws, bytes);

@@ -49,6 +49,31 @@ __device__ float block_scale(float v, float *red_amax, int *red_nan) {
   return mla_fp8_block_scale_from(amax, any_nan);
 }
 
+// v / scale rounded once to e4m3, bit for bit mla_e4m3_quantize (convert.h:
+// the exact quotient narrowed to float with round-to-odd, then rounded to 4
+// significant bits), without its double division, which the GPU runs at a
+// fraction of its float rate: the float quotient f = RN(v / s) is exact iff
+// the remainder v - f s (exactly representable, and exactly what the fma
+// returns, when |v| >= 2^-100 and f and s are normal floats) is 0, and its
+// sign says on which side of f the exact quotient lies. Anything outside
+// those ranges (zero, tiny, NaN or infinite values or scales, a quotient
+// that leaves the normal range) takes the exact double path.
+__device__ __forceinline__ uint8_t e4m3_quantize_fast(float v, float s) {
+  const float av = fabsf(v);
+  if (!(av >= 0x1p-100f && av <= FLT_MAX && s >= FLT_MIN && s <= FLT_MAX)) return mla_e4m3_quantize(v, s);
+  float f = __fdiv_rn(v, s);
+  if (!(fabsf(f) >= FLT_MIN && fabsf(f) <= FLT_MAX)) return mla_e4m3_quantize(v, s);
+  const float r = fmaf(-f, s, v);  // v - f s, exact
+  if (r != 0.0f) {
+    const uint32_t u = __float_as_uint(f);
+    if (!(u & 1u)) {  // step to the odd neighbour on the quotient's side (s > 0: the side of r's sign)
+      const bool mag_up = (r > 0.0f) == ((u >> 31) == 0);
+      f = __uint_as_float(mag_up ? u + 1u : u - 1u);
+    }
+  }
+  return mla_f32_to_e4m3(f);
+}
+
 __global__ void __launch_bounds__(kThreads) kv_write_kernel(unsigned char *layer, int64_t num_slots,
                                                             int cache_dtype, size_t row_bytes,
                                                             float fp8_scale, const int32_t *slots,
@@ -85,8 +110,8 @@ __global__ void __launch_bounds__(kThreads) kv_write_kernel(unsigned char *layer
     }
     case DT_FP8: {
 #pragma unroll
-      for (int k = 0; k < 4; k++) row[k * kThreads + tid] = mla_e4m3_quantize(cv[k], fp8_scale);
-      if (tid < kRope) row[kLatent + tid] = mla_e4m3_quantize(rv, fp8_scale);
+      for (int k = 0; k < 4; k++) row[k * kThreads + tid] = e4m3_quantize_fast(cv[k], fp8_scale);
+      if (tid < kRope) row[kLatent + tid] = e4m3_quantize_fast(rv, fp8_scale);
       break;
     }
     case DT_FP8_BLOCK: {
@@ -94,7 +119,7 @@ __global__ void __launch_bounds__(kThreads) kv_write_kernel(unsigned char *layer
 #pragma unroll
       for (int k = 0; k < 4; k++) {
         const float s = block_scale(cv[k], red_amax, red_nan);
-        row[k * kThreads + tid] = mla_e4m3_quantize(cv[k], s);
+        row[k * kThreads + tid] = e4m3_quantize_fast(cv[k], s);
         if (tid == 0) scales[k] = s;
       }
       if (tid < kRope) reinterpret_cast<uint16_t *>(row + kBlockRopeOff)[tid] = mla_f32_to_bf16(rv);
@@ -200,15 +225,15 @@ __global__ void __launch_bounds__(32 * kWarpRows) kv_write_rows_kernel(
   uint32_t u[4];
 #pragma unroll
   for (int j = 0; j < 4; j++)
-    u[j] = (uint32_t)mla_e4m3_quantize(cv[4 * j], s) | ((uint32_t)mla_e4m3_quantize(cv[4 * j + 1], s) << 8) |
-           ((uint32_t)mla_e4m3_quantize(cv[4 * j + 2], s) << 16) |
-           ((uint32_t)mla_e4m3_quantize(cv[4 * j + 3], s) << 24);
+    u[j] = (uint32_t)e4m3_quantize_fast(cv[4 * j], s) | ((uint32_t)e4m3_quantize_fast(cv[4 * j + 1], s) << 8) |
+           ((uint32_t)e4m3_quantize_fast(cv[4 * j + 2], s) << 16) |
+           ((uint32_t)e4m3_quantize_fast(cv[4 * j + 3], s) << 24);
   reinterpret_cast<uint4 *>(row)[lane] = make_uint4(u[0], u[1], u[2], u[3]);
   if (cache_dtype == DT_FP8_BLOCK) {
     const uint32_t w = (uint32_t)mla_f32_to_bf16(rv[0]) | ((uint32_t)mla_f32_to_bf16(rv[1]) << 16);
     reinterpret_cast<uint32_t *>(row + kBlockRopeOff)[lane] = w;
   } else {
-    const uint16_t w = (uint16_t)(mla_e4m3_quantize(rv[0], fp8_scale) | (mla_e4m3_quantize(rv[1], fp8_scale) << 8));
+    const uint16_t w = (uint16_t)(e4m3_quantize_fast(rv[0], fp8_scale) | (e4m3_quantize_fast(rv[1], fp8_scale) << 8));
     reinterpret_cast<uint16_t *>(row + kLatent)[lane] = w;
   }
 }

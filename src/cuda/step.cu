@@ -17,12 +17,13 @@ constexpr int kRowThreads = 128;
 __global__ void __launch_bounds__(kRowThreads)
     step_rows_kernel(const mla_step_geom g, const int32_t *__restrict__ req_to_token,
                      const int32_t *__restrict__ req_ids, const int32_t *__restrict__ seq_lens,
-                     int32_t *__restrict__ qo_indptr, int32_t *__restrict__ kv_lens,
-                     int32_t *__restrict__ block_table, int *bad) {
+                     const int32_t *__restrict__ extend_lens, int32_t *__restrict__ qo_indptr,
+                     int32_t *__restrict__ kv_lens, int32_t *__restrict__ block_table, int *bad) {
   const int i = blockIdx.x;
   const int32_t rid = req_ids[i];
   const int32_t kv = mla_step_row_kv(&g, rid, seq_lens[i]);
-  int row_bad = kv < 0;
+  const int32_t q = kv < 0 ? -1 : mla_step_row_q(&g, g.varlen ? extend_lens[i] : 0, kv);
+  int row_bad = kv < 0 || q < 0;
   int32_t *bt = block_table + (int64_t)i * g.width;
   for (int j = threadIdx.x; j < g.width; j += kRowThreads) {
     int32_t e = kv < 0 ? MLA_BLOCK_TABLE_PAD : mla_step_page(&g, req_to_token, rid, kv, j);
@@ -35,7 +36,8 @@ __global__ void __launch_bounds__(kRowThreads)
   row_bad = __syncthreads_or(row_bad);
   if (threadIdx.x == 0) {
     kv_lens[i] = row_bad ? 0 : kv;
-    qo_indptr[i + 1] = (i + 1) * g.q_len;
+    // EXTEND: the row's query count, turned into the running sum by the schedule kernel
+    qo_indptr[i + 1] = g.varlen ? (row_bad ? 0 : q) : (i + 1) * g.q_len;
     if (i == 0) qo_indptr[0] = 0;
     if (row_bad) atomicAdd(bad, 1);
   }
@@ -103,7 +105,7 @@ __device__ int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((
 __device__ int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
 
 __global__ void __launch_bounds__(kSchedThreads)
-    step_schedule_kernel(const mla_step_geom g, const int32_t *__restrict__ kv_lens,
+    step_schedule_kernel(const mla_step_geom g, int32_t *__restrict__ qo_indptr, int32_t *__restrict__ kv_lens,
                          int32_t *__restrict__ sched_meta, int32_t *__restrict__ num_splits, int *bad) {
   extern __shared__ int64_t C[];                 // [bs + 1]
   const int bs = g.batch_size, nt = blockDim.x, t = threadIdx.x, parts = g.num_parts;
@@ -116,8 +118,24 @@ __global__ void __launch_bounds__(kSchedThreads)
   __shared__ int32_t sums32[32];
   __shared__ int chain_len;
 
-  // cost prefix sums
   const int per = (bs + nt - 1) / nt, i0 = t * per, i1 = min(bs, i0 + per);
+  if (g.varlen) {
+    // EXTEND: qo_indptr[1..bs] holds each row's query count; make it the
+    // running sum. Over the token bound: the batch is not attended at all.
+    int64_t q_local = 0;
+    for (int i = i0; i < i1; i++) q_local += qo_indptr[i + 1];
+    int64_t q_total;
+    int64_t q_run = block_exclusive_scan<int64_t>(q_local, sums64, &q_total);
+    const bool over = q_total > g.num_tokens;
+    for (int i = i0; i < i1; i++) {
+      q_run += qo_indptr[i + 1];
+      qo_indptr[i + 1] = over ? 0 : (int32_t)q_run;
+      if (over) kv_lens[i] = 0;
+    }
+    if (over && t == 0) atomicAdd(bad, 1);
+    __syncthreads();  // kv_lens as the costs below read them
+  }
+  // cost prefix sums
   int64_t local = 0;
   for (int i = i0; i < i1; i++) local += mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK) + OV;
   int64_t total;
@@ -249,13 +267,15 @@ size_t schedule_smem(const mla_step_geom *g) {
 }  // namespace
 
 extern "C" int mla_cuda_step_build(const mla_step_geom *g, const int32_t *req_to_token, const int32_t *req_ids,
-                                   const int32_t *seq_lens, int32_t *qo_indptr, int32_t *kv_lens,
+                                   const int32_t *seq_lens, const int32_t *extend_lens, int32_t *qo_indptr,
+                                   int32_t *kv_lens,
                                    int32_t *block_table, int32_t *sched_meta, int32_t *num_splits, int *bad,
                                    void *stream_) {
   cudaStream_t stream = (cudaStream_t)stream_;
   if (g->batch_size < 1 || g->batch_size > MLA_CUDA_STEP_MAX_BS) return (int)cudaErrorInvalidValue;
-  step_rows_kernel<<<g->batch_size, kRowThreads, 0, stream>>>(*g, req_to_token, req_ids, seq_lens, qo_indptr,
-                                                             kv_lens, block_table, bad);
+  if (g->varlen && !extend_lens) return (int)cudaErrorInvalidValue;
+  step_rows_kernel<<<g->batch_size, kRowThreads, 0, stream>>>(*g, req_to_token, req_ids, seq_lens, extend_lens,
+                                                             qo_indptr, kv_lens, block_table, bad);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return (int)e;
   const size_t smem = schedule_smem(g);
@@ -263,6 +283,6 @@ extern "C" int mla_cuda_step_build(const mla_step_geom *g, const int32_t *req_to
     e = cudaFuncSetAttribute(step_schedule_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return (int)e;
   }
-  step_schedule_kernel<<<1, kSchedThreads, smem, stream>>>(*g, kv_lens, sched_meta, num_splits, bad);
+  step_schedule_kernel<<<1, kSchedThreads, smem, stream>>>(*g, qo_indptr, kv_lens, sched_meta, num_splits, bad);
   return (int)cudaGetLastError();
 }

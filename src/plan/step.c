@@ -28,6 +28,7 @@
 #define STEP_MAX_BS 8192
 #define STEP_MAX_WINDOW 64
 #define STEP_MAX_DRAFT_STEPS 16
+#define STEP_MAX_TOKENS 65536
 
 typedef struct step_layout {
   int32_t *qo_indptr, *kv_lens, *block_table, *sched_meta, *num_splits;
@@ -47,17 +48,25 @@ static int log2_of(int x) {
 static mla_status step_geom(mla_ctx *ctx, const char *fn, const mla_step_desc *d, mla_step_geom *g) {
   mla_errbuf *eb = &ctx->err;
   if (!d) return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "desc is NULL");
-  if (d->mode != MLA_MODE_DECODE && d->mode != MLA_MODE_TARGET_VERIFY && d->mode != MLA_MODE_DRAFT_EXTEND)
+  if (d->mode != MLA_MODE_DECODE && d->mode != MLA_MODE_TARGET_VERIFY && d->mode != MLA_MODE_DRAFT_EXTEND &&
+      d->mode != MLA_MODE_EXTEND)
     return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn,
-                    "desc->mode = %d: a step is DECODE, TARGET_VERIFY or DRAFT_EXTEND (fixed window)",
+                    "desc->mode = %d: a step is DECODE, TARGET_VERIFY, DRAFT_EXTEND (fixed window) or EXTEND",
                     (int)d->mode);
+  const int extend = d->mode == MLA_MODE_EXTEND;
+  if (extend && (d->num_tokens < 1 || d->num_tokens > STEP_MAX_TOKENS))
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "desc->num_tokens = %d, expected 1..%d for EXTEND",
+                    (int)d->num_tokens, STEP_MAX_TOKENS);
+  if (!extend && d->num_tokens != 0)
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "desc->num_tokens = %d, expected 0 outside EXTEND",
+                    (int)d->num_tokens);
   if (d->batch_size < 1 || d->batch_size > STEP_MAX_BS)
     return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "desc->batch_size = %d, expected 1..%d",
                     (int)d->batch_size, STEP_MAX_BS);
-  if (d->mode == MLA_MODE_DECODE && d->num_draft_tokens != 0)
-    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "desc->num_draft_tokens = %d, expected 0 for DECODE",
-                    (int)d->num_draft_tokens);
-  if (d->mode != MLA_MODE_DECODE && (d->num_draft_tokens < 1 || d->num_draft_tokens > STEP_MAX_WINDOW))
+  if ((d->mode == MLA_MODE_DECODE || extend) && d->num_draft_tokens != 0)
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "desc->num_draft_tokens = %d, expected 0 for %s",
+                    (int)d->num_draft_tokens, extend ? "EXTEND" : "DECODE");
+  if (d->mode != MLA_MODE_DECODE && !extend && (d->num_draft_tokens < 1 || d->num_draft_tokens > STEP_MAX_WINDOW))
     return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "desc->num_draft_tokens = %d, expected 1..%d",
                     (int)d->num_draft_tokens, STEP_MAX_WINDOW);
   if (d->max_kv_len < 1 || d->max_kv_len > (1 << 30))
@@ -66,6 +75,12 @@ static mla_status step_geom(mla_ctx *ctx, const char *fn, const mla_step_desc *d
   if (d->num_heads < 1 || d->num_heads > MLA_MAX_HEADS)
     return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "desc->num_heads = %d, expected 1..%d",
                     (int)d->num_heads, MLA_MAX_HEADS);
+  /* One grid row of CUDA blocks per 64 (query token, head) rows of the
+   * longest request, at most 65535 of them; the same bound on both devices. */
+  if (extend && (int64_t)d->num_tokens * d->num_heads > 65535LL * 64)
+    return mla_fail(eb, MLA_ERR_UNSUPPORTED, fn,
+                    "desc->num_tokens = %d with %d heads: an EXTEND step takes at most 4194240 (token, head) rows",
+                    (int)d->num_tokens, (int)d->num_heads);
   if (!mla_is_pow2(d->page_size) || d->page_size > 256)
     return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "desc->page_size = %d, expected a power of two 1..256",
                     (int)d->page_size);
@@ -96,7 +111,9 @@ static mla_status step_geom(mla_ctx *ctx, const char *fn, const mla_step_desc *d
   memset(g, 0, sizeof *g);
   g->mode = (int32_t)d->mode;
   g->batch_size = d->batch_size;
-  g->q_len = d->mode == MLA_MODE_DECODE ? 1 : d->num_draft_tokens;
+  g->q_len = d->mode == MLA_MODE_DECODE ? 1 : d->mode == MLA_MODE_EXTEND ? d->num_tokens : d->num_draft_tokens;
+  g->varlen = d->mode == MLA_MODE_EXTEND;
+  g->num_tokens = d->num_tokens;
   g->kv_extra = d->mode == MLA_MODE_TARGET_VERIFY ? d->num_draft_tokens : 0;
   g->max_kv_len = d->max_kv_len;
   const int world = d->dcp_world > 0 ? d->dcp_world : 1;
@@ -197,12 +214,18 @@ mla_status mla_step_workspace_size(mla_ctx *ctx, const mla_step_desc *desc, size
 static mla_status prepare_cpu(mla_ctx *ctx, const mla_step_geom *g, const mla_step_inputs *in,
                               const step_layout *L) {
   const int bs = g->batch_size, P = 1 << g->page_shift;
+  int64_t q_total = 0;
   for (int i = 0; i < bs; i++) {
     const int32_t kv = mla_step_row_kv(g, in->req_ids[i], in->seq_lens[i]);
     if (kv < 0)
       return mla_fail(&ctx->err, MLA_ERR_OUT_OF_RANGE, "mla_step_prepare",
                       "row %d: req_ids = %d, seq_lens = %d outside max_reqs = %d / desc->max_kv_len = %d", i,
                       (int)in->req_ids[i], (int)in->seq_lens[i], (int)g->max_reqs, (int)g->max_kv_len);
+    const int32_t q = mla_step_row_q(g, g->varlen ? in->extend_lens[i] : 0, kv);
+    if (q < 0)
+      return mla_fail(&ctx->err, MLA_ERR_OUT_OF_RANGE, "mla_step_prepare",
+                      "row %d: extend_lens = %d outside 0..seq_lens = %d", i, (int)in->extend_lens[i], (int)kv);
+    q_total += q;
     const int32_t np = (int32_t)mla_cdiv(kv, P);
     for (int32_t j = 0; j < np; j++)
       if (mla_step_page(g, in->req_to_token, in->req_ids[i], kv, j) == -2)
@@ -211,6 +234,10 @@ static mla_status prepare_cpu(mla_ctx *ctx, const mla_step_geom *g, const mla_st
                         "cache's %lld",
                         i, (int)in->req_ids[i], (long long)j * P, (long long)g->num_pages);
   }
+  if (g->varlen && q_total > g->num_tokens)
+    return mla_fail(&ctx->err, MLA_ERR_OUT_OF_RANGE, "mla_step_prepare",
+                    "the extend lens add up to %lld query tokens, more than desc->num_tokens = %d",
+                    (long long)q_total, (int)g->num_tokens);
   if (!L) return MLA_OK; /* validation only */
   L->qo_indptr[0] = 0;
   L->kv_indptr[0] = 0;
@@ -223,7 +250,7 @@ static mla_status prepare_cpu(mla_ctx *ctx, const mla_step_geom *g, const mla_st
     int32_t *idx = L->kv_indices + L->kv_indptr[i];
     for (int32_t j = 0; j < kv; j++) idx[j] = bt[j >> g->page_shift] * P + (j & (P - 1));
     L->kv_lens[i] = kv;
-    L->qo_indptr[i + 1] = (i + 1) * g->q_len;
+    L->qo_indptr[i + 1] = g->varlen ? L->qo_indptr[i] + in->extend_lens[i] : (i + 1) * g->q_len;
     L->kv_indptr[i + 1] = L->kv_indptr[i] + kv;
   }
   if (mla_split_schedule_body(L->kv_lens, bs, g->num_parts, L->sched_meta, L->num_splits) != 0)
@@ -251,6 +278,8 @@ mla_status mla_step_prepare(mla_ctx *ctx, const mla_step_desc *desc, const mla_k
               cache->page_size);
   MLA_REQUIRE(eb, in->req_to_token && in->req_ids && in->seq_lens, MLA_ERR_INVALID_ARGUMENT,
               "in->req_to_token, req_ids and seq_lens must be non-NULL");
+  MLA_REQUIRE(eb, desc->mode != MLA_MODE_EXTEND || in->extend_lens, MLA_ERR_INVALID_ARGUMENT,
+              "in->extend_lens is NULL: an EXTEND step needs each row's query count");
   MLA_REQUIRE(eb, in->max_reqs >= 1, MLA_ERR_INVALID_ARGUMENT, "in->max_reqs = %d, expected >= 1",
               (int)in->max_reqs);
   MLA_REQUIRE(eb, in->req_to_token_stride >= desc->max_kv_len, MLA_ERR_INVALID_ARGUMENT,
@@ -263,9 +292,10 @@ mla_status mla_step_prepare(mla_ctx *ctx, const mla_step_desc *desc, const mla_k
 #ifdef MLA_WITH_CUDA
   if (ctx->device == MLA_DEVICE_CUDA)
     MLA_REQUIRE(eb, mla_cuda_is_device_ptr(in->req_to_token) && mla_cuda_is_device_ptr(in->req_ids) &&
-                        mla_cuda_is_device_ptr(in->seq_lens),
+                        mla_cuda_is_device_ptr(in->seq_lens) &&
+                        (desc->mode != MLA_MODE_EXTEND || mla_cuda_is_device_ptr(in->extend_lens)),
                 MLA_ERR_INVALID_ARGUMENT,
-                "in->req_to_token, req_ids and seq_lens must be device memory on a CUDA context");
+                "in->req_to_token, req_ids, seq_lens (and extend_lens) must be device memory on a CUDA context");
 #endif
   /* CPU: check every step before writing any (draft step i reads i + 1
    * more positions than step 0). */
@@ -284,7 +314,8 @@ mla_status mla_step_prepare(mla_ctx *ctx, const mla_step_desc *desc, const mla_k
       continue;
     }
 #ifdef MLA_WITH_CUDA
-    const int e = mla_cuda_step_build(&gk, in->req_to_token, in->req_ids, in->seq_lens, L.qo_indptr, L.kv_lens,
+    const int e = mla_cuda_step_build(&gk, in->req_to_token, in->req_ids, in->seq_lens,
+                                      gk.varlen ? in->extend_lens : NULL, L.qo_indptr, L.kv_lens,
                                       L.block_table, L.sched_meta, L.num_splits, ctx->d_bad, ctx->stream);
     if (e) return mla_cuda_fail(eb, fn, "step metadata kernels", e);
 #else
@@ -338,7 +369,7 @@ mla_status mla_step_attention(mla_ctx *ctx, const mla_step_desc *desc, const mla
   memset(&p, 0, sizeof p);
   p.mode = (mla_mode)g.mode;
   p.batch_size = g.batch_size;
-  p.num_q_tokens = g.batch_size * g.q_len;
+  p.num_q_tokens = L.qo_indptr[g.batch_size];
   p.num_kv_tokens = L.kv_indptr[g.batch_size];
   p.max_q_len = g.q_len;
   for (int i = 0; i < g.batch_size; i++)

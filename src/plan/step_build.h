@@ -94,7 +94,9 @@ static inline MLA_SB_HD int mla_split_schedule_body(const int32_t *kv_lens /* [b
 typedef struct mla_step_geom {
   int32_t mode;         /* mla_mode */
   int32_t batch_size;
-  int32_t q_len;        /* queries per row */
+  int32_t q_len;        /* queries per row (EXTEND: the most of one row = num_tokens) */
+  int32_t varlen;       /* EXTEND: row i has extend_lens[i] queries (qo_indptr a running sum) */
+  int32_t num_tokens;   /* EXTEND: bound on the batch's total queries */
   int32_t kv_extra;     /* kv_len = seq_len + kv_extra (TARGET_VERIFY: ndt) */
   int32_t max_kv_len;   /* bound on the (global) kv length */
   int32_t page_shift;   /* log2(page_size) of the cache the kernels read */
@@ -121,6 +123,13 @@ static inline MLA_SB_HD int32_t mla_step_row_kv(const mla_step_geom *g, int32_t 
   const int64_t kv = (int64_t)seq_len + g->kv_extra;
   if (kv > g->max_kv_len) return -1;
   return mla_step_local_kv(g, kv);
+}
+
+/* Queries of row i: q_len, or (EXTEND) its extend length when 0..kv_len
+ * (the queries are the row's last keys), else -1. */
+static inline MLA_SB_HD int32_t mla_step_row_q(const mla_step_geom *g, int32_t extend_len, int32_t kv_len) {
+  if (!g->varlen) return g->q_len;
+  return extend_len >= 0 && extend_len <= kv_len ? extend_len : -1;
 }
 
 /* Block-table entry j of a row with kv_len (local) keys: the page holding
