@@ -47,10 +47,23 @@
 
 #define SPLIT_MIN_ITEMS 16
 #define SPLIT_MAX_PIECES 32
-/* A piece pays for building its transposed query block and for its first,
- * not prefetched, tile: 512 keys keep that below a few percent. */
+/* A piece pays for its first tile's start, its partial state's trip
+ * through memory and its share of the merge: ~5 % of a 512-key piece (H =
+ * 16). Pieces get SPLIT_PIECE_KEYS keys where that still leaves
+ * SPLIT_WANT_PIECES pieces in all (as many as 16 cores use), down to
+ * SPLIT_MIN_KEYS otherwise. Measured on a 2-core AVX-512 VM where the
+ * pieces grow (H = 16 s_k = 16384, 4 x 4096; H = 128 s_k = 8192): 2-4 %
+ * faster on 1 and 2 threads; elsewhere the cut is unchanged. */
 #define SPLIT_MIN_KEYS 512
+#define SPLIT_PIECE_KEYS 1024
+#define SPLIT_WANT_PIECES 16
 #define COLS 64 /* columns of a tile converted at a time (divides 512 and 576) */
+/* A split piece's partial state per row: the unnormalised accumulator
+ * (512, in the tile's column order), then m and l (base 2); padded so rows
+ * stay 64-byte aligned. */
+#define PART_W (MLA_LATENT + 16)
+#define PART_M MLA_LATENT
+#define PART_L (MLA_LATENT + 1)
 #define NBLK (MLA_ROW / COLS) /* column blocks of a tile */
 
 /* Item geometry: heads per item, query tokens per item, padded rows. */
@@ -93,13 +106,13 @@ static scratch_layout layout_for(int rb) {
 }
 
 /* Workspace: [workers x scratch][split partials: SPLIT_MAX_PIECES x rb x
- * (512 + 1)][split items' query blocks: SPLIT_MIN_ITEMS x 576 x rb]. */
+ * PART_W][split items' query blocks: SPLIT_MIN_ITEMS x 576 x rb]. */
 static size_t carve(mla_ws *w, int workers, geom g, float **scratch, float **partial,
                     float **item_qt) {
   scratch_layout L = layout_for(g.rb);
   size_t pw = L.total * sizeof(float);
   float *a = mla_ws_take(w, pw * (size_t)workers);
-  float *b = mla_ws_take(w, (size_t)SPLIT_MAX_PIECES * g.rb * (MLA_LATENT + 1) * sizeof(float));
+  float *b = mla_ws_take(w, (size_t)SPLIT_MAX_PIECES * g.rb * PART_W * sizeof(float));
   float *c = mla_ws_take(w, (size_t)SPLIT_MIN_ITEMS * MLA_ROW * g.rb * sizeof(float));
   if (scratch) *scratch = a;
   if (partial) *partial = b;
@@ -344,12 +357,19 @@ static void run_piece(const ab_job *J, const piece *pc, int worker, const piece 
     rp_next = t;
   }
 
+  if (pc->part >= 0) { /* the raw state: the merge normalises and reorders once */
+    for (int r = 0; r < rows; r++) {
+      float *o = J->partial + ((size_t)pc->part * J->g.rb + r) * PART_W;
+      memcpy(o, acc + (size_t)r * MLA_LATENT, MLA_LATENT * sizeof(float));
+      o[PART_M] = m[r];
+      o[PART_L] = l[r];
+    }
+    return;
+  }
   for (int r = 0; r < rows; r++) {
     const float *ar = acc + (size_t)r * MLA_LATENT;
     float obuf[MLA_LATENT];
-    float *o = pc->part >= 0
-                   ? J->partial + ((size_t)pc->part * J->g.rb + r) * (MLA_LATENT + 1)
-                   : obuf;
+    float *o = obuf;
     double lse2;
     if (m[r] == -INFINITY) { /* no visible key in this range */
       memset(o, 0, MLA_LATENT * sizeof(float));
@@ -366,10 +386,7 @@ static void run_piece(const ab_job *J, const piece *pc, int worker, const piece 
         for (int e = 0; e < MLA_LATENT; e++) o[e] = ar[e] * inv;
       lse2 = (double)m[r] + log2((double)l[r]);
     }
-    if (pc->part >= 0)
-      o[MLA_LATENT] = (float)lse2;
-    else
-      write_row(J, tq0 + pc->q0 + r / pc->nh, pc->h0 + r % pc->nh, o, lse2);
+    write_row(J, tq0 + pc->q0 + r / pc->nh, pc->h0 + r % pc->nh, o, lse2);
   }
 }
 
@@ -460,32 +477,38 @@ static void merge_range(void *arg, int64_t b, int64_t e, int worker) {
     const piece *pc = &J->items[it];
     if (r >= pc->nq * pc->nh || J->item_num_parts[it] <= 1) continue;
     const int p0 = J->item_first_part[it], np = J->item_num_parts[it];
-    double mx = -INFINITY;
-    for (int p = 0; p < np; p++) {
-      double v = J->partial[((size_t)(p0 + p) * J->g.rb + r) * (MLA_LATENT + 1) + MLA_LATENT];
-      if (v > mx) mx = v;
-    }
+    const float *part = J->partial + ((size_t)p0 * J->g.rb + r) * PART_W;
+    const size_t pst = (size_t)J->g.rb * PART_W; /* from one piece's row to the next's */
+    float mx = -INFINITY;
+    for (int p = 0; p < np; p++)
+      if (part[p * pst + PART_M] > mx) mx = part[p * pst + PART_M];
     float o[MLA_LATENT];
     double lse2 = -INFINITY;
     if (mx == -INFINITY) {
       memset(o, 0, sizeof o);
     } else {
-      /* o = sum_p w_p o_p / sum_p w_p as one P x V product of the kernels
-       * (a row of weights against the pieces' rows); an empty piece has
-       * weight 0 and o_p = 0, so it adds nothing. */
-      float w[SPLIT_MAX_PIECES];
-      double wsum = 0.0;
+      /* o = sum_p w_p acc_p / sum_p w_p l_p, w_p = 2^(m_p - mx), as one
+       * P x V product of the kernels (a row of weights against the
+       * pieces' rows); an empty piece (m_p = -inf) has w_p = 0, acc_p = 0. */
+      float w[SPLIT_MAX_PIECES], acc[MLA_LATENT];
+      double den = 0.0;
       for (int p = 0; p < np; p++) {
-        const float l2 = J->partial[((size_t)(p0 + p) * J->g.rb + r) * (MLA_LATENT + 1) + MLA_LATENT];
-        w[p] = l2 == -INFINITY ? 0.0f : (float)exp2((double)l2 - mx);
-        wsum += w[p];
+        const float mp = part[p * pst + PART_M];
+        w[p] = mp == -INFINITY ? 0.0f : (float)exp2((double)mp - (double)mx);
+        den += (double)w[p] * part[p * pst + PART_L];
       }
-      memset(o, 0, sizeof o);
-      J->k->pv(np, 1, w, 1, J->partial + ((size_t)p0 * J->g.rb + r) * (MLA_LATENT + 1),
-               J->g.rb * (MLA_LATENT + 1), MLA_LATENT, NULL, o, MLA_LATENT, NULL);
-      const float inv = (float)(1.0 / wsum);
-      for (int c = 0; c < MLA_LATENT; c++) o[c] *= inv;
-      lse2 = mx + log2(wsum);
+      memset(acc, 0, sizeof acc);
+      J->k->pv(np, 1, w, 1, part, (int)pst, MLA_LATENT, NULL, acc, MLA_LATENT, NULL);
+      const float inv = (float)(1.0 / den);
+      if (J->split) /* back to the natural column order */
+        for (int g = 0; g < MLA_LATENT; g += 32)
+          for (int i = 0; i < 16; i++) {
+            o[g + 2 * i] = acc[g + i] * inv;
+            o[g + 2 * i + 1] = acc[g + 16 + i] * inv;
+          }
+      else
+        for (int c = 0; c < MLA_LATENT; c++) o[c] = acc[c] * inv;
+      lse2 = (double)mx + log2(den);
     }
     write_row(J, J->plan->qo_indptr[pc->req] + pc->q0 + r / pc->nh, pc->h0 + r % pc->nh, o,
               lse2);
@@ -696,12 +719,15 @@ mla_status mla_cpu_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, i
       items[ni++] = pc;
       total_keys += kend;
     }
+  int min_len = mla_cpu_round_up((int)(total_keys / SPLIT_WANT_PIECES), MLA_CPU_KEYS);
+  if (min_len < SPLIT_MIN_KEYS) min_len = SPLIT_MIN_KEYS;
+  if (min_len > SPLIT_PIECE_KEYS) min_len = SPLIT_PIECE_KEYS;
   int np = 0;
   for (int it = 0; it < ni; it++) {
     const int keys = items[it].k1;
     int s = 1;
     if (total_keys > 0) s += (int)((int64_t)(SPLIT_MAX_PIECES - ni) * keys / total_keys);
-    const int cap = (int)mla_cdiv(keys, SPLIT_MIN_KEYS);
+    const int cap = (int)mla_cdiv(keys, min_len);
     if (s > cap) s = cap;
     if (s < 1) s = 1;
     /* tile-aligned piece length, then the count it really gives */
