@@ -51,18 +51,21 @@ __device__ float block_scale(float v, float *red_amax, int *red_nan) {
 
 // v / scale rounded once to e4m3, bit for bit mla_e4m3_quantize (convert.h:
 // the exact quotient narrowed to float with round-to-odd, then rounded to 4
-// significant bits), without its double division, which the GPU runs at a
-// fraction of its float rate: the float quotient f = RN(v / s) is exact iff
-// the remainder v - f s (exactly representable, and exactly what the fma
-// returns, when |v| >= 2^-100 and f and s are normal floats) is 0, and its
-// sign says on which side of f the exact quotient lies. Anything outside
-// those ranges (zero, tiny, NaN or infinite values or scales, a quotient
-// that leaves the normal range) takes the exact double path.
-__device__ __forceinline__ uint8_t e4m3_quantize_fast(float v, float s) {
+// significant bits), without its double division and its integer rounding
+// steps, which make the fp8 write compute-bound: the float quotient
+// f = RN(v / s) is exact iff the remainder v - f s is 0 (that remainder is
+// exactly representable, and exactly what the fma returns, when |v| >= 2^-100
+// and f and s are normal floats), and its sign says on which side of f the
+// exact quotient lies; the odd-rounded f then goes through the hardware's
+// round-to-nearest-even, saturating e4m3 conversion (sm_89+), the same
+// rounding and saturation as mla_f32_to_e4m3. Anything outside those ranges
+// (zero, tiny, NaN or infinite values or scales, a quotient outside the
+// normal range) takes the exact software path.
+__device__ __forceinline__ bool quotient_odd(float v, float s, float *q) {
   const float av = fabsf(v);
-  if (!(av >= 0x1p-100f && av <= FLT_MAX && s >= FLT_MIN && s <= FLT_MAX)) return mla_e4m3_quantize(v, s);
+  if (!(av >= 0x1p-100f && av <= FLT_MAX && s >= FLT_MIN && s <= FLT_MAX)) return false;
   float f = __fdiv_rn(v, s);
-  if (!(fabsf(f) >= FLT_MIN && fabsf(f) <= FLT_MAX)) return mla_e4m3_quantize(v, s);
+  if (!(fabsf(f) >= FLT_MIN && fabsf(f) <= FLT_MAX)) return false;
   const float r = fmaf(-f, s, v);  // v - f s, exact
   if (r != 0.0f) {
     const uint32_t u = __float_as_uint(f);
@@ -71,7 +74,44 @@ __device__ __forceinline__ uint8_t e4m3_quantize_fast(float v, float s) {
       f = __uint_as_float(mag_up ? u + 1u : u - 1u);
     }
   }
-  return mla_f32_to_e4m3(f);
+  *q = f;
+  return true;
+}
+
+// Two floats to e4m3 (round to nearest even, saturating): lo in the low byte.
+__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return (uint32_t)mla_f32_to_e4m3(lo) | ((uint32_t)mla_f32_to_e4m3(hi) << 8);
+#endif
+}
+
+// n (even) values of x quantized with scale s, packed little-endian into bytes.
+template <int n>
+__device__ __forceinline__ void e4m3_quantize_n(const float *x, float s, uint8_t *out) {
+  float q[n];
+  bool ok[n];
+#pragma unroll
+  for (int k = 0; k < n; k++) {
+    ok[k] = quotient_odd(x[k], s, &q[k]);
+    if (!ok[k]) q[k] = 0.0f;
+  }
+#pragma unroll
+  for (int k = 0; k < n; k += 2) {
+    const uint32_t w = e4m3x2(q[k], q[k + 1]);
+    out[k] = ok[k] ? (uint8_t)(w & 0xFFu) : mla_e4m3_quantize(x[k], s);
+    out[k + 1] = ok[k + 1] ? (uint8_t)(w >> 8) : mla_e4m3_quantize(x[k + 1], s);
+  }
+}
+
+__device__ __forceinline__ uint8_t e4m3_quantize_fast(float v, float s) {
+  float x[2] = {v, 0.0f};
+  uint8_t b[2];
+  e4m3_quantize_n<2>(x, s, b);
+  return b[0];
 }
 
 __global__ void __launch_bounds__(kThreads) kv_write_kernel(unsigned char *layer, int64_t num_slots,
@@ -222,19 +262,21 @@ __global__ void __launch_bounds__(32 * kWarpRows) kv_write_rows_kernel(
     s = mla_fp8_block_scale_from(fin, nan);
     if ((lane & 7) == 0) reinterpret_cast<float *>(row + kBlockScaleOff)[lane >> 3] = s;
   }
+  uint8_t b[16];
+  e4m3_quantize_n<16>(cv, s, b);
   uint32_t u[4];
 #pragma unroll
   for (int j = 0; j < 4; j++)
-    u[j] = (uint32_t)e4m3_quantize_fast(cv[4 * j], s) | ((uint32_t)e4m3_quantize_fast(cv[4 * j + 1], s) << 8) |
-           ((uint32_t)e4m3_quantize_fast(cv[4 * j + 2], s) << 16) |
-           ((uint32_t)e4m3_quantize_fast(cv[4 * j + 3], s) << 24);
+    u[j] = (uint32_t)b[4 * j] | ((uint32_t)b[4 * j + 1] << 8) | ((uint32_t)b[4 * j + 2] << 16) |
+           ((uint32_t)b[4 * j + 3] << 24);
   reinterpret_cast<uint4 *>(row)[lane] = make_uint4(u[0], u[1], u[2], u[3]);
   if (cache_dtype == DT_FP8_BLOCK) {
     const uint32_t w = (uint32_t)mla_f32_to_bf16(rv[0]) | ((uint32_t)mla_f32_to_bf16(rv[1]) << 16);
     reinterpret_cast<uint32_t *>(row + kBlockRopeOff)[lane] = w;
   } else {
-    const uint16_t w = (uint16_t)(e4m3_quantize_fast(rv[0], fp8_scale) | (e4m3_quantize_fast(rv[1], fp8_scale) << 8));
-    reinterpret_cast<uint16_t *>(row + kLatent)[lane] = w;
+    uint8_t rb[2];
+    e4m3_quantize_n<2>(rv, fp8_scale, rb);
+    reinterpret_cast<uint16_t *>(row + kLatent)[lane] = (uint16_t)(rb[0] | (rb[1] << 8));
   }
 }
 
