@@ -83,7 +83,7 @@ static void *rand_bf16(uint64_t *seed, size_t n) {
 }
 
 typedef struct bc_opts {
-  int b, runs, csv, quick, P, no_prefill;
+  int b, runs, csv, quick, P, no_prefill, no_kv_write;
   int sk[8], nsk, H[4], nh, sq[4], nsq;
   mla_dtype dt[4];
   int ndt;
@@ -594,6 +594,7 @@ static int bc_usage(FILE *f) {
           "  --quick        s_k 8192 only, few runs\n"
           "  --no-prefill   skip the prefill cases (ragged MHA 1 x 8K, 1 x 16K, 16 x 1K, 192/128; paged absorbed\n"
           "                 prefill 16 x (4K + 512), 1 x (16K + 1K), 4 x (8K + 256)); H=128\n"
+          "  --no-kv-write  skip the KV write cases (8K and 128K rows into bf16 / fp8 / fp8-block caches)\n"
           "  --csv          comma-separated output\n");
   return f == stderr ? 2 : 0;
 }
@@ -638,6 +639,8 @@ int bench_cuda_main(int argc, char **argv) {
       o.quick = 1;
     } else if (!strcmp(k, "--no-prefill")) {
       o.no_prefill = 1;
+    } else if (!strcmp(k, "--no-kv-write")) {
+      o.no_kv_write = 1;
     } else if (!strcmp(k, "--csv")) {
       o.csv = 1;
     } else if (!strcmp(k, "--help") || !strcmp(k, "-h")) {
@@ -732,7 +735,7 @@ int bench_cuda_main(int argc, char **argv) {
         }
       world_free(&w);
     }
-  {
+  if (!o.no_kv_write) {
     /* KV write with quantize-on-write, against the copy rate measured above. */
     printf("# KV write (mla_kv_cache_write, bf16 rows in, shuffled pages of 64), median of %d runs, L2 flushed; "
            "copy %.0f GB/s\n",
