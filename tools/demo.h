@@ -33,6 +33,11 @@ typedef struct demo_opts {
    * in one TARGET_VERIFY batch, the rejected ones are rolled back. */
   int spec;              /* 0 = plain decode steps plus one verifying request */
   int spec_steps;        /* draft tokens per round, 1..16 */
+  /* Where the simulation's attention runs: 0 = a CUDA device when this build
+   * has CUDA and a GPU is present, else the CPU; 1 = the CPU; 2 = CUDA (an
+   * error without one). The table (demo.c) always runs on the CPU. */
+  int device;
+  int no_graphs;         /* CUDA: plan decode steps eagerly instead of replaying graphs */
 } demo_opts;
 
 void demo_default_opts(demo_opts *o);

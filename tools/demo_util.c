@@ -1,5 +1,6 @@
 /* Helpers shared by the demo table and the serving simulation. */
 #include "demo_util.h"
+#include "serve_dev.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -78,9 +79,14 @@ int demo_read_request(mla_backend *be, int layer, int32_t req, int len, double *
     return -1;
   float *cf = malloc((size_t)(len ? len : 1) * MLA_LATENT * sizeof(float));
   float *rf = malloc((size_t)(len ? len : 1) * MLA_ROPE * sizeof(float));
-  mla_status st = cf && rf ? mla_kv_cache_read(cache, layer, len, r2t + (size_t)req * rd.max_context, cf, rf,
-                                               MLA_DTYPE_F32)
-                           : MLA_ERR_OUT_OF_MEMORY;
+  /* A cache on a CUDA context reads through device buffers (serve_dev.c). */
+  void *data = NULL;
+  mla_kv_cache_layer_data(cache, layer, &data);
+  const int32_t *slots = r2t + (size_t)req * rd.max_context;
+  mla_status st = !cf || !rf                ? MLA_ERR_OUT_OF_MEMORY
+                  : sdev_is_device(data)    ? (sdev_cache_read(cache, layer, len, slots, cf, rf) ? MLA_ERR_DEVICE
+                                                                                               : MLA_OK)
+                                            : mla_kv_cache_read(cache, layer, len, slots, cf, rf, MLA_DTYPE_F32);
   if (st == MLA_OK) {
     for (int64_t i = 0; i < (int64_t)len * MLA_LATENT; i++) c[i] = cf[i];
     for (int64_t i = 0; i < (int64_t)len * MLA_ROPE; i++) r[i] = rf[i];

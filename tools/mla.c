@@ -17,8 +17,10 @@ static void usage(FILE *f) {
           "  demo        run one batch of every forward mode through the backend on the CPU,\n"
           "              check each against the float64 oracle and print a table; then\n"
           "              simulate serving a small DeepSeek-shaped model (requests arriving,\n"
-          "              prefix sharing, continuous batching, speculative verify), checking\n"
-          "              a sampled layer against the oracle every few steps\n"
+          "              prefix sharing, continuous batching, speculative verify) with its\n"
+          "              attention on a GPU when one is present (CUDA graphs for decode),\n"
+          "              else on the CPU, checking a sampled layer against the oracle every\n"
+          "              few steps\n"
           "  bench       time the CPU kernels against the measured peak\n"
           "              (mla bench --help for its options)\n"
           "  --help, -h  this text\n"
@@ -45,6 +47,10 @@ static void usage(FILE *f) {
           "                   tokens with a one-layer draft model (multi-step draft), verify them\n"
           "                   in one TARGET_VERIFY batch, roll back the rejected ones\n"
           "  --spec-steps N   --spec: draft tokens per round 1..16 (default 3)\n"
+          "  --device D       simulation: where attention runs: auto (default: a GPU when this build\n"
+          "                   has CUDA and one is present, else the CPU), cpu, cuda\n"
+          "  --no-graphs      simulation on CUDA: plan decode steps eagerly instead of replaying\n"
+          "                   CUDA graphs\n"
           "  --seed S         RNG seed (default 1)\n");
 }
 
@@ -90,6 +96,10 @@ static int cmd_demo(int argc, char **argv) {
       o.spec = 1;
       continue;
     }
+    if (!strcmp(k, "--no-graphs")) {
+      o.no_graphs = 1;
+      continue;
+    }
     if (!strcmp(k, "--dtype")) {
       if (!parse_dtype(v, &o.cache_dtype, 1)) return bad("--dtype", v);
     } else if (!strcmp(k, "--act")) {
@@ -133,6 +143,11 @@ static int cmd_demo(int argc, char **argv) {
     } else if (!strcmp(k, "--spec-steps")) {
       if (!parse_int(v, 1, 16, &x)) return bad("--spec-steps", v);
       o.spec_steps = (int)x;
+    } else if (!strcmp(k, "--device")) {
+      if (v && !strcmp(v, "auto")) o.device = 0;
+      else if (v && !strcmp(v, "cpu")) o.device = 1;
+      else if (v && !strcmp(v, "cuda")) o.device = 2;
+      else return bad("--device", v);
     } else if (!strcmp(k, "--prefix-impl")) {
       if (v && !strcmp(v, "absorbed")) o.prefix_impl = MLA_EXTEND_ABSORBED;
       else if (v && !strcmp(v, "chunked")) o.prefix_impl = MLA_EXTEND_MHA_CHUNKED;

@@ -42,6 +42,7 @@
 
 #include "demo_util.h"
 #include "ref.h"
+#include "serve_dev.h"
 #include "serve_gemm.h"
 
 #define L MLA_LATENT
@@ -53,6 +54,7 @@
 #define CHECK_HEADS 8    /* heads the oracle recomputes per check */
 #define CHECK_QUERIES 8  /* last query rows per request the oracle recomputes */
 #define MAX_BATCH 256    /* --max-batch limit (fixed-size arrays below) */
+#define NBUCKETS 9       /* decode graph batch buckets: 1, 2, 4, ..., 256 */
 
 typedef struct layer_w {
   float *wq;    /* [D, H*192] */
@@ -91,6 +93,8 @@ typedef struct stats {
   double max_err, max_cos, max_lse; /* attention checks */
   double cache_err;                 /* cache rows read back vs written */
   int pages_peak, shared_peak;
+  double t_replay;        /* CUDA: ms in decode steps replayed from graphs (upload, layers, download) */
+  int replay_steps, graphs_captured;
 } stats;
 
 typedef struct sim {
@@ -135,7 +139,20 @@ typedef struct sim {
   int32_t *dtok;              /* [max_batch, ns] draft tokens */
   int32_t *vidx;              /* [max_batch] sim_req index of each round row */
   int32_t *qo, *kvl;          /* [max_batch+1], [max_batch] a draft step's rows, as the oracle sees them */
-  int draft_rows;             /* > 0: the running pass is a draft step of this many rows (no host plan) */
+  int draft_rows;             /* > 0: the running pass is a device-built step (draft step, CUDA decode-type
+                                 step or graph) of this many rows: no host plan; ids / qo / kvl describe it */
+  int rows_causal;            /* that step's queries are causal (TARGET_VERIFY, DRAFT_EXTEND) */
+  /* CUDA context: the projections stay on the host; the attention's inputs
+   * and outputs go through these device buffers (fixed addresses, so decode
+   * layers can be captured in CUDA graphs and replayed). */
+  int cuda, graphs;
+  void *stream;
+  void *d_in, *d_qr, *d_c, *d_r, *d_out; /* as in_a, qr_a, c_a, r_a, out_a */
+  float *d_lse;
+  int32_t *d_slots;
+  void **d_kvb;               /* [layers] kv_b_proj in the act dtype */
+  void **gexec;               /* [layers * NBUCKETS] decode layer graphs per batch bucket */
+  int bucket;                 /* > 0: this pass replays the decode graphs of a batch of this size */
   stats st;
   /* the step's oracle check */
   int check_layer;            /* -1: none this step */
@@ -307,7 +324,10 @@ static void check_cache_write(sim *s, int layer, int T) {
   float *cf = malloc((size_t)T * L * sizeof(float)), *rf = malloc((size_t)T * R * sizeof(float));
   demo_cmp c;
   memset(&c, 0, sizeof c);
-  if (cf && rf && mla_kv_cache_read(cache, layer, T, s->slots, cf, rf, MLA_DTYPE_F32) == MLA_OK) {
+  const int read_ok = cf && rf &&
+                      (s->cuda ? sdev_cache_read(cache, layer, T, s->slots, cf, rf) == 0
+                               : mla_kv_cache_read(cache, layer, T, s->slots, cf, rf, MLA_DTYPE_F32) == MLA_OK);
+  if (read_ok) {
     const mla_dtype cd = s->o->cache_dtype;
     c.ok = 1;
     for (int t = 0; t < T; t++) {
@@ -407,7 +427,7 @@ static void check_layer(sim *s, int layer, int T, int mha, const int32_t *prefix
   const int off = demo_rng_int(&s->g, 0, s->H - 1);
   for (int j = 0; j < nh; j++) hs[j] = (off + j * s->H / nh) % s->H;
   check_cache_write(s, layer, T);
-  if (s->draft_rows) check_absorbed(s, layer, s->draft_rows, s->ids, s->qo, s->kvl, 0, hs, nh);
+  if (s->draft_rows) check_absorbed(s, layer, s->draft_rows, s->ids, s->qo, s->kvl, s->rows_causal, hs, nh);
   else if (mha) check_mha(s, p, layer, T, prefix, hs, nh);
   else check_absorbed(s, layer, p->batch_size, p->req_ids, p->qo_indptr, p->kv_lens, p->causal, hs, nh);
   s->st.t_check += demo_now_ms() - t0;
@@ -536,6 +556,78 @@ static void sample(sim *s, int n) {
   }
 }
 
+static mla_status dev_fail(sim *s, const char *what) {
+  fprintf(s->out, "error: %s failed\n", what);
+  return MLA_ERR_DEVICE;
+}
+
+/* CUDA: one layer's attention with the inputs of a (host pointers, as the
+ * CPU path takes them) moved to the device buffers and the outputs moved
+ * back. In a decode pass with graphs (s->bucket > 0) the layer is a graph
+ * per batch bucket, captured the first time (layer 0's holds the metadata
+ * update, mla_backend_graph_step) and replayed after the engine-side inputs
+ * (ids and lengths: decode()) and this layer's rows are in place; rows past
+ * the real batch are padding (request MLA_REQ_PAD, new row at slot 0, the
+ * reserved page). */
+static mla_status forward_cuda(sim *s, const mla_forward_args *h, int T, int mha) {
+  const size_t es = s->es, n = (size_t)T * s->H;
+  const int B = s->bucket > 0 ? s->bucket : T;
+  int e = 0;
+  /* in_a holds q_nope [T, H, 512], or q | k | v ([T, H, 192], [T, H, 192], [T, H, 128]): 512 per head either way */
+  e |= sdev_put(s->stream, s->d_in, s->in_a, n * L * es);
+  if (!mha) e |= sdev_put(s->stream, s->d_qr, s->qr_a, n * R * es);
+  e |= sdev_put(s->stream, s->d_c, s->c_a, (size_t)T * L * es);
+  e |= sdev_put(s->stream, s->d_r, s->r_a, (size_t)T * R * es);
+  for (int t = T; t < B; t++) s->slots[t] = 0;
+  e |= sdev_put(s->stream, s->d_slots, s->slots, sizeof(int32_t) * (size_t)B);
+  if (e) return dev_fail(s, "device upload");
+  mla_forward_args a = *h;
+  const char *in = s->d_in;
+  a.num_new = B;
+  a.new_slots = s->d_slots;
+  a.new_c = s->d_c;
+  a.new_r = s->d_r;
+  if (mha) {
+    a.q = in;
+    a.k = in + n * DQK * es;
+    a.v = in + (size_t)2 * n * DQK * es;
+    a.kv_b_proj = s->d_kvb[h->layer];
+  } else {
+    a.q_nope = in;
+    a.q_rope = s->d_qr;
+  }
+  a.out = s->d_out;
+  a.lse = s->d_lse;
+  mla_status st = MLA_OK;
+  if (s->bucket > 0) {
+    int bi = 0;
+    while ((1 << bi) < B) bi++;
+    void **g = &s->gexec[(size_t)h->layer * NBUCKETS + bi];
+    if (!*g) {
+      const char *why = "";
+      if (sdev_capture_begin(s->stream)) return dev_fail(s, "cudaStreamBeginCapture");
+      if (h->layer == 0) st = mla_backend_graph_step(s->be, MLA_MODE_DECODE, B, 0);
+      if (st == MLA_OK) st = mla_backend_forward(s->be, &a);
+      if (sdev_capture_end(s->stream, g, &why) && st == MLA_OK) {
+        fprintf(s->out, "error: CUDA graph capture of layer %d, batch %d: %s\n", h->layer, B, why);
+        return MLA_ERR_DEVICE;
+      }
+      if (st != MLA_OK) return st;
+      s->st.graphs_captured++;
+    }
+    if (sdev_launch(s->stream, *g)) return dev_fail(s, "cudaGraphLaunch");
+  } else {
+    st = mla_backend_forward(s->be, &a);
+    if (st != MLA_OK) return st;
+  }
+  if (sdev_get(s->stream, s->out_a, s->d_out, n * (mha ? DV : L) * es) ||
+      sdev_get(s->stream, s->lse, s->d_lse, n * sizeof(float)))
+    return dev_fail(s, "device download");
+  st = mla_ctx_synchronize(s->ctx); /* rows the device found out of range, kernel errors */
+  if (st != MLA_OK) fprintf(s->out, "error: %s\n", mla_ctx_last_error(s->ctx));
+  return st;
+}
+
 /* Run T query rows (tok, pos, slots filled) through the first n_layers
  * layers of the planned step, then sample n_sample rows; ta: ms spent in the
  * library so far this pass. */
@@ -566,7 +658,7 @@ static int run_layers(sim *s, int T, int mha, const int32_t *prefix, int n_sampl
     a.out = s->out_a;
     a.lse = s->lse;
     const double t1 = demo_now_ms();
-    mla_status st = mla_backend_forward(s->be, &a);
+    mla_status st = s->cuda ? forward_cuda(s, &a, T, mha) : mla_backend_forward(s->be, &a);
     ta += demo_now_ms() - t1;
     TRY(s, st, mla_backend_last_error(s->be));
     if (l == s->check_layer) check_layer(s, l, T, mha, prefix);
@@ -585,7 +677,23 @@ static int forward(sim *s, const mla_batch *b, int T, const int32_t *prefix, int
   TRY(s, mla_backend_plan(s->be, b), mla_backend_last_error(s->be));
   int mha = 0;
   TRY(s, mla_backend_uses_mha(s->be, &mha), "");
-  return run_layers(s, T, mha, prefix, n_sample, s->layers, demo_now_ms() - t0);
+  const mla_plan *p = NULL;
+  if (s->cuda && mla_backend_get_plan(s->be, &p) != MLA_OK) {
+    /* A decode-type batch on CUDA is a device-built step (no host plan):
+     * the rows as the oracle checks see them, from the batch itself. */
+    const int q = b->mode == MLA_MODE_DECODE ? 1 : b->num_draft_tokens;
+    for (int i = 0; i < b->batch_size; i++) {
+      s->qo[i] = i * q;
+      s->kvl[i] = b->seq_lens[i] + (b->mode == MLA_MODE_TARGET_VERIFY ? q : 0);
+    }
+    s->qo[b->batch_size] = b->batch_size * q;
+    s->draft_rows = b->batch_size;
+    s->rows_causal = b->mode != MLA_MODE_DECODE;
+  }
+  const int rc = run_layers(s, T, mha, prefix, n_sample, s->layers, demo_now_ms() - t0);
+  s->draft_rows = 0;
+  s->rows_causal = 0;
+  return rc;
 }
 
 /* ---- the serving loop ------------------------------------------------------- */
@@ -711,8 +819,34 @@ static int decode(sim *s, int step, int skip, int *bs_out) {
   }
   *bs_out = bs;
   if (!bs) return 0;
-  mla_batch b = {MLA_MODE_DECODE, bs, s->ids, s->seq, NULL, NULL, 0};
-  if (forward(s, &b, bs, NULL, bs)) return -1;
+  if (s->cuda && s->graphs) {
+    /* Replayed from CUDA graphs: the batch padded to a power-of-two bucket
+     * in the backend's fixed graph inputs, the device copy of the request
+     * table synced outside the graph, then each layer's graph. The oracle
+     * checks read the rows from ids / qo / kvl (no host plan exists). */
+    int B = 1;
+    while (B < bs) B <<= 1;
+    if (B > s->max_batch) B = s->max_batch;
+    const double t0 = demo_now_ms(), check0 = s->st.t_check;
+    for (int j = bs; j < B; j++) s->ids[j] = MLA_REQ_PAD, s->seq[j] = 1;
+    for (int j = 0; j < bs; j++) s->qo[j] = j, s->kvl[j] = s->seq[j];
+    s->qo[bs] = bs;
+    if (sdev_put(s->stream, s->g_ids, s->ids, sizeof(int32_t) * (size_t)B) ||
+        sdev_put(s->stream, s->g_seq, s->seq, sizeof(int32_t) * (size_t)B))
+      return (void)dev_fail(s, "graph input upload"), -1;
+    TRY(s, mla_backend_sync(s->be), mla_backend_last_error(s->be));
+    s->bucket = B;
+    s->draft_rows = bs;
+    const int rc = run_layers(s, bs, 0, NULL, bs, s->layers, 0.0);
+    s->bucket = 0;
+    s->draft_rows = 0;
+    if (rc) return -1;
+    s->st.t_replay += demo_now_ms() - t0 - (s->st.t_check - check0);
+    s->st.replay_steps++;
+  } else {
+    mla_batch b = {MLA_MODE_DECODE, bs, s->ids, s->seq, NULL, NULL, 0};
+    if (forward(s, &b, bs, NULL, bs)) return -1;
+  }
   for (int j = 0; j < bs; j++) {
     s->req[idx[j]].next = s->sampled[j];
     s->req[idx[j]].generated++;
@@ -764,17 +898,24 @@ static int verify(sim *s, int i, int *kept) {
 #define DRAFT_LAYERS 1
 
 /* The metadata mla_backend_draft_prepare built for the selected draft step,
- * against the rows the sim expects (one query, committed + i + 1 keys each).
- * Host memory on this CPU context. */
+ * against the rows the sim expects (one query, committed + i + 1 keys each). */
 static void check_draft_metadata(sim *s, int bs) {
   mla_step_metadata md;
   demo_cmp c;
   memset(&c, 0, sizeof c);
   if (mla_backend_step_metadata(s->be, &md) == MLA_OK && md.batch_size == bs && md.q_len == 1) {
+    /* device memory on a CUDA context: copied back first */
+    int32_t kv[MAX_BATCH], qo[MAX_BATCH + 1];
+    const int32_t *pk = md.kv_lens, *pq = md.qo_indptr;
     c.ok = 1;
-    for (int b = 0; b < bs; b++) {
-      if (md.kv_lens[b] != s->kvl[b] || md.qo_indptr[b + 1] != b + 1) c.ok = 0;
-      c.max_abs_err = fmax(c.max_abs_err, fabs((double)md.kv_lens[b] - s->kvl[b]));
+    if (s->cuda) {
+      c.ok = sdev_get(s->stream, kv, md.kv_lens, sizeof(int32_t) * (size_t)bs) == 0 &&
+             sdev_get(s->stream, qo, md.qo_indptr, sizeof(int32_t) * (size_t)(bs + 1)) == 0;
+      pk = kv, pq = qo;
+    }
+    for (int b = 0; c.ok && b < bs; b++) {
+      if (pk[b] != s->kvl[b] || pq[b + 1] != b + 1) c.ok = 0;
+      c.max_abs_err = fmax(c.max_abs_err, fabs((double)pk[b] - s->kvl[b]));
     }
   }
   record(s, &c, 0);
@@ -810,14 +951,20 @@ static int spec_round(sim *s, int step, int *bs_out, int *acc_out) {
   *bs_out = bs;
   if (!bs) return 0;
   const double t0 = demo_now_ms(), check0 = s->st.t_check;
-  /* The graph inputs are host memory on a CPU context (device memory on a
-   * CUDA one, where they would be written with a copy on the stream). */
+  /* The graph inputs are host memory on a CPU context, device memory on a
+   * CUDA one (written with a copy on the stream). */
   for (int b = 0; b < bs; b++) {
-    s->g_ids[b] = s->ids[b] = s->req[s->vidx[b]].id;
-    s->g_seq[b] = s->committed[b];
+    s->ids[b] = s->req[s->vidx[b]].id;
     s->qo[b] = b;
   }
   s->qo[bs] = bs;
+  if (s->cuda) {
+    if (sdev_put(s->stream, s->g_ids, s->ids, sizeof(int32_t) * (size_t)bs) ||
+        sdev_put(s->stream, s->g_seq, s->committed, sizeof(int32_t) * (size_t)bs))
+      return (void)dev_fail(s, "graph input upload"), -1;
+  } else {
+    for (int b = 0; b < bs; b++) s->g_ids[b] = s->ids[b], s->g_seq[b] = s->committed[b];
+  }
   TRY(s, mla_backend_sync(s->be), mla_backend_last_error(s->be));
   TRY(s, mla_backend_draft_prepare(s->be, bs, ns), mla_backend_last_error(s->be));
   double ta = demo_now_ms() - t0;
@@ -1031,9 +1178,9 @@ static int setup(sim *s) {
   s->usable_pages = bd.cache.num_pages - 1;
   TRY(s, mla_backend_create(s->ctx, &bd, &s->be), mla_ctx_last_error(s->ctx));
   TRY(s, mla_backend_req_table(s->be, &s->rt), "");
-  if (s->spec) { /* the multi-step draft runs on the graph inputs */
+  if (s->spec || s->cuda) { /* the multi-step draft and the decode graphs run on the graph inputs */
     TRY(s, mla_backend_graph_init(s->be, s->max_batch, 0), mla_backend_last_error(s->be));
-    TRY(s, mla_backend_draft_init(s->be, s->ns), mla_backend_last_error(s->be));
+    if (s->spec) TRY(s, mla_backend_draft_init(s->be, s->ns), mla_backend_last_error(s->be));
     TRY(s, mla_backend_graph_inputs(s->be, &s->g_ids, &s->g_seq), mla_backend_last_error(s->be));
   }
 
@@ -1068,14 +1215,42 @@ static int setup(sim *s) {
     s->dslot = xmalloc(B * (ns + 1) * sizeof(int32_t), &oom);
     s->dtok = xmalloc(B * ns * sizeof(int32_t), &oom);
     s->vidx = xmalloc(B * sizeof(int32_t), &oom);
-    s->qo = xmalloc((B + 1) * sizeof(int32_t), &oom);
-    s->kvl = xmalloc(B * sizeof(int32_t), &oom);
   }
+  s->qo = xmalloc(((size_t)s->max_batch + 1) * sizeof(int32_t), &oom);
+  s->kvl = xmalloc((size_t)s->max_batch * sizeof(int32_t), &oom);
   if (oom) {
     fprintf(s->out, "error: out of memory for the simulation's buffers (%zu rows, %d heads)\n", T, s->H);
     return -1;
   }
-  return model_init(s) ? (fprintf(s->out, "error: out of memory for the weights\n"), -1) : 0;
+  if (model_init(s)) {
+    fprintf(s->out, "error: out of memory for the weights\n");
+    return -1;
+  }
+  if (s->cuda) { /* the attention's device buffers, and kv_b_proj per layer */
+    const size_t es = s->es;
+    s->d_in = sdev_alloc(T * H * L * es);
+    s->d_qr = sdev_alloc(T * H * R * es);
+    s->d_c = sdev_alloc(T * L * es);
+    s->d_r = sdev_alloc(T * R * es);
+    s->d_out = sdev_alloc(T * H * L * es);
+    s->d_lse = sdev_alloc(T * H * f);
+    s->d_slots = sdev_alloc(T * sizeof(int32_t));
+    s->d_kvb = calloc((size_t)s->layers, sizeof(void *));
+    s->gexec = calloc((size_t)s->layers * NBUCKETS, sizeof(void *));
+    int bad = !s->d_in || !s->d_qr || !s->d_c || !s->d_r || !s->d_out || !s->d_lse || !s->d_slots || !s->d_kvb ||
+              !s->gexec;
+    const size_t kvb_bytes = H * (NOPE + DV) * L * es;
+    for (int l = 0; !bad && l < s->layers; l++) {
+      s->d_kvb[l] = sdev_alloc(kvb_bytes);
+      bad = !s->d_kvb[l] || sdev_put(s->stream, s->d_kvb[l], s->lw[l].kvb_a, kvb_bytes) ||
+            sdev_get(s->stream, NULL, NULL, 0);
+    }
+    if (bad) {
+      fprintf(s->out, "error: out of device memory for the simulation's buffers\n");
+      return -1;
+    }
+  }
+  return 0;
 }
 
 static void teardown(sim *s) {
@@ -1086,7 +1261,16 @@ static void teardown(sim *s) {
                   s->dtok,  s->vidx, s->qo, s->kvl};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
   mla_backend_destroy(s->be);
+  if (s->cuda) {
+    void *dbufs[] = {s->d_in, s->d_qr, s->d_c, s->d_r, s->d_out, s->d_lse, s->d_slots};
+    for (size_t i = 0; i < sizeof dbufs / sizeof dbufs[0]; i++) sdev_free(dbufs[i]);
+    for (int l = 0; s->d_kvb && l < s->layers; l++) sdev_free(s->d_kvb[l]);
+    for (int k = 0; s->gexec && k < s->layers * NBUCKETS; k++) sdev_graph_free(s->gexec[k]);
+    free(s->d_kvb);
+    free(s->gexec);
+  }
   mla_ctx_destroy(s->ctx);
+  sdev_stream_destroy(s->stream);
 }
 
 static void summary(sim *s, int steps_run) {
@@ -1120,6 +1304,15 @@ static void summary(sim *s, int steps_run) {
     fprintf(s->out, "  speculative verify: %d rounds, %lld drafts, %lld accepted, %lld rolled back\n", t->verify_rounds,
             (long long)t->drafts, (long long)t->accepted, (long long)t->rolled_back);
   }
+  if (s->cuda)
+    fprintf(s->out,
+            "  GPU: attention times include the host<->device copies of its inputs and outputs (the projections"
+            " run on the host)\n");
+  if (t->replay_steps)
+    fprintf(s->out,
+            "  CUDA graphs: %d decode steps replayed (%d layer graphs captured over the batch buckets), %.3f ms"
+            " per step (%d layers: input upload, graph launch, output download)\n",
+            t->replay_steps, t->graphs_captured, t->t_replay / t->replay_steps, s->layers);
   fprintf(s->out, "  pages: peak %d of %d in use (%d shared by forks at most)\n", t->pages_peak, s->usable_pages,
           t->shared_peak);
   fprintf(s->out,
@@ -1153,27 +1346,54 @@ int serve_run(const demo_opts *o, FILE *out) {
   s.o = &resolved;
   mla_ctx_desc cd;
   memset(&cd, 0, sizeof cd);
-  cd.device = MLA_DEVICE_CPU;
   cd.num_threads = o->threads;
-  mla_status st = mla_ctx_create(&cd, &s.ctx);
-  if (st != MLA_OK) {
-    fprintf(out, "error: mla_ctx_create: %s\n", mla_status_string(st));
-    return -1;
+  mla_status st = MLA_ERR_UNSUPPORTED;
+  if (o->device != 1) { /* a GPU when there is one (auto), or required */
+    cd.device = MLA_DEVICE_CUDA;
+    st = mla_ctx_create(&cd, &s.ctx);
+    if (st == MLA_OK) {
+      s.cuda = 1;
+      s.graphs = !o->no_graphs;
+      s.stream = sdev_stream_create();
+      if (!s.stream || mla_ctx_set_stream(s.ctx, s.stream) != MLA_OK) {
+        fprintf(out, "error: no CUDA stream for the simulation\n");
+        mla_ctx_destroy(s.ctx);
+        sdev_stream_destroy(s.stream);
+        return -1;
+      }
+    } else if (o->device == 2) {
+      fprintf(out, "error: --device cuda: mla_ctx_create: %s\n", mla_status_string(st));
+      return -1;
+    }
+  }
+  if (!s.cuda) {
+    cd.device = MLA_DEVICE_CPU;
+    st = mla_ctx_create(&cd, &s.ctx);
+    if (st != MLA_OK) {
+      fprintf(out, "error: mla_ctx_create: %s\n", mla_status_string(st));
+      return -1;
+    }
   }
   int threads = 0;
   mla_ctx_get_threads(s.ctx, &threads);
+  char where[320];
+  if (s.cuda)
+    snprintf(where, sizeof where, "libmla on %s (CUDA context%s)", sdev_name(),
+             s.graphs ? "; decode steps replayed from CUDA graphs" : "");
+  else
+    snprintf(where, sizeof where, "libmla on the CPU, %d threads", threads);
   serve_gemm_init(o->threads);
   fprintf(out,
           "\nserving simulation: %d layers, hidden %d, %d heads (MLA: latent %d, rope %d, qk_nope %d, v %d), "
           "cache %s, act %s, page %d\n"
           "  %d requests (prompts up to %d tokens), at most %d running, %d steps, %s %d %s, "
           "prefix extend %s\n"
-          "  projections: %s; attention: libmla, %d threads\n",
+          "  projections: %s (host); attention: %s\n",
           s.layers, s.D, s.H, L, R, NOPE, DV, mla_dtype_name(o->cache_dtype), mla_dtype_name(s.act), s.P, s.N,
           resolved.max_prompt, s.max_batch, o->steps, s.spec ? "speculative decoding (--spec):" : "verify with",
           s.spec ? s.ns : s.ndt,
           s.spec ? "draft steps (layer 0 + LM head) then one verify batch per step" : "draft tokens",
-          o->prefix_impl == MLA_EXTEND_MHA_CHUNKED ? "chunked MHA" : "absorbed", serve_gemm_name(), threads);
+          o->prefix_impl == MLA_EXTEND_MHA_CHUNKED ? "chunked MHA" : "absorbed", serve_gemm_name(), where);
   const double t0 = demo_now_ms();
   int rc = setup(&s);
   if (rc == 0) {
