@@ -1932,13 +1932,15 @@ static int is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
  * what it says (the library also bounds max_kv_len by 2^30 and num_steps by
  * 16, which the header does not state). */
 static int step_desc_state(const mla_step_desc *d) {
+  const int ext = d->mode == MLA_MODE_EXTEND;
   if (d->mode != MLA_MODE_DECODE && d->mode != MLA_MODE_TARGET_VERIFY &&
-      d->mode != MLA_MODE_DRAFT_EXTEND)
+      d->mode != MLA_MODE_DRAFT_EXTEND && !ext)
     return 0;
   if (d->batch_size < 1 || d->batch_size > 8192) return 0;
-  if (d->mode == MLA_MODE_DECODE ? d->num_draft_tokens != 0
-                                 : d->num_draft_tokens < 1 || d->num_draft_tokens > 64)
+  if (d->mode == MLA_MODE_DECODE || ext ? d->num_draft_tokens != 0
+                                        : d->num_draft_tokens < 1 || d->num_draft_tokens > 64)
     return 0;
+  if (ext ? d->num_tokens < 1 || d->num_tokens > 65536 : d->num_tokens != 0) return 0;
   if (d->max_kv_len < 1) return 0;
   if (d->num_heads < 1 || d->num_heads > MLA_MAX_HEADS) return 0;
   if (!is_pow2(d->page_size) || d->page_size > MLA_MAX_PAGE_SIZE) return 0;
@@ -1946,11 +1948,12 @@ static int step_desc_state(const mla_step_desc *d) {
   if (d->num_steps < 0 || (d->num_steps > 0 && d->mode != MLA_MODE_DECODE)) return 0;
   if (d->step < 0 || d->step >= (d->num_steps > 0 ? d->num_steps : 1)) return 0;
   if (d->max_kv_len > (1 << 30) || d->num_steps > 16) return -1;
+  if (ext && (int64_t)d->num_tokens * d->num_heads > 65535LL * 64) return -1; /* UNSUPPORTED */
   return 1;
 }
 
 static int step_q_len(const mla_step_desc *d) {
-  return d->mode == MLA_MODE_DECODE ? 1 : d->num_draft_tokens;
+  return d->mode == MLA_MODE_DECODE ? 1 : d->mode == MLA_MODE_EXTEND ? d->num_tokens : d->num_draft_tokens;
 }
 /* kv_len = seq_len + extra: TARGET_VERIFY ndt, draft step k k + 1, else 0. */
 static int64_t step_extra(const mla_step_desc *d, int k) {
@@ -1980,13 +1983,18 @@ static int64_t step_page(const mla_step_desc *d, const mla_step_inputs *in, int6
 /* Whether every row is in range (ids, lengths, page slots) at `extra`. */
 static int step_rows_ok(const mla_step_desc *d, const mla_step_inputs *in, int64_t num_pages,
                         int64_t extra) {
+  int64_t q_total = 0;
   for (int i = 0; i < d->batch_size; i++) {
     const int64_t kv = step_row_kv(d, in, extra, in->req_ids[i], in->seq_lens[i]);
     if (kv < 0) return 0;
+    if (d->mode == MLA_MODE_EXTEND) { /* EXTEND: 0..kv queries, at most num_tokens in all */
+      if (in->extend_lens[i] < 0 || in->extend_lens[i] > kv) return 0;
+      q_total += in->extend_lens[i];
+    }
     for (int64_t m = 0; m * d->page_size < kv; m++)
       if (step_page(d, in, num_pages, in->req_ids[i], kv, m) == -2) return 0;
   }
-  return 1;
+  return q_total <= d->num_tokens || d->mode != MLA_MODE_EXTEND;
 }
 /* The slot of key j of a row as a step reads it: through its block table. */
 static int32_t step_slot(const mla_step_desc *d, const mla_step_inputs *in, int64_t num_pages,
@@ -2005,6 +2013,7 @@ typedef struct fz_step {
   mla_step_desc d;
   mla_step_inputs in;  /* what is passed (possibly hostile) */
   int32_t *ids, *seq;  /* [n] */
+  int32_t *ext;        /* [n] EXTEND steps' extend lens */
   int n;
   int32_t *own_r2t;    /* a private request table [rows, stride], or NULL */
   int from_table;      /* in.req_to_token is the world's table */
@@ -2017,8 +2026,8 @@ static void make_step(fz *f, world *w, fz_step *s) {
   unsigned u = fz_u8(f);
   if (u < 240) {
     static const mla_mode m[] = {MLA_MODE_DECODE, MLA_MODE_TARGET_VERIFY, MLA_MODE_DRAFT_EXTEND,
-                                 MLA_MODE_DECODE};
-    d->mode = m[u % 4];
+                                 MLA_MODE_DECODE, MLA_MODE_EXTEND};
+    d->mode = m[u % 5];
   } else {
     d->mode = (mla_mode)FZ_ONE_OF(f, MLA_MODE_IDLE, MLA_MODE_EXTEND, -1, 5, 1000, INT32_MIN);
   }
@@ -2032,7 +2041,7 @@ static void make_step(fz *f, world *w, fz_step *s) {
     }
   }
   u = fz_u8(f);
-  if (d->mode == MLA_MODE_DECODE)
+  if (d->mode == MLA_MODE_DECODE || d->mode == MLA_MODE_EXTEND)
     d->num_draft_tokens = u < 240 ? 0 : FZ_ONE_OF(f, 1, -1, 64, INT32_MIN);
   else
     d->num_draft_tokens = u < 232 ? 1 + (int)(u % 4) : FZ_ONE_OF(f, 0, -1, 64, 65, INT32_MAX, 63);
@@ -2135,11 +2144,32 @@ static void make_step(fz *f, world *w, fz_step *s) {
   }
   s->in.req_ids = fz_rare(f, 32) ? NULL : s->ids;
   s->in.seq_lens = fz_rare(f, 32) ? NULL : s->seq;
+  /* EXTEND: each row's queries (mostly within its keys), then the token
+   * bucket: mostly their sum or a little more, at times less (the batch is
+   * refused) or a value the header rules out. Other modes ignore the lens. */
+  s->ext = arr_alloc(s->n);
+  int64_t sum = 0;
+  for (int i = 0; i < s->n; i++) {
+    const int64_t kv = s->seq[i] > 0 ? s->seq[i] : 0;
+    s->ext[i] = fz_int(f, 0, (int)(kv < 6 ? kv : 6));
+    if (fz_rare(f, 32)) s->ext[i] = FZ_ONE_OF(f, -1, INT32_MAX, INT32_MIN, 7);
+    sum += s->ext[i] > 0 ? s->ext[i] : 0;
+  }
+  if (d->mode == MLA_MODE_EXTEND || fz_rare(f, 16)) s->in.extend_lens = fz_rare(f, 32) ? NULL : s->ext;
+  if (d->mode == MLA_MODE_EXTEND) {
+    u = fz_u8(f);
+    const int64_t b = sum + (u < 200 ? (int64_t)(u % 4) : u < 232 ? -1 : 0);
+    d->num_tokens = u < 232 ? (int32_t)(b >= 1 ? (b <= 65536 ? b : 65536) : 1)
+                            : FZ_ONE_OF(f, 0, -1, 65537, INT32_MAX, INT32_MIN, 65536);
+  } else if (fz_rare(f, 64)) {
+    d->num_tokens = FZ_ONE_OF(f, 1, -1, 100); /* set outside EXTEND: refused */
+  }
 }
 
 static void free_step(fz_step *s) {
   free(s->ids);
   free(s->seq);
+  free(s->ext);
   free(s->own_r2t);
 }
 
@@ -2172,9 +2202,13 @@ static void check_step_meta(world *w, const fz_step *s, int k, const mla_step_me
     FZ_ASSERT(mla_ctx_get_threads(w->ctx, &th) == MLA_OK, "mla_ctx_get_threads");
     max_parts = step_parts(d, th > 0 ? th : 1);
   }
-  for (int i = 0; i <= bs; i++)
-    FZ_ASSERT(m->qo_indptr[i] == (int64_t)i * q, "step %d qo_indptr[%d] = %d, expected %lld", k, i,
-              (int)m->qo_indptr[i], (long long)i * q);
+  int64_t q_run = 0;
+  for (int i = 0; i <= bs; i++) {
+    const int64_t want = d->mode == MLA_MODE_EXTEND ? q_run : (int64_t)i * q;
+    FZ_ASSERT(m->qo_indptr[i] == want, "step %d qo_indptr[%d] = %d, expected %lld", k, i, (int)m->qo_indptr[i],
+              (long long)want);
+    if (i < bs && d->mode == MLA_MODE_EXTEND) q_run += s->ext[i];
+  }
   for (int i = 0; i < bs; i++) {
     const int32_t id = s->ids[i];
     const int64_t kv = step_row_kv(d, &s->in, extra, id, s->seq[i]);
@@ -2199,7 +2233,11 @@ static void check_step_meta(world *w, const fz_step *s, int k, const mla_step_me
 static void compare_with_plan(world *w, const fz_step *s, int k, const mla_step_metadata *m) {
   const mla_step_desc *d = &s->d;
   const int bs = d->batch_size;
-  if (!s->from_table || d->num_sm < 1 || bs > MAX_ARR || d->page_size != w->rt_page_size) return;
+  /* (EXTEND steps size their schedule for the token bucket, a plan for the
+   * batch's longest extend: their parts differ; test_step compares them) */
+  if (!s->from_table || d->num_sm < 1 || bs > MAX_ARR || d->page_size != w->rt_page_size ||
+      d->mode == MLA_MODE_EXTEND)
+    return;
   int32_t seqk[MAX_ARR];
   mla_batch b;
   memset(&b, 0, sizeof b);
@@ -2243,8 +2281,13 @@ static void run_step_attention(fz *f, world *w, const fz_step *s, const fz_ws *w
   mla_step_desc d = s->d;
   const int steps = d.num_steps > 0 ? d.num_steps : 1;
   d.step = fz_pick(f, steps);
-  const int H = d.num_heads, q = step_q_len(&d);
-  const int64_t T = (int64_t)d.batch_size * q;
+  const int H = d.num_heads, q = step_q_len(&d), ext = d.mode == MLA_MODE_EXTEND;
+  const int64_t T = ext ? q : (int64_t)d.batch_size * q; /* EXTEND: the bucket's rows */
+  int64_t written = T;                                    /* EXTEND: the real total */
+  if (ext) {
+    written = 0;
+    for (int i = 0; i < d.batch_size; i++) written += s->ext[i];
+  }
   mla_absorbed_args a;
   memset(&a, 0, sizeof a);
   if (H > 4 || T * H > 256) {
@@ -2296,16 +2339,25 @@ static void run_step_attention(fz *f, world *w, const fz_step *s, const fz_ws *w
             mla_status_string(st), expect ? "MLA_OK" : "a failure", mla_ctx_last_error(w->ctx));
   if (st == MLA_OK && a.scale == sane_scale && !w->cache_not_finite) {
     FZ_COUNT_X(1);
-    check_finite_out(a.act_dtype, out, a.lse, T * H, "mla_step_attention");
-    const int64_t t = fz_int(f, 0, 65535) % T;
-    const int h = fz_pick(f, H), i = (int)(t / q);
+    check_finite_out(a.act_dtype, out, a.lse, written * H, "mla_step_attention");
+    if (written == 0) goto done; /* an EXTEND batch without queries */
+    const int64_t t = fz_int(f, 0, 65535) % written;
+    const int h = fz_pick(f, H);
+    int i = (int)(t / q);
+    int64_t Q = q, qi = t % q;
+    if (ext) { /* the row holding query t, and t's place in it */
+      int64_t t0 = 0;
+      for (i = 0; t >= t0 + s->ext[i]; i++) t0 += s->ext[i];
+      Q = s->ext[i], qi = t - t0;
+    }
     const int64_t K = step_row_kv(&d, &s->in, step_extra(&d, d.step), s->ids[i], s->seq[i]);
-    const int64_t nk = visible_keys(q, K, t % q, d.mode != MLA_MODE_DECODE);
+    const int64_t nk = visible_keys(Q, K, qi, d.mode != MLA_MODE_DECODE);
     int32_t *slots = arr_alloc((int)(nk > 0 ? nk : 1));
     for (int64_t j = 0; j < nk; j++) slots[j] = step_slot(&d, &s->in, w->num_pages, s->ids[i], K, j);
     check_row_f64(w->cache, layer, &a, qn, qr, out, lse, t, h, nk, slots, "mla_step_attention");
     free(slots);
   }
+done:
   free(qn);
   free(qr);
   free(out);
@@ -2355,6 +2407,7 @@ static void run_step(fz *f, world *w) {
     expect = MLA_ERR_INVALID_ARGUMENT;
   } else if (sst == MLA_OK) {
     const int bad = !cache || !in || !s.in.req_to_token || !s.in.req_ids || !s.in.seq_lens ||
+                    (d->mode == MLA_MODE_EXTEND && !s.in.extend_lens) ||
                     s.in.max_reqs < 1 || s.in.req_to_token_stride < d->max_kv_len ||
                     d->page_size != w->page_size;
     const int small = ws.bytes < need;

@@ -339,6 +339,13 @@ mla_status mla_step_attention(mla_ctx *ctx, const mla_step_desc *desc, const mla
   MLA_REQUIRE(eb, args->num_heads == desc->num_heads, MLA_ERR_INVALID_ARGUMENT,
               "args->num_heads = %d differs from desc->num_heads = %d (the workspace was sized for it)",
               args->num_heads, (int)desc->num_heads);
+  /* Checked here for every step, also one without queries (an EXTEND batch
+   * whose extend lens are all 0), so a call's validity never depends on
+   * what the device-built metadata holds. */
+  MLA_REQUIRE(eb, args->q_nope && args->q_rope && args->out, MLA_ERR_INVALID_ARGUMENT,
+              "args->q_nope, q_rope and out must be non-NULL");
+  MLA_REQUIRE(eb, mla_is_act_dtype(args->act_dtype), MLA_ERR_INVALID_ARGUMENT,
+              "args->act_dtype = %d is not an activation dtype (f32, bf16, f16)", (int)args->act_dtype);
   if (ctx->device == MLA_DEVICE_CUDA) {
 #ifdef MLA_WITH_CUDA
     MLA_REQUIRE_PTR(eb, cache);
