@@ -2671,7 +2671,9 @@ static void run_backend(fz *f, world *w) {
                         (mode == MLA_MODE_DECODE ? ndt == 0 : ndt >= 1 && ndt <= gndt);
     const int q = mode == MLA_MODE_DECODE ? 1 : ndt;
     mla_status expect;
-    if (!args_ok) expect = MLA_ERR_INVALID_ARGUMENT;
+    if (mode == MLA_MODE_EXTEND && bs >= 1 && bs <= gmax)
+      expect = MLA_ERR_BAD_STATE; /* EXTEND graph steps need mla_backend_graph_init_extend (not called here) */
+    else if (!args_ok) expect = MLA_ERR_INVALID_ARGUMENT;
     else if ((int64_t)bs * q > bd.max_q_tokens) expect = MLA_ERR_CAPACITY;
     else expect = step_rows_ok(&d, &in, bd.cache.num_pages, extra) ? MLA_OK : MLA_ERR_OUT_OF_RANGE;
     FZ_ASSERT(st == expect, "mla_backend_graph_step(mode %d, bs %d, ndt %d) returned %s, expected %s: %s",

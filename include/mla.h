@@ -757,9 +757,21 @@ MLA_API mla_status mla_backend_graph_init(mla_backend *be, int max_bs, int max_d
 MLA_API mla_status mla_backend_graph_inputs(mla_backend *be, int32_t **req_ids /* [max_bs] */,
                                             int32_t **seq_lens /* [max_bs] */);
 /* Builds the step's metadata from the graph inputs (enqueued; capturable);
- * mla_backend_forward then runs this step until the next plan or step. */
+ * mla_backend_forward then runs this step until the next plan or step.
+ * mode EXTEND (after mla_backend_graph_init_extend): the paged absorbed
+ * prefill over the cached prefix at a fixed token bucket, num_draft_tokens
+ * then being the bucket (1..max_tokens): row i has extend_lens[i] queries
+ * and seq_lens[i] keys (prefix included; mla_step_desc.num_tokens), and
+ * mla_backend_forward takes q / out of `bucket` rows (rows past the real
+ * total are left as they are; new rows of padding go to slot 0). */
 MLA_API mla_status mla_backend_graph_step(mla_backend *be, mla_mode mode, int batch_size,
                                           int num_draft_tokens);
+/* EXTEND graph steps: sizes their workspace for token buckets up to
+ * max_tokens (<= the backend's max_q_tokens) at the graph_init max_bs, and
+ * hands out the third fixed input, extend_lens [max_bs] (zeros until written;
+ * device memory on a CUDA context). Once, after mla_backend_graph_init. */
+MLA_API mla_status mla_backend_graph_init_extend(mla_backend *be, int max_tokens,
+                                                 int32_t **extend_lens /* [max_bs] */);
 /* Brings the device copy of the request table up to date (CUDA; a no-op on
  * the CPU). mla_backend_plan does it itself; call it before each replay. */
 MLA_API mla_status mla_backend_sync(mla_backend *be);

@@ -261,7 +261,8 @@ static void decode_loop(twin *t) {
   /* refusals */
   TU_STATUS(mla_backend_graph_step(t->graph, MLA_MODE_DECODE, MAXB + 1, 0), MLA_ERR_INVALID_ARGUMENT);
   TU_STATUS(mla_backend_graph_step(t->graph, MLA_MODE_TARGET_VERIFY, 2, 4), MLA_ERR_INVALID_ARGUMENT);
-  TU_STATUS(mla_backend_graph_step(t->graph, MLA_MODE_EXTEND, 2, 0), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_backend_graph_step(t->graph, MLA_MODE_EXTEND, 2, 0), MLA_ERR_BAD_STATE); /* no init_extend */
+  TU_STATUS(mla_backend_graph_step(t->graph, MLA_MODE_IDLE, 2, 0), MLA_ERR_INVALID_ARGUMENT);
   TU_STATUS(mla_backend_graph_step(t->graph, MLA_MODE_DECODE, 2, 1), MLA_ERR_INVALID_ARGUMENT);
   TU_STATUS(mla_backend_graph_init(t->graph, MAXB, 3), MLA_ERR_BAD_STATE);
   TU_STATUS(mla_backend_graph_init(t->eager, MAXB + 1, 0), MLA_ERR_INVALID_ARGUMENT);
@@ -497,6 +498,174 @@ static void draft_flow(twin *t) {
   mla_backend_destroy(gb);
 }
 
+/* EXTEND graph steps (the paged absorbed prefill at a token bucket) against
+ * the eager EXTEND plan over a prefix (absorbed impl) on a twin backend with
+ * the same table operations: per round every request extends by 0..9 tokens
+ * (the graph rows padded to a batch bucket, the queries to the token
+ * bucket); the graph step's schedule is sized for the bucket, the plan's for
+ * the longest extend, so results agree to rounding (bf16 outputs: |g - e| <=
+ * 0.02 + 0.02 |e|, cosine distance < 1e-5); rows past the real total stay
+ * untouched. Refusals: EXTEND before mla_backend_graph_init_extend, a bucket
+ * past its max_tokens, init_extend twice. */
+static void extend_flow(twin *t) {
+  const char *dev = t->cuda ? "cuda" : "cpu";
+  mla_backend_desc d = desc_of();
+  d.extend_impl = MLA_EXTEND_ABSORBED;
+  mla_backend *be_e = NULL, *be_g = NULL;
+  TU_STATUS(mla_backend_create(t->ctx, &d, &be_e), MLA_OK);
+  TU_STATUS(mla_backend_create(t->ctx, &d, &be_g), MLA_OK);
+  if (!be_e || !be_g) return;
+  mla_req_table *rt_e, *rt_g;
+  mla_backend_req_table(be_e, &rt_e);
+  mla_backend_req_table(be_g, &rt_g);
+  const int BS = 5, BUCKET = 48;
+  TU_STATUS(mla_backend_graph_init(be_g, MAXB, 0), MLA_OK);
+  int32_t *g_ids = NULL, *g_seq = NULL, *g_ext = NULL;
+  TU_STATUS(mla_backend_graph_inputs(be_g, &g_ids, &g_seq), MLA_OK);
+  TU_STATUS(mla_backend_graph_step(be_g, MLA_MODE_EXTEND, BS, 8), MLA_ERR_BAD_STATE); /* not initialised */
+  TU_STATUS(mla_backend_graph_init_extend(be_g, BUCKET, &g_ext), MLA_OK);
+  TU_STATUS(mla_backend_graph_init_extend(be_g, BUCKET, &g_ext), MLA_ERR_BAD_STATE);
+  TU_STATUS(mla_backend_graph_step(be_g, MLA_MODE_EXTEND, BS, BUCKET + 1), MLA_ERR_INVALID_ARGUMENT);
+
+  /* requests with cached prefixes (rows written straight into both caches) */
+  int32_t ids[MAXB], len[MAXB];
+  int ok = 1;
+  mla_kv_cache *ce, *cg;
+  mla_backend_cache(be_e, &ce);
+  mla_backend_cache(be_g, &cg);
+  for (int i = 0; i < BS; i++) {
+    int32_t a = -1, b = -1;
+    ok &= mla_req_add(rt_e, &a) == MLA_OK && mla_req_add(rt_g, &b) == MLA_OK && a == b;
+    ids[i] = a;
+    len[i] = tu_randint(&rng, 1, 300);
+    int32_t *se = malloc(sizeof(int32_t) * (size_t)len[i]), *sg = malloc(sizeof(int32_t) * (size_t)len[i]);
+    ok &= mla_req_extend(rt_e, a, len[i], se) == MLA_OK && mla_req_extend(rt_g, b, len[i], sg) == MLA_OK &&
+          memcmp(se, sg, sizeof(int32_t) * (size_t)len[i]) == 0;
+    uint16_t *hc = malloc(2 * (size_t)len[i] * MLA_LATENT), *hr = malloc(2 * (size_t)len[i] * MLA_ROPE);
+    void *dc = buf_new(t, 2 * (size_t)len[i] * MLA_LATENT), *dr = buf_new(t, 2 * (size_t)len[i] * MLA_ROPE);
+    int32_t *ds = buf_new(t, sizeof(int32_t) * (size_t)len[i]);
+    buf_put(t, ds, se, sizeof(int32_t) * (size_t)len[i]);
+    for (int l = 0; l < LAYERS; l++) {
+      rand_bf16(hc, (int64_t)len[i] * MLA_LATENT);
+      rand_bf16(hr, (int64_t)len[i] * MLA_ROPE);
+      buf_put(t, dc, hc, 2 * (size_t)len[i] * MLA_LATENT);
+      buf_put(t, dr, hr, 2 * (size_t)len[i] * MLA_ROPE);
+      ok &= mla_kv_cache_write(ce, l, len[i], ds, dc, dr, MLA_DTYPE_BF16) == MLA_OK &&
+            mla_kv_cache_write(cg, l, len[i], ds, dc, dr, MLA_DTYPE_BF16) == MLA_OK;
+    }
+    free(se), free(sg), free(hc), free(hr);
+    buf_free(t, dc), buf_free(t, dr), buf_free(t, ds);
+  }
+  TU_CHECK(ok, "%s extend flow: set-up", dev);
+
+  const size_t qn_b = 2 * (size_t)BUCKET * H * MLA_LATENT, qr_b = 2 * (size_t)BUCKET * H * MLA_ROPE;
+  uint16_t *hq_n = malloc(qn_b), *hq_r = malloc(qr_b), *hc = malloc(2 * (size_t)BUCKET * MLA_LATENT),
+           *hr = malloc(2 * (size_t)BUCKET * MLA_ROPE), *oe = malloc(qn_b), *og = malloc(qn_b);
+  void *q_n = buf_new(t, qn_b), *q_r = buf_new(t, qr_b), *c = buf_new(t, 2 * (size_t)BUCKET * MLA_LATENT),
+       *r = buf_new(t, 2 * (size_t)BUCKET * MLA_ROPE), *out_e = buf_new(t, qn_b), *out_g = buf_new(t, qn_b);
+  int32_t *slots = buf_new(t, sizeof(int32_t) * BUCKET), *hslots = malloc(sizeof(int32_t) * BUCKET);
+  int far = 0, touched = 0, fails = 0, rows_total = 0;
+  double dot = 0, n1 = 0, n2 = 0;
+  for (int round = 0; round < 6; round++) {
+    int32_t pre[MAXB], seq[MAXB], ext[MAXB], hid[MAXB], hseq[MAXB], hext[MAXB];
+    int T = 0;
+    for (int i = 0; i < BS; i++) {
+      ext[i] = tu_randint(&rng, 0, 9);
+      pre[i] = len[i];
+      int32_t *se = hslots + T, sg[16];
+      ok &= mla_req_extend(rt_e, ids[i], ext[i], se) == MLA_OK && mla_req_extend(rt_g, ids[i], ext[i], sg) == MLA_OK &&
+            memcmp(se, sg, sizeof(int32_t) * (size_t)ext[i]) == 0;
+      len[i] += ext[i];
+      seq[i] = len[i];
+      T += ext[i];
+    }
+    rows_total += T;
+    int B = 1; /* the batch bucket: rows past BS are padding */
+    while (B < BS) B <<= 1;
+    for (int i = 0; i < B; i++) {
+      hid[i] = i < BS ? ids[i] : MLA_REQ_PAD;
+      hseq[i] = i < BS ? seq[i] : 1;
+      hext[i] = i < BS ? ext[i] : 0;
+    }
+    for (int k = T; k < BUCKET; k++) hslots[k] = 0; /* padding rows write the reserved slot 0 */
+    rand_bf16(hq_n, (int64_t)BUCKET * H * MLA_LATENT);
+    rand_bf16(hq_r, (int64_t)BUCKET * H * MLA_ROPE);
+    buf_put(t, q_n, hq_n, qn_b);
+    buf_put(t, q_r, hq_r, qr_b);
+    buf_put(t, slots, hslots, sizeof(int32_t) * BUCKET);
+    for (int l = 0; l < LAYERS; l++) {
+      rand_bf16(hc, (int64_t)BUCKET * MLA_LATENT);
+      rand_bf16(hr, (int64_t)BUCKET * MLA_ROPE);
+      buf_put(t, c, hc, 2 * (size_t)BUCKET * MLA_LATENT);
+      buf_put(t, r, hr, 2 * (size_t)BUCKET * MLA_ROPE);
+      /* eager: the host plan of EXTEND over the prefix */
+      mla_batch b;
+      memset(&b, 0, sizeof b);
+      b.mode = MLA_MODE_EXTEND;
+      b.batch_size = BS;
+      b.req_ids = ids;
+      b.seq_lens = seq;
+      b.prefix_lens = pre;
+      mla_forward_args a;
+      memset(&a, 0, sizeof a);
+      a.layer = l;
+      a.num_new = T;
+      a.new_slots = slots;
+      a.new_c = c;
+      a.new_r = r;
+      a.q_nope = q_n;
+      a.q_rope = q_r;
+      a.out = out_e;
+      if (l == 0) fails += mla_backend_plan(be_e, &b) != MLA_OK;
+      fails += mla_backend_forward(be_e, &a) != MLA_OK;
+      /* graph step: fixed inputs, the whole bucket */
+      if (l == 0) {
+        buf_put(t, g_ids, hid, sizeof(int32_t) * (size_t)B);
+        buf_put(t, g_seq, hseq, sizeof(int32_t) * (size_t)B);
+        buf_put(t, g_ext, hext, sizeof(int32_t) * (size_t)B);
+        fails += mla_backend_sync(be_g) != MLA_OK;
+        fails += mla_backend_graph_step(be_g, MLA_MODE_EXTEND, B, BUCKET) != MLA_OK;
+        int uses_mha = 1;
+        fails += mla_backend_uses_mha(be_g, &uses_mha) != MLA_OK || uses_mha != 0;
+      }
+      uint16_t *poison = malloc(qn_b);
+      memset(poison, 0xFF, qn_b);
+      buf_put(t, out_g, poison, qn_b);
+      free(poison);
+      a.num_new = BUCKET;
+      a.out = out_g;
+      const mla_status st = mla_backend_forward(be_g, &a);
+      if (st != MLA_OK) {
+        fails++;
+        printf("  graph EXTEND forward: %s\n", mla_backend_last_error(be_g));
+      }
+      fails += mla_ctx_synchronize(t->ctx) != MLA_OK;
+      buf_get(t, oe, out_e, 2 * (size_t)T * H * MLA_LATENT);
+      buf_get(t, og, out_g, qn_b);
+      for (int64_t k = 0; k < (int64_t)T * H * MLA_LATENT; k++) {
+        double x, y;
+        tu_from_dtype(MLA_DTYPE_BF16, oe + k, &x, 1);
+        tu_from_dtype(MLA_DTYPE_BF16, og + k, &y, 1);
+        far += !(fabs(x - y) <= 0.02 + 0.02 * fabs(x));
+        dot += x * y, n1 += x * x, n2 += y * y;
+      }
+      touched += !tu_all_poisoned(og + (size_t)T * H * MLA_LATENT, qn_b - 2 * (size_t)T * H * MLA_LATENT);
+    }
+  }
+  const double cosd = n1 > 0 && n2 > 0 ? 1.0 - dot / sqrt(n1 * n2) : 1.0;
+  TU_CHECK(ok && fails == 0, "%s extend flow: %d failed calls", dev, fails);
+  TU_CHECK(far == 0 && cosd < 1e-5, "%s extend flow: %d elements differ from the eager plan's (cos dist %.3g)", dev,
+           far, cosd);
+  TU_CHECK(touched == 0, "%s extend flow: %d layers wrote rows past the real total", dev, touched);
+  printf("  %s EXTEND graph steps: 6 rounds, %d query tokens, bucket %d, cos dist %.2e\n", dev, rows_total, BUCKET,
+         cosd);
+  free(hq_n), free(hq_r), free(hc), free(hr), free(oe), free(og), free(hslots);
+  buf_free(t, q_n), buf_free(t, q_r), buf_free(t, c), buf_free(t, r), buf_free(t, out_e), buf_free(t, out_g);
+  buf_free(t, slots);
+  mla_backend_destroy(be_e);
+  mla_backend_destroy(be_g);
+}
+
 int main(void) {
   rng.s = tu_seed("test_backend_graph", 20261130);
   twin t;
@@ -506,6 +675,7 @@ int main(void) {
   if (t.ctx) {
     decode_loop(&t);
     draft_flow(&t);
+    extend_flow(&t);
     mla_ctx_destroy(t.ctx);
   }
 #ifdef MLA_TEST_CUDA
@@ -518,6 +688,7 @@ int main(void) {
     if (t.ctx) {
       decode_loop(&t);
       draft_flow(&t);
+      extend_flow(&t);
       mla_ctx_destroy(t.ctx);
     }
   } else {

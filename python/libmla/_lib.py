@@ -449,6 +449,7 @@ PROTOTYPES = {
     "mla_backend_uses_mha": (_S, [_P, _PI]),
     "mla_backend_graph_init": (_S, [_P, _int, _int]),
     "mla_backend_graph_inputs": (_S, [_P, _PP, _PP]),
+    "mla_backend_graph_init_extend": (_S, [_P, _int, _PP]),
     "mla_backend_graph_step": (_S, [_P, _enum, _int, _int]),
     "mla_backend_sync": (_S, [_P]),
     "mla_backend_draft_init": (_S, [_P, _int]),

@@ -61,7 +61,12 @@ struct mla_backend_s {
   int32_t *g_ids, *g_seq;     /* [graph_max_bs] device (CUDA) or host (CPU) */
   void *g_ws;
   size_t g_ws_bytes;
-  int graph_step;             /* the active step uses g_ws (1) or d_ws (2: draft steps) */
+  int graph_step;             /* the active step uses g_ws (1), d_ws (2: draft steps) or e_ws (3: EXTEND) */
+  /* EXTEND graph steps (mla_backend_graph_init_extend). */
+  int graph_max_tokens;
+  int32_t *g_ext;             /* [graph_max_bs] extend lens */
+  void *e_ws;
+  size_t e_ws_bytes;
   /* Multi-step draft (mla_backend_draft_*): one workspace for every step. */
   int draft_max_steps;
   void *d_ws;
@@ -113,6 +118,8 @@ void mla_backend_destroy(mla_backend *be) {
   dev_free(be, be->d_ws);
   dev_free(be, be->g_ids);
   dev_free(be, be->g_seq);
+  dev_free(be, be->g_ext);
+  dev_free(be, be->e_ws);
   free(be->stage_scratch);
   mla_req_table_destroy(be->rt);
   mla_kv_cache_destroy(be->cache);
@@ -414,10 +421,11 @@ static mla_status plan_cuda_step(mla_backend *be, const mla_batch *b) {
 /* The query-row view of a step that forward needs (rows, mode). */
 static void plan_from_step(mla_backend *be, const mla_step_desc *d) {
   memset(&be->plan, 0, sizeof be->plan);
-  const int q = d->mode == MLA_MODE_DECODE ? 1 : d->num_draft_tokens;
+  const int ext = d->mode == MLA_MODE_EXTEND;
+  const int q = d->mode == MLA_MODE_DECODE ? 1 : ext ? d->num_tokens : d->num_draft_tokens;
   be->plan.mode = d->mode;
   be->plan.batch_size = d->batch_size;
-  be->plan.num_q_tokens = d->batch_size * q;
+  be->plan.num_q_tokens = ext ? d->num_tokens : d->batch_size * q; /* EXTEND: the bucket's rows */
   be->plan.max_q_len = q;
   be->plan.causal = d->mode != MLA_MODE_DECODE;
   be->plan.page_size = d->page_size;
@@ -540,6 +548,52 @@ mla_status mla_backend_graph_init(mla_backend *be, int max_bs, int max_draft_tok
   return MLA_OK;
 }
 
+mla_status mla_backend_graph_init_extend(mla_backend *be, int max_tokens, int32_t **extend_lens) {
+  if (!be) return MLA_ERR_INVALID_ARGUMENT;
+  mla_errbuf *eb = &be->err;
+  MLA_REQUIRE_PTR(eb, extend_lens);
+  MLA_REQUIRE(eb, be->g_ws, MLA_ERR_BAD_STATE, "no graph buffers: call mla_backend_graph_init first");
+  MLA_REQUIRE(eb, !be->e_ws, MLA_ERR_BAD_STATE, "EXTEND graph buffers exist already");
+  MLA_REQUIRE(eb, max_tokens >= 1 && max_tokens <= be->desc.max_q_tokens, MLA_ERR_INVALID_ARGUMENT,
+              "max_tokens = %d, expected 1..%d (the backend's max_q_tokens)", max_tokens, be->desc.max_q_tokens);
+  /* The largest EXTEND step over the buckets: its partial states shrink once
+   * the bucket gives the schedule one part (mla_sched_num_parts), so the
+   * buckets past the first such one are represented by the widest. */
+  size_t need = 0;
+  for (int b = 1; b <= max_tokens; b++) {
+    mla_step_desc d = step_desc_of(be, MLA_MODE_EXTEND, be->graph_max_bs, 0);
+    d.num_tokens = b;
+    size_t n = 0;
+    mla_status st = mla_step_workspace_size(be->ctx, &d, &n);
+    if (st != MLA_OK) return forward_fail(be, st, __func__, mla_ctx_last_error(be->ctx));
+    if (n > need) need = n;
+    if (b < max_tokens && mla_sched_num_parts(be->desc.num_sm, b, be->desc.num_heads) < 2) b = max_tokens - 1;
+  }
+  be->g_ext = dev_alloc(be, sizeof(int32_t) * (size_t)be->graph_max_bs);
+  be->e_ws = dev_alloc(be, need);
+  if (!be->g_ext || !be->e_ws) {
+    dev_free(be, be->g_ext);
+    dev_free(be, be->e_ws);
+    be->g_ext = NULL;
+    be->e_ws = NULL;
+    return mla_fail(eb, MLA_ERR_OUT_OF_MEMORY, __func__, "EXTEND graph buffers (%zu bytes of workspace)", need);
+  }
+  int e = 0;
+#ifdef MLA_WITH_CUDA
+  if (be->on_cuda) {
+    e = mla_cuda_memset_async(be->g_ext, 0, sizeof(int32_t) * (size_t)be->graph_max_bs, be->ctx->stream);
+    if (!e) e = mla_cuda_stream_sync(be->ctx->stream);
+  }
+#endif
+  if (!be->on_cuda) memset(be->g_ext, 0, sizeof(int32_t) * (size_t)be->graph_max_bs);
+  if (e) return mla_cuda_fail(eb, __func__, "EXTEND graph input init", e);
+  be->e_ws_bytes = need;
+  be->graph_max_tokens = max_tokens;
+  *extend_lens = be->g_ext;
+  mla_clear_error(eb);
+  return MLA_OK;
+}
+
 mla_status mla_backend_graph_inputs(mla_backend *be, int32_t **req_ids, int32_t **seq_lens) {
   if (!be) return MLA_ERR_INVALID_ARGUMENT;
   MLA_REQUIRE(&be->err, req_ids && seq_lens, MLA_ERR_INVALID_ARGUMENT, "req_ids / seq_lens is NULL");
@@ -552,15 +606,16 @@ mla_status mla_backend_graph_inputs(mla_backend *be, int32_t **req_ids, int32_t 
 /* Workspace of a device-built step of kind 0 (eager), 1 (graph step) or 2
  * (draft steps); the active step's kind is be->graph_step. */
 static void *ws_of(const mla_backend *be, int kind, size_t *bytes) {
-  *bytes = kind == 2 ? be->d_ws_bytes : kind ? be->g_ws_bytes : be->step_ws_bytes;
-  return kind == 2 ? be->d_ws : kind ? be->g_ws : be->step_ws;
+  *bytes = kind == 3 ? be->e_ws_bytes : kind == 2 ? be->d_ws_bytes : kind ? be->g_ws_bytes : be->step_ws_bytes;
+  return kind == 3 ? be->e_ws : kind == 2 ? be->d_ws : kind ? be->g_ws : be->step_ws;
 }
 
 /* Builds step d from the graph inputs into the graph (kind 1) or draft
  * (kind 2) workspace and makes it the step forward runs. */
 static mla_status prepare_from_inputs(mla_backend *be, const char *fn, mla_step_desc d, int kind) {
   const int32_t *r2t = be->on_cuda ? be->mirror.d_r2t : be->rt->req_to_token;
-  mla_step_inputs in = {r2t, be->desc.max_context, be->desc.max_reqs, be->g_ids, be->g_seq, NULL};
+  mla_step_inputs in = {r2t, be->desc.max_context, be->desc.max_reqs, be->g_ids, be->g_seq,
+                        d.mode == MLA_MODE_EXTEND ? be->g_ext : NULL};
   size_t bytes;
   void *ws = ws_of(be, kind, &bytes);
   mla_status st = mla_step_prepare(be->ctx, &d, be->cache, &in, ws, bytes);
@@ -581,11 +636,22 @@ mla_status mla_backend_graph_step(mla_backend *be, mla_mode mode, int batch_size
   be->step_active = 0;
   be->graph_step = 0;
   MLA_REQUIRE(eb, be->g_ws, MLA_ERR_BAD_STATE, "no graph buffers: call mla_backend_graph_init first");
-  MLA_REQUIRE(eb, mode == MLA_MODE_DECODE || mode == MLA_MODE_TARGET_VERIFY || mode == MLA_MODE_DRAFT_EXTEND,
-              MLA_ERR_INVALID_ARGUMENT, "mode = %d: graph steps are DECODE, TARGET_VERIFY or DRAFT_EXTEND",
+  MLA_REQUIRE(eb,
+              mode == MLA_MODE_DECODE || mode == MLA_MODE_TARGET_VERIFY || mode == MLA_MODE_DRAFT_EXTEND ||
+                  mode == MLA_MODE_EXTEND,
+              MLA_ERR_INVALID_ARGUMENT, "mode = %d: graph steps are DECODE, TARGET_VERIFY, DRAFT_EXTEND or EXTEND",
               (int)mode);
   MLA_REQUIRE(eb, batch_size >= 1 && batch_size <= be->graph_max_bs, MLA_ERR_INVALID_ARGUMENT,
               "batch_size = %d, expected 1..%d (mla_backend_graph_init)", batch_size, be->graph_max_bs);
+  if (mode == MLA_MODE_EXTEND) {
+    MLA_REQUIRE(eb, be->e_ws, MLA_ERR_BAD_STATE, "EXTEND graph steps: call mla_backend_graph_init_extend first");
+    MLA_REQUIRE(eb, num_draft_tokens >= 1 && num_draft_tokens <= be->graph_max_tokens, MLA_ERR_INVALID_ARGUMENT,
+                "EXTEND token bucket = %d, expected 1..%d (mla_backend_graph_init_extend)", num_draft_tokens,
+                be->graph_max_tokens);
+    mla_step_desc d = step_desc_of(be, MLA_MODE_EXTEND, batch_size, 0);
+    d.num_tokens = num_draft_tokens;
+    return prepare_from_inputs(be, __func__, d, 3);
+  }
   const int ndt = mode == MLA_MODE_DECODE ? 0 : num_draft_tokens;
   MLA_REQUIRE(eb, mode == MLA_MODE_DECODE ? num_draft_tokens == 0
                                           : (ndt >= 1 && ndt <= be->graph_max_ndt),
@@ -684,7 +750,8 @@ mla_status mla_backend_uses_mha(const mla_backend *be, int *uses_mha) {
   if (!be) return MLA_ERR_INVALID_ARGUMENT;
   MLA_REQUIRE_PTR(query_err(be), uses_mha);
   MLA_REQUIRE(query_err(be), be->planned, MLA_ERR_BAD_STATE, "no plan: call mla_backend_plan first");
-  *uses_mha = be->plan.mode == MLA_MODE_EXTEND &&
+  /* (an EXTEND graph step is the paged absorbed prefill) */
+  *uses_mha = !be->step_active && be->plan.mode == MLA_MODE_EXTEND &&
               (!be->has_prefix || be->desc.extend_impl == MLA_EXTEND_MHA_CHUNKED);
   return MLA_OK;
 }
