@@ -507,10 +507,13 @@ def test_backend_graph_calls(ctx, rng):
     o2, lse2 = be.forward(0, q_nope=qn, q_rope=qr, return_lse=True)
     np.testing.assert_array_equal(o, o2)
     np.testing.assert_array_equal(lse, lse2)
-    for args in (("decode", 5), ("target_verify", 1, 3), ("extend", 1)):
+    for args in (("decode", 5), ("target_verify", 1, 3), ("idle", 1)):
         with pytest.raises(libmla.MLAError) as e:
             be.graph_step(*args)
         assert e.value.status == libmla.Status.ERR_INVALID_ARGUMENT, args
+    with pytest.raises(libmla.MLAError) as e:  # EXTEND graph steps need mla_backend_graph_init_extend
+        be.graph_step("extend", 1)
+    assert e.value.status == libmla.Status.ERR_BAD_STATE
     ids[0] = 9  # no such request row (max_reqs 4): the CPU step refuses it
     with pytest.raises(libmla.MLAError) as e:
         be.graph_step("decode", 1)
