@@ -2768,6 +2768,37 @@ static void run_backend(fz *f, world *w) {
   mla_backend_destroy(NULL);
 }
 
+/* ---- 7. the DCP merge over NCCL on the CPU context ------------------------- */
+/* Never available on a CPU context (or without NCCL): every call answers
+ * UNSUPPORTED (or INVALID_ARGUMENT for a missing ctx / bytes), whatever the
+ * arguments, and never touches the communicator or the buffers (hostile,
+ * non-NULL pointers included). */
+static void run_dcp(fz *f, world *w) {
+  static char junk[64];
+  void *ptrs[] = {NULL, junk, (void *)(uintptr_t)0x10, (void *)(uintptr_t)UINTPTR_MAX};
+  for (int round = 1 + fz_pick(f, 3); round > 0; round--) {
+    const int world_n = FZ_ONE_OF(f, 2, 1, 0, -1, 128, 129, INT32_MAX);
+    const int rank = FZ_ONE_OF(f, 0, 1, -1, 127, INT32_MIN);
+    const int T = FZ_ONE_OF(f, 1, 0, -1, 7, INT32_MAX), Hh = FZ_ONE_OF(f, 16, 0, -3, 129);
+    const int dim = FZ_ONE_OF(f, 512, 128, 0, -1, 100);
+    const mla_dtype dt = (mla_dtype)FZ_ONE_OF(f, MLA_DTYPE_BF16, MLA_DTYPE_F32, MLA_DTYPE_F16,
+                                              MLA_DTYPE_FP8_E4M3, -1, 77);
+    size_t n = 12345;
+    const int null_bytes = fz_rare(f, 8);
+    mla_status st = CTX_CHK(w, mla_dcp_merge_workspace_size(w->ctx, world_n, T, Hh, dim, dt, null_bytes ? NULL : &n));
+    FZ_ASSERT(st == MLA_ERR_UNSUPPORTED || st == MLA_ERR_INVALID_ARGUMENT,
+              "mla_dcp_merge_workspace_size on a CPU context returned %s", mla_status_string(st));
+    FZ_ASSERT(mla_dcp_merge_workspace_size(NULL, world_n, T, Hh, dim, dt, &n) == MLA_ERR_INVALID_ARGUMENT,
+              "mla_dcp_merge_workspace_size(ctx = NULL)");
+    void *comm = ptrs[fz_pick(f, 4)], *o = ptrs[fz_pick(f, 4)], *ws = ptrs[fz_pick(f, 4)], *out = ptrs[fz_pick(f, 4)];
+    float *lse = ptrs[fz_pick(f, 4)], *lse_out = ptrs[fz_pick(f, 4)];
+    st = CTX_CHK(w, mla_dcp_merge_nccl(w->ctx, comm, world_n, rank, T, Hh, dim, dt, o, lse, ws,
+                                       (size_t)FZ_ONE_OF(f, 0, 64, INT32_MAX), out, lse_out));
+    FZ_ASSERT(st == MLA_ERR_UNSUPPORTED || st == MLA_ERR_INVALID_ARGUMENT,
+              "mla_dcp_merge_nccl on a CPU context returned %s", mla_status_string(st));
+  }
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   fz f = {data, size, 0};
   static int stats_registered;
@@ -2794,6 +2825,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     for (int i = 0, n = ((later >> 2) & 3) == 3 ? 2 : 1; i < n; i++) run_step(&f, &w);
   /* A backend costs a few MiB of workspaces (slow under ASan): 1 in 4. */
   if (((later >> 4) & 3) == 0) run_backend(&f, &w);
+  if ((later >> 6) == 1) run_dcp(&f, &w);
   teardown(&w);
   return 0;
 }
