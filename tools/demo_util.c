@@ -58,7 +58,9 @@ demo_cmp demo_compare_p(const double *got, const double *ref, int64_t n, mla_dty
   demo_round_to(t, ref_r, n);
   double atol = (t == MLA_DTYPE_F32 ? 1e-5 : 8e-4) + p_round, rtol = t == MLA_DTYPE_F32 ? 1e-4 : 2.0 / 128;
   ref_cmp c = ref_compare(got, ref_r, n, atol, rtol);
-  r.ok = ref_cmp_ok(&c, 5e-6);
+  /* (with P rounded to 16 bits the cosine distance grows too: the library's
+   * own GPU tests allow 1e-4, tests/test_cuda_ragged.c) */
+  r.ok = ref_cmp_ok(&c, p_round > 0 ? 1e-4 : 5e-6);
   r.max_abs_err = c.max_abs_err;
   r.cos_dist = c.cos_dist;
   if (got_lse && ref_lse && n_lse) {
