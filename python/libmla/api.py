@@ -1743,7 +1743,8 @@ class DevicePlan:
         self.num_draft_tokens = int(num_draft_tokens) if self.mode != Mode.DECODE else 0
         self.q_len = 1 if self.mode == Mode.DECODE else self.num_draft_tokens
         self.max_q_len = self.q_len
-        self.num_q_tokens = self.batch_size * self.q_len
+        # (an EXTEND graph step: num_draft_tokens is the token bucket, all the rows q / out hold)
+        self.num_q_tokens = self.q_len if self.mode == Mode.EXTEND else self.batch_size * self.q_len
         self.causal = self.mode != Mode.DECODE
         self.graph = bool(graph)
         self._source = source
@@ -1931,11 +1932,30 @@ class Backend(_Handle):
                 self._graph_inputs = (_host_view_i32(pi, n, self), _host_view_i32(ps, n, self))
         return self._graph_inputs
 
+    def graph_init_extend(self, max_tokens):
+        """EXTEND graph steps (the paged absorbed prefill at a token bucket; once, after
+        graph_init): sizes their workspace for buckets up to max_tokens and returns the third
+        fixed input, extend_lens int32 [graph_max_bs] (zeros; a torch CUDA tensor on a CUDA
+        context, a writable numpy array on a CPU one). Then graph_step("extend", bs, bucket)."""
+        if self._cuda:
+            self._follow_stream()
+        p = ctypes.c_void_p()
+        self._check(_c.mla_backend_graph_init_extend(self.handle, int(max_tokens), _byref(p)),
+                    "mla_backend_graph_init_extend")
+        n = self.graph_max_bs
+        self.graph_max_tokens = int(max_tokens)
+        if self._cuda:
+            self._graph_extend_lens = wrap_device_memory(p.value, (n,), "i32", self.ctx.device_id, self)
+        else:
+            self._graph_extend_lens = _host_view_i32(p.value, n, self)
+        return self._graph_extend_lens
+
     def graph_step(self, mode, batch_size, num_draft_tokens=0):
         """Build a step's metadata from the graph inputs' first batch_size rows (enqueued on
         CUDA: capture it with the layers' forward() calls); forward() then runs this step.
-        mode: decode, target_verify or draft_extend (a window of num_draft_tokens). Returns
-        the DevicePlan."""
+        mode: decode, target_verify or draft_extend (a window of num_draft_tokens), or extend
+        (after graph_init_extend; num_draft_tokens is then the token bucket, the rows q and
+        out hold). Returns the DevicePlan."""
         m = _parse_mode(mode)
         ndt = int(num_draft_tokens or 0)
         self._generation += 1

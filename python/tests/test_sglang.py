@@ -519,6 +519,29 @@ def test_backend_graph_calls(ctx, rng):
         be.graph_step("decode", 1)
     assert e.value.status == libmla.Status.ERR_OUT_OF_RANGE
 
+    # EXTEND graph steps: the paged absorbed prefill at a token bucket, equal (up to the
+    # split the bucket's schedule makes) to the host plan of EXTEND over the same prefix.
+    ext = be.graph_init_extend(12)
+    assert ext.flags.writeable and list(ext) == [0] * 4
+    new = be.req_table.extend(a, 5)  # 5 new tokens over the 20 cached
+    be.cache.write(0, new, rng.standard_normal((5, 512)).astype(np.float32),
+                   rng.standard_normal((5, 64)).astype(np.float32))
+    ids[:2], seq[:2], ext[:2] = [a, libmla.REQ_PAD], [25, 1], [5, 0]
+    p = be.graph_step("extend", 2, 12)
+    assert p.num_q_tokens == 12 and p.graph
+    qn = rng.standard_normal((12, H, 512)).astype(np.float32)
+    qr = rng.standard_normal((12, H, 64)).astype(np.float32)
+    out = np.full((12, H, 512), 3.0, np.float32)
+    o, lse = be.forward(0, q_nope=qn, q_rope=qr, out=out, return_lse=True)
+    assert (out[5:] == 3.0).all(), "rows past the extend total were written"
+    be.plan("extend", [a], [25], prefix_lens=[20])
+    o2, lse2 = be.forward(0, q_nope=qn[:5], q_rope=qr[:5], return_lse=True)
+    np.testing.assert_allclose(o[:5], o2, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse[:5], lse2, rtol=1e-6, atol=1e-6)
+    with pytest.raises(libmla.MLAError) as e:  # past the bucket graph_init_extend sized
+        be.graph_step("extend", 2, 13)
+    assert e.value.status == libmla.Status.ERR_INVALID_ARGUMENT
+
 
 def _check_step_metadata(sm, hp, what):
     """The library's step metadata (views) against the host plan of the same step."""
