@@ -330,6 +330,63 @@ static double copy_rate(void *a, void *b, size_t bytes) {
   return best;
 }
 
+/* The median time (µs) of `runs` calls of call(arg) on the default stream:
+ * CUDA events around each call, the L2 flushed (a 256 MiB memset) before
+ * each, two warm-ups first. *st gets the library's status (timing stops at
+ * the first failure). Returns 1 on a CUDA error (printed), else 0. */
+typedef mla_status (*bc_call)(void *arg);
+static int median_us(bc_call call, void *arg, int runs, void *flush, size_t flush_bytes, mla_status *st,
+                     double *us) {
+  cudaEvent_t e0, e1;
+  BC_CK(cudaEventCreate(&e0));
+  BC_CK(cudaEventCreate(&e1));
+  float *t = malloc(sizeof(float) * (size_t)runs);
+  *st = MLA_OK;
+  for (int r = -2; r < runs && *st == MLA_OK; r++) {
+    BC_CK(cudaMemsetAsync(flush, r & 0xff, flush_bytes, NULL));
+    BC_CK(cudaEventRecord(e0, NULL));
+    *st = call(arg);
+    BC_CK(cudaEventRecord(e1, NULL));
+    BC_CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    BC_CK(cudaEventElapsedTime(&ms, e0, e1));
+    if (r >= 0) t[r] = ms;
+  }
+  if (*st == MLA_OK) {
+    qsort(t, (size_t)runs, sizeof(float), cmp_f);
+    *us = 1e3 * t[runs / 2];
+  }
+  free(t);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return 0;
+}
+
+/* The calls median_us times, with their arguments. */
+typedef struct bc_args {
+  mla_ctx *ctx;
+  mla_kv_cache *cache;
+  const mla_plan *plan;
+  const void *args; /* mla_ragged_args or mla_absorbed_args */
+  void *ws;
+  size_t ws_bytes;
+  int n;                        /* KV write: rows */
+  const int32_t *slots;         /* [n] device */
+  const void *c, *r;            /* [n, 512], [n, 64] bf16 device */
+} bc_args;
+static mla_status call_ragged(void *p) {
+  const bc_args *a = p;
+  return mla_attention_ragged(a->ctx, a->args);
+}
+static mla_status call_absorbed(void *p) {
+  const bc_args *a = p;
+  return mla_attention_absorbed(a->ctx, a->cache, 0, a->plan, a->args, a->ws, a->ws_bytes);
+}
+static mla_status call_kv_write(void *p) {
+  const bc_args *a = p;
+  return mla_kv_cache_write(a->cache, 0, a->n, a->slots, a->c, a->r, MLA_DTYPE_BF16);
+}
+
 /* Causal ragged MHA prefill (192/128, H = 128, bf16) through
  * mla_attention_ragged: one sequence of n tokens or `seqs` of them; TFLOP/s
  * with causal FLOPs counted once: sum over sequences of 2 H (192 + 128) n (n + 1) / 2. */
@@ -362,32 +419,16 @@ static int run_prefill(mla_ctx *ctx, int seqs, int n, int runs, void *flush, siz
   a.v = v;
   a.out = out;
   a.lse = lse;
-  cudaEvent_t e0, e1;
-  BC_CK(cudaEventCreate(&e0));
-  BC_CK(cudaEventCreate(&e1));
-  float *t = malloc(sizeof(float) * (size_t)runs);
+  bc_args ca = {.ctx = ctx, .args = &a};
   mla_status st = MLA_OK;
-  for (int r = -2; r < runs && st == MLA_OK; r++) {
-    BC_CK(cudaMemsetAsync(flush, r & 0xff, flush_bytes, NULL));
-    BC_CK(cudaEventRecord(e0, NULL));
-    st = mla_attention_ragged(ctx, &a);
-    BC_CK(cudaEventRecord(e1, NULL));
-    BC_CK(cudaEventSynchronize(e1));
-    float ms = 0;
-    BC_CK(cudaEventElapsedTime(&ms, e0, e1));
-    if (r >= 0) t[r] = ms;
-  }
+  if (median_us(call_ragged, &ca, runs, flush, flush_bytes, &st, us)) return 1;
   if (st == MLA_OK) st = mla_ctx_synchronize(ctx);
   if (st != MLA_OK) {
     snprintf(note, note_n, "%s", mla_ctx_last_error(ctx));
   } else {
-    qsort(t, (size_t)runs, sizeof(float), cmp_f);
-    *us = 1e3 * t[runs / 2];
     const double flops = 2.0 * H * (dqk + dv) * (double)seqs * n * (n + 1) / 2.0;
     *tflops = flops / (*us * 1e-6) / 1e12;
   }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
   cudaFree(q);
   cudaFree(k);
   cudaFree(v);
@@ -395,7 +436,6 @@ static int run_prefill(mla_ctx *ctx, int seqs, int n, int runs, void *flush, siz
   cudaFree(lse);
   cudaFree(d_ind);
   free(ind);
-  free(t);
   return 0;
 }
 
@@ -417,7 +457,7 @@ static int run_paged_prefill(mla_ctx *ctx, int b, int prefix, int ext, int H, in
   int32_t *ids = malloc(sizeof(int32_t) * (size_t)b), *seq = malloc(sizeof(int32_t) * (size_t)b);
   int32_t *pre = malloc(sizeof(int32_t) * (size_t)b);
   void *pws = NULL, *ws = NULL, *qn = NULL, *qr = NULL, *out = NULL;
-  float *lse = NULL, *t = malloc(sizeof(float) * (size_t)runs);
+  float *lse = NULL;
   mla_status st = mla_kv_cache_create(ctx, &cd, &cache);
   if (st == MLA_OK) st = mla_req_table_create(ctx, &rd, cache, &rt);
   for (int i = 0; i < b && st == MLA_OK; i++) {
@@ -477,32 +517,17 @@ static int run_paged_prefill(mla_ctx *ctx, int b, int prefix, int ext, int H, in
   a.q_rope = qr;
   a.out = out;
   a.lse = lse;
-  cudaEvent_t e0, e1;
-  BC_CK(cudaEventCreate(&e0));
-  BC_CK(cudaEventCreate(&e1));
-  for (int r = -2; r < runs && st == MLA_OK; r++) {
-    BC_CK(cudaMemsetAsync(flush, r & 0xff, flush_bytes, NULL));
-    BC_CK(cudaEventRecord(e0, NULL));
-    st = mla_attention_absorbed(ctx, cache, 0, &plan, &a, ws, wb);
-    BC_CK(cudaEventRecord(e1, NULL));
-    BC_CK(cudaEventSynchronize(e1));
-    float ms = 0;
-    BC_CK(cudaEventElapsedTime(&ms, e0, e1));
-    if (r >= 0) t[r] = ms;
-  }
+  bc_args ca = {.ctx = ctx, .cache = cache, .plan = &plan, .args = &a, .ws = ws, .ws_bytes = wb};
+  if (st == MLA_OK && median_us(call_absorbed, &ca, runs, flush, flush_bytes, &st, us)) return 1;
   if (st == MLA_OK) st = mla_ctx_synchronize(ctx);
   if (st != MLA_OK) {
     snprintf(note, note_n, "%s", mla_ctx_last_error(ctx));
   } else {
-    qsort(t, (size_t)runs, sizeof(float), cmp_f);
-    *us = 1e3 * t[runs / 2];
     const double keys = (double)ext * prefix + (double)ext * (ext + 1) / 2.0;
     *tflops = 2.0 * H * (MLA_LATENT + MLA_ROPE + MLA_LATENT) * keys * b / (*us * 1e-6) / 1e12;
     snprintf(note, note_n, "parts %d, splits %d, workspace %.1f MiB", (int)plan.num_sm_parts, (int)plan.total_splits,
              wb / 1048576.0);
   }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
   cudaFree(qn);
   cudaFree(qr);
   cudaFree(out);
@@ -512,7 +537,6 @@ static int run_paged_prefill(mla_ctx *ctx, int b, int prefix, int ext, int H, in
   free(ids);
   free(seq);
   free(pre);
-  free(t);
   mla_req_table_destroy(rt);
   mla_kv_cache_destroy(cache);
   return st == MLA_OK ? 0 : 1;
@@ -547,36 +571,19 @@ static int run_kv_write(mla_ctx *ctx, mla_dtype dt, int n, int runs, void *flush
   BC_CK(cudaMalloc((void **)&ds, sizeof(int32_t) * (size_t)n));
   BC_CK(cudaMemcpy(ds, slots, sizeof(int32_t) * (size_t)n, cudaMemcpyHostToDevice));
   void *c = rand_bf16(seed, (size_t)n * MLA_LATENT), *r = rand_bf16(seed, (size_t)n * MLA_ROPE);
-  cudaEvent_t e0, e1;
-  BC_CK(cudaEventCreate(&e0));
-  BC_CK(cudaEventCreate(&e1));
-  float *t = malloc(sizeof(float) * (size_t)runs);
-  for (int k = -2; k < runs && st == MLA_OK; k++) {
-    BC_CK(cudaMemsetAsync(flush, k & 0xff, flush_bytes, NULL));
-    BC_CK(cudaEventRecord(e0, NULL));
-    st = mla_kv_cache_write(cache, 0, n, ds, c, r, MLA_DTYPE_BF16);
-    BC_CK(cudaEventRecord(e1, NULL));
-    BC_CK(cudaEventSynchronize(e1));
-    float ms = 0;
-    BC_CK(cudaEventElapsedTime(&ms, e0, e1));
-    if (k >= 0) t[k] = ms;
-  }
+  bc_args ca = {.cache = cache, .n = n, .slots = ds, .c = c, .r = r};
+  if (median_us(call_kv_write, &ca, runs, flush, flush_bytes, &st, us)) return 1;
   if (st == MLA_OK) st = mla_ctx_synchronize(ctx);
   if (st != MLA_OK) {
     snprintf(note, note_n, "%s", mla_kv_cache_last_error(cache));
   } else {
-    qsort(t, (size_t)runs, sizeof(float), cmp_f);
-    *us = 1e3 * t[runs / 2];
     *gbs = ((double)n * (2 * (MLA_LATENT + MLA_ROPE) + rb + 4)) / (*us * 1e-6) / 1e9;
   }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
   cudaFree(ds);
   cudaFree(c);
   cudaFree(r);
   free(perm);
   free(slots);
-  free(t);
   mla_kv_cache_destroy(cache);
   return st == MLA_OK ? 0 : 1;
 }

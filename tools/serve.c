@@ -567,6 +567,22 @@ static void sample(sim *s, int n) {
   }
 }
 
+/* The query side of a layer's forward args from one input buffer of n =
+ * T * H rows: absorbed, q_nope = in [T, H, 512] (+ q_rope); MHA, q | k | v =
+ * in [T, H, 192] | [T, H, 192] | [T, H, 128] (+ kv_b_proj for a prefix). */
+static void set_queries(mla_forward_args *a, int mha, const char *in, size_t n, size_t es, const void *q_rope,
+                        const void *kv_b_proj) {
+  if (mha) {
+    a->q = in;
+    a->k = in + n * DQK * es;
+    a->v = in + 2 * n * DQK * es;
+    a->kv_b_proj = kv_b_proj;
+  } else {
+    a->q_nope = in;
+    a->q_rope = q_rope;
+  }
+}
+
 static mla_status dev_fail(sim *s, const char *what) {
   fprintf(s->out, "error: %s failed\n", what);
   return MLA_ERR_DEVICE;
@@ -599,15 +615,7 @@ static mla_status forward_cuda(sim *s, const mla_forward_args *h, int T, int mha
   a.new_slots = s->d_slots;
   a.new_c = s->d_c;
   a.new_r = s->d_r;
-  if (mha) {
-    a.q = in;
-    a.k = in + n * DQK * es;
-    a.v = in + (size_t)2 * n * DQK * es;
-    a.kv_b_proj = s->d_kvb[h->layer];
-  } else {
-    a.q_nope = in;
-    a.q_rope = s->d_qr;
-  }
+  set_queries(&a, mha, in, n, es, s->d_qr, s->d_kvb[h->layer]);
   a.out = s->d_out;
   a.lse = s->d_lse;
   mla_status st = MLA_OK;
@@ -659,15 +667,7 @@ static int run_layers(sim *s, int T, int mha, const int32_t *prefix, int n_sampl
     a.new_slots = s->slots;
     a.new_c = s->c_a;
     a.new_r = s->r_a;
-    if (mha) {
-      a.q = in;
-      a.k = in + (size_t)n * DQK * s->es;
-      a.v = in + (size_t)2 * n * DQK * s->es;
-      a.kv_b_proj = s->lw[l].kvb_a;
-    } else {
-      a.q_nope = in;
-      a.q_rope = s->qr_a;
-    }
+    set_queries(&a, mha, in, (size_t)n, s->es, s->qr_a, s->lw[l].kvb_a);
     a.out = s->out_a;
     a.lse = s->lse;
     const double t1 = demo_now_ms();

@@ -160,13 +160,20 @@ static mla_status size_attention_workspace(mla_backend *be, const mla_plan *plan
 
 static void *alloc_or_null(size_t bytes) { return bytes ? malloc(bytes) : NULL; }
 
+/* The query lengths 1..max_q at which a workspace sized by query length can
+ * peak: its partial states follow the split rule (mla_sched_num_parts: the
+ * wider the query side, the fewer the parts, and one part keeps none), so
+ * once a length gives one part only the widest, max_q, can still be larger
+ * (its per-row arrays). Iterate as for (q = 1; q <= max_q; q = next_q(...)). */
+static int next_q(const mla_backend *be, int q, int max_q) {
+  if (q < max_q && mla_sched_num_parts(be->desc.num_sm, q, be->desc.num_heads) < 2) return max_q;
+  return q + 1;
+}
+
 /* CUDA: the device workspace of mla_attention_absorbed over host plans (the
  * paged absorbed prefill: EXTEND over a prefix, varlen DRAFT_EXTEND), sized
- * once for every plan the limits allow. Its partial states depend on the
- * query length through the split rule (mla_sched_num_parts: the wider the
- * query side, the fewer the parts, and one part keeps none), so the largest
- * size over the query lengths at which parts >= 2 is taken; past those the
- * size only grows with the per-request arrays, counted at max_q_tokens. */
+ * once for every plan the limits allow: the largest over the query lengths
+ * (next_q). */
 static mla_status size_cuda_attention_workspace(mla_backend *be) {
   const mla_backend_desc *d = &be->desc;
   mla_plan shape;
@@ -177,7 +184,7 @@ static mla_status size_cuda_attention_workspace(mla_backend *be) {
   shape.block_table_width = (int32_t)mla_cdiv(d->max_context, d->cache.page_size);
   shape.num_heads = d->num_heads;
   size_t need = 0;
-  for (int q = 1; q <= d->max_q_tokens; q++) {
+  for (int q = 1; q <= d->max_q_tokens; q = next_q(be, q, d->max_q_tokens)) {
     shape.max_q_len = q;
     shape.num_sm_parts = mla_sched_num_parts(d->num_sm, q, d->num_heads);
     shape.total_splits = d->max_bs + shape.num_sm_parts;
@@ -185,7 +192,6 @@ static mla_status size_cuda_attention_workspace(mla_backend *be) {
     mla_status st = mla_attention_absorbed_workspace_size(be->ctx, &shape, d->num_heads, &n);
     if (st != MLA_OK) return forward_fail(be, st, "mla_backend_create", mla_ctx_last_error(be->ctx));
     if (n > need) need = n;
-    if (shape.num_sm_parts < 2 && q < d->max_q_tokens) q = d->max_q_tokens - 1; /* jump to the widest */
   }
   be->attn_ws = dev_alloc(be, need);
   if (!be->attn_ws)
@@ -556,18 +562,15 @@ mla_status mla_backend_graph_init_extend(mla_backend *be, int max_tokens, int32_
   MLA_REQUIRE(eb, !be->e_ws, MLA_ERR_BAD_STATE, "EXTEND graph buffers exist already");
   MLA_REQUIRE(eb, max_tokens >= 1 && max_tokens <= be->desc.max_q_tokens, MLA_ERR_INVALID_ARGUMENT,
               "max_tokens = %d, expected 1..%d (the backend's max_q_tokens)", max_tokens, be->desc.max_q_tokens);
-  /* The largest EXTEND step over the buckets: its partial states shrink once
-   * the bucket gives the schedule one part (mla_sched_num_parts), so the
-   * buckets past the first such one are represented by the widest. */
+  /* The largest EXTEND step over the buckets (next_q). */
   size_t need = 0;
-  for (int b = 1; b <= max_tokens; b++) {
+  for (int b = 1; b <= max_tokens; b = next_q(be, b, max_tokens)) {
     mla_step_desc d = step_desc_of(be, MLA_MODE_EXTEND, be->graph_max_bs, 0);
     d.num_tokens = b;
     size_t n = 0;
     mla_status st = mla_step_workspace_size(be->ctx, &d, &n);
     if (st != MLA_OK) return forward_fail(be, st, __func__, mla_ctx_last_error(be->ctx));
     if (n > need) need = n;
-    if (b < max_tokens && mla_sched_num_parts(be->desc.num_sm, b, be->desc.num_heads) < 2) b = max_tokens - 1;
   }
   be->g_ext = dev_alloc(be, sizeof(int32_t) * (size_t)be->graph_max_bs);
   be->e_ws = dev_alloc(be, need);

@@ -236,6 +236,27 @@ static mla_status check_args(mla_errbuf *eb, const char *fn, const mla_kv_cache 
   return MLA_OK;
 }
 
+/* The kernels over device metadata (uploaded from a host plan, or built by
+ * a step); p holds what check_args filled in. */
+static mla_status launch(mla_errbuf *eb, const char *fn, mla_decode_params *p, const mla_cuda_step_meta *m,
+                         void *stream) {
+  p->batch_size = m->batch_size;
+  p->max_q_len = m->q_len;
+  p->causal = m->causal;
+  p->block_table_width = m->block_table_width;
+  p->qo_indptr = m->qo_indptr;
+  p->kv_lens = m->kv_lens;
+  p->block_table = m->block_table;
+  p->num_sm_parts = m->num_sm_parts;
+  p->sched_meta = m->sched_meta;
+  p->num_splits = m->num_splits;
+  p->o_accum = m->o_accum;
+  p->lse_accum = m->lse_accum;
+  const int e = mla_cuda_decode(p, stream);
+  if (e) return mla_cuda_fail(eb, fn, "decode kernel launch", e);
+  return MLA_OK;
+}
+
 mla_status mla_cuda_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, int layer,
                                        const mla_plan *plan, const mla_absorbed_args *args,
                                        void *workspace, size_t workspace_bytes) {
@@ -291,21 +312,19 @@ mla_status mla_cuda_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, 
   if (!e) e = mla_cuda_memcpy_async(d.num_splits, plan->num_splits, sizeof(int32_t) * (bs + 1), stream);
   if (e) return mla_cuda_fail(eb, FN, "plan upload", e);
 
-  p.batch_size = plan->batch_size;
-  p.max_q_len = plan->max_q_len;
-  p.causal = plan->causal;
-  p.block_table_width = plan->block_table_width;
-  p.qo_indptr = d.qo_indptr;
-  p.kv_lens = d.kv_lens;
-  p.block_table = d.block_table;
-  p.num_sm_parts = plan->num_sm_parts;
-  p.sched_meta = d.sched_meta;
-  p.num_splits = d.num_splits;
-  p.o_accum = d.o_accum;
-  p.lse_accum = d.lse_accum;
-  e = mla_cuda_decode(&p, stream);
-  if (e) return mla_cuda_fail(eb, FN, "decode kernel launch", e);
-  return MLA_OK;
+  const mla_cuda_step_meta m = {.batch_size = plan->batch_size,
+                                .q_len = plan->max_q_len,
+                                .causal = plan->causal,
+                                .block_table_width = plan->block_table_width,
+                                .num_sm_parts = plan->num_sm_parts,
+                                .qo_indptr = d.qo_indptr,
+                                .kv_lens = d.kv_lens,
+                                .block_table = d.block_table,
+                                .sched_meta = d.sched_meta,
+                                .num_splits = d.num_splits,
+                                .o_accum = d.o_accum,
+                                .lse_accum = d.lse_accum};
+  return launch(eb, FN, &p, &m, stream);
 }
 
 mla_status mla_cuda_step_attention(mla_ctx *ctx, const mla_kv_cache *cache, int layer,
@@ -315,19 +334,5 @@ mla_status mla_cuda_step_attention(mla_ctx *ctx, const mla_kv_cache *cache, int 
   mla_decode_params p;
   mla_status st = check_args(eb, fn, cache, layer, args, &p);
   if (st != MLA_OK) return st;
-  p.batch_size = m->batch_size;
-  p.max_q_len = m->q_len;
-  p.causal = m->causal;
-  p.block_table_width = m->block_table_width;
-  p.qo_indptr = m->qo_indptr;
-  p.kv_lens = m->kv_lens;
-  p.block_table = m->block_table;
-  p.num_sm_parts = m->num_sm_parts;
-  p.sched_meta = m->sched_meta;
-  p.num_splits = m->num_splits;
-  p.o_accum = m->o_accum;
-  p.lse_accum = m->lse_accum;
-  const int e = mla_cuda_decode(&p, ctx->stream);
-  if (e) return mla_cuda_fail(eb, fn, "decode kernel launch", e);
-  return MLA_OK;
+  return launch(eb, fn, &p, m, ctx->stream);
 }

@@ -9,10 +9,11 @@
 #include "mla.h"
 
 /* Device workspace bytes: the plan arrays the kernels read (uploaded per
- * call) plus the split partials (total_splits x max_q_len * num_heads rows). */
+ * call) plus the split partials (decode.h: mla_decode_partial_slots(parts)
+ * x max_q_len * num_heads rows; none for a one-part schedule). */
 mla_status mla_cuda_attention_absorbed_workspace_size(mla_ctx *ctx, const mla_plan *plan,
                                                       int num_heads, size_t *bytes);
-/* bf16 cache and activations only; q, out, lse and the workspace are device
+/* The cache / activation pairs mla_cuda_decode_unsupported() accepts; q, out, lse and the workspace are device
  * memory; the plan is host memory (mla_plan_build). Asynchronous on the
  * context's stream. */
 mla_status mla_cuda_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, int layer,
@@ -28,8 +29,8 @@ typedef struct mla_cuda_step_meta {
   const int32_t *block_table; /* [bs, block_table_width] */
   const int32_t *sched_meta;  /* [num_sm_parts, 8] */
   const int32_t *num_splits;  /* [bs+1] */
-  float *o_accum;             /* [bs + num_sm_parts, q_len * H, 512] */
-  float *lse_accum;           /* [bs + num_sm_parts, q_len * H] */
+  float *o_accum;             /* [mla_decode_partial_slots(num_sm_parts), q_len * H, 512] or NULL (one part) */
+  float *lse_accum;           /* [mla_decode_partial_slots(num_sm_parts), q_len * H] or NULL */
 } mla_cuda_step_meta;
 
 /* mla_step_attention on a CUDA context: the args checks of
