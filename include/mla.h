@@ -664,6 +664,74 @@ MLA_API mla_status mla_dcp_merge_nccl(mla_ctx *ctx, void *nccl_comm /* ncclComm_
                                       float *lse_out /* [T, H] or NULL */);
 
 /* ------------------------------------------------------------------------ */
+/* EXTEND under decode context parallel: pooling the ranks' shards          */
+/* ------------------------------------------------------------------------ */
+/* Under DCP a rank holds only its shard of each request's keys (position p
+ * on rank p mod N), but an EXTEND (prefill over a cached prefix) attends to
+ * all of them. The ranks pool the batch's rows into a "gathered" cache (an
+ * ordinary mla_kv_cache of the same dtype and, for fp8_e4m3, the same layer
+ * scale; page size 1 fits best: the table below addresses single slots) and
+ * the EXTEND then runs there exactly as on one GPU:
+ *  1. each rank writes its share of the new tokens' rows
+ *     (mla_kv_cache_write_shard), as for decode;
+ *  2. once per batch, mla_dcp_gather_table gives every position of every
+ *     request its slot in the gathered cache, and the block size M;
+ *  3. per layer, mla_dcp_gather_kv_nccl packs this rank's rows into its block
+ *     of the gathered cache and all-gathers the blocks (one NCCL call); a
+ *     process holding every shard (the CPU backend, tests) does the same with
+ *     mla_kv_cache_pack_rows into each rank's block;
+ *  4. an EXTEND step over the gathered cache (mla_step_prepare with
+ *     req_to_token = the table, stride table_stride, max_reqs = bs, req_ids
+ *     0..bs-1, the batch's seq_lens and extend_lens; mla_step_attention).
+ * Layout: rank r's block is slots [base_slot + r M, base_slot + (r+1) M);
+ * in it come the rows of request 0's positions r, r+N, r+2N, ... below
+ * kv_lens[0], then request 1's, and so on: exactly the local slots of rank
+ * r's mla_dcp_plan (kv_indices) in order. M is rank 0's row count, the
+ * largest. Rows past a rank's count in its block are never read. */
+
+/* Host work, once per batch. kv_lens [bs]: each request's keys (prefix and
+ * new tokens), host memory. table [bs, table_stride] (host; NULL: only
+ * *rows_per_rank is computed): entry (i, p) = the gathered slot of position
+ * p for p < kv_lens[i], MLA_SLOT_UNUSED after. world 1..128, base_slot >= 1
+ * (slot 0 is the cache's reserved dummy row: give the gathered cache page
+ * size 1, or base_slot = its page size). The gathered cache needs base_slot
+ * + world * M slots; OUT_OF_RANGE when that passes 2^31 - 1. */
+MLA_API mla_status mla_dcp_gather_table(mla_ctx *ctx, int batch_size, const int32_t *kv_lens /* [bs] */,
+                                        int world, int base_slot, int64_t table_stride,
+                                        int32_t *table /* [bs, table_stride] or NULL */,
+                                        int32_t *rows_per_rank);
+
+/* Copy rows between two caches of one context, bytes as stored: row
+ * src_slots[i] of src's src_layer goes to slot dst_first_slot + i of dst's
+ * dst_layer. Same cache dtype required, and for fp8_e4m3 the same layer
+ * scale (else the bytes would mean other values): INVALID_ARGUMENT. The
+ * destination range must lie in dst and not touch page 0 (the dummy rows):
+ * OUT_OF_RANGE. src == dst with src_layer == dst_layer is refused (use
+ * mla_kv_cache_copy_rows). CPU caches: src_slots is host memory, every slot
+ * checked before anything is written. CUDA caches: src_slots is device
+ * memory, the copy is asynchronous on the context's stream, and a slot out
+ * of range is skipped (its row left as it was) and reported by the next
+ * mla_ctx_synchronize. */
+MLA_API mla_status mla_kv_cache_pack_rows(const mla_kv_cache *src, int src_layer, int num_rows,
+                                          const int32_t *src_slots /* [num_rows] */, mla_kv_cache *dst,
+                                          int dst_layer, int dst_first_slot);
+
+/* Step 3 on a CUDA context with NCCL: mla_kv_cache_pack_rows of this rank's
+ * num_local_rows rows (local_slots: device memory, e.g. its mla_dcp_plan's
+ * kv_indices uploaded) into its block of `gathered`, then one in-place
+ * ncclAllGather of the world blocks (M rows each) on the context's stream.
+ * Every rank calls with the same world, rows_per_rank, base_slot and
+ * gathered layout, one host thread per rank, outside any NCCL group (the
+ * rules of mla_dcp_merge_nccl). 0 <= num_local_rows <= rows_per_rank;
+ * rows_per_rank = 0: nothing is enqueued. shard and gathered are caches of
+ * ctx. Without NCCL in the build, or on a CPU context: MLA_ERR_UNSUPPORTED. */
+MLA_API mla_status mla_dcp_gather_kv_nccl(mla_ctx *ctx, void *nccl_comm /* ncclComm_t */, int world, int rank,
+                                          const mla_kv_cache *shard, int layer, int num_local_rows,
+                                          const int32_t *local_slots /* [num_local_rows] device */,
+                                          int rows_per_rank, mla_kv_cache *gathered, int gathered_layer,
+                                          int base_slot);
+
+/* ------------------------------------------------------------------------ */
 /* Backend: cache + request table + workspace, one call per forward mode      */
 /* ------------------------------------------------------------------------ */
 typedef struct mla_backend_s mla_backend;

@@ -765,6 +765,283 @@ static void dcp_case(int Pg, int H) {
   free(j.qr);
 }
 
+/* ---- EXTEND under DCP: shards pooled over NCCL, then one EXTEND --------- */
+#define EREQ 6
+typedef struct ext_job {
+  int Pg, H, world;
+  mla_dtype dt;
+  int32_t *r2t;                 /* [EREQ, MAX_CTX] global slots */
+  int32_t seq[EREQ], ext[EREQ], ids[EREQ];
+  int tk, tq;
+  int32_t *slots;               /* [tk] global slot of each key */
+  uint16_t *c, *r;              /* bf16 [tk, 512], [tk, 64] */
+  uint16_t *qn, *qr;            /* bf16 [tq, H, 512], [tq, H, 64] */
+  int32_t *table, m;            /* mla_dcp_gather_table: [EREQ, MAX_CTX], rows per rank */
+  int32_t *local[MAXR];         /* each rank's local slots (its mla_dcp_plan kv_indices) */
+  int nlocal[MAXR];
+  uint16_t *got_o[MAXR];        /* bf16 [tq, H, 512] per rank */
+  float *got_l[MAXR];           /* [tq, H] */
+  uint16_t *single_o;           /* the single-GPU EXTEND (rank 0's device) */
+  float *single_l;
+  unsigned char *gath_rows;     /* rank 0's gathered layer, [1 + world m, row_bytes] */
+  unsigned char *whole_rows;    /* the single cache's layer, [pages Pg, row_bytes] */
+  int pages;
+  size_t rb;
+} ext_job;
+
+static mla_kv_cache *ext_cache(rank_env *e, int pages, int page, mla_dtype dt) {
+  const float sc[1] = {0.375f};
+  mla_kv_cache_desc cd = {1, pages, page, dt, dt == MLA_DTYPE_FP8_E4M3 ? sc : NULL};
+  mla_kv_cache *cache = NULL;
+  RK_OK(e, mla_kv_cache_create(e->ctx, &cd, &cache));
+  if (!cache) return NULL;
+  void *data = NULL;
+  size_t rb = 0;
+  mla_kv_cache_layer_data(cache, 0, &data);
+  mla_kv_cache_row_bytes(cache, &rb);
+  CK(cudaMemset(data, 0xFF, rb * (size_t)pages * page)); /* NaN in every format: a row read by mistake shows */
+  CK(cudaMemset(data, 0, rb * (size_t)page));
+  return cache;
+}
+
+static void ext_step(rank_env *e, ext_job *j, mla_kv_cache *cache, int page, const int32_t *r2t_d, void *qn, void *qr,
+                     void *o, float *l) {
+  int32_t *ids = tu_dev_copy(j->ids, sizeof j->ids), *seq = tu_dev_copy(j->seq, sizeof j->seq);
+  int32_t *ext = tu_dev_copy(j->ext, sizeof j->ext);
+  mla_step_desc d;
+  memset(&d, 0, sizeof d);
+  d.mode = MLA_MODE_EXTEND;
+  d.batch_size = EREQ;
+  d.max_kv_len = MAX_CTX;
+  d.num_heads = j->H;
+  d.page_size = page;
+  d.num_tokens = j->tq;
+  mla_step_inputs in = {r2t_d, MAX_CTX, EREQ, ids, seq, ext};
+  size_t wsb = 0;
+  RK_OK(e, mla_step_workspace_size(e->ctx, &d, &wsb));
+  void *ws = tu_dev_alloc(wsb);
+  mla_absorbed_args a;
+  memset(&a, 0, sizeof a);
+  a.num_heads = j->H;
+  a.scale = 0.0721687836f;
+  a.act_dtype = MLA_DTYPE_BF16;
+  a.q_nope = qn;
+  a.q_rope = qr;
+  a.out = o;
+  a.lse = l;
+  if (e->ok) RK_OK(e, mla_step_prepare(e->ctx, &d, cache, &in, ws, wsb));
+  if (e->ok) RK_OK(e, mla_step_attention(e->ctx, &d, cache, 0, &a, ws, wsb));
+  RK_OK(e, mla_ctx_synchronize(e->ctx));
+  cudaFree(ws);
+  cudaFree(ids);
+  cudaFree(seq);
+  cudaFree(ext);
+}
+
+static void ext_body(rank_env *e, void *arg) {
+  ext_job *j = arg;
+  const int W = e->g->world, H = j->H;
+  const size_t no = 2 * (size_t)j->tq * H * MLA_LATENT, nl = sizeof(float) * (size_t)j->tq * H;
+  int32_t *slots = tu_dev_copy(j->slots, sizeof(int32_t) * (size_t)j->tk);
+  void *c = tu_dev_copy(j->c, 2 * (size_t)j->tk * MLA_LATENT), *r = tu_dev_copy(j->r, 2 * (size_t)j->tk * MLA_ROPE);
+  void *qn = tu_dev_copy(j->qn, no), *qr = tu_dev_copy(j->qr, 2 * (size_t)j->tq * H * MLA_ROPE);
+  int32_t *local = tu_dev_copy(j->local[e->rank], sizeof(int32_t) * (size_t)(j->nlocal[e->rank] + 1));
+  int32_t *table = tu_dev_copy(j->table, sizeof(int32_t) * EREQ * MAX_CTX);
+  void *o = tu_dev_alloc(no);
+  float *l = tu_dev_alloc(nl);
+  CK(cudaMemset(o, 0xFF, no));
+  CK(cudaMemset(l, 0xFF, nl));
+  /* this rank's shard (page Pg / W, every position p mod W == rank) */
+  mla_kv_cache *shard = ext_cache(e, j->pages, j->Pg / W, j->dt);
+  if (shard) RK_OK(e, mla_kv_cache_write_shard(shard, 0, j->tk, slots, c, r, MLA_DTYPE_BF16, W, e->rank));
+  mla_kv_cache *gath = ext_cache(e, 1 + W * j->m, 1, j->dt);
+  if (rk_agree(e)) {
+    RK_OK(e, mla_dcp_gather_kv_nccl(e->ctx, e->comm, W, e->rank, shard, 0, j->nlocal[e->rank], local, j->m, gath, 0,
+                                    1));
+    RK_OK(e, mla_ctx_synchronize(e->ctx));
+  }
+  if (e->ok) ext_step(e, j, gath, 1, table, qn, qr, o, l);
+  CK(cudaMemcpy(j->got_o[e->rank], o, no, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(j->got_l[e->rank], l, nl, cudaMemcpyDeviceToHost));
+  if (e->rank == 0 && gath) {
+    void *gd = NULL;
+    mla_kv_cache_layer_data(gath, 0, &gd);
+    CK(cudaMemcpy(j->gath_rows, gd, j->rb * (size_t)(1 + W * j->m), cudaMemcpyDeviceToHost));
+    /* the single-GPU reference: every row in one cache of page Pg */
+    mla_kv_cache *whole = ext_cache(e, j->pages, j->Pg, j->dt);
+    int32_t *r2t = tu_dev_copy(j->r2t, sizeof(int32_t) * EREQ * MAX_CTX);
+    if (whole) RK_OK(e, mla_kv_cache_write(whole, 0, j->tk, slots, c, r, MLA_DTYPE_BF16));
+    CK(cudaMemset(o, 0xFF, no));
+    if (whole && e->ok) ext_step(e, j, whole, j->Pg, r2t, qn, qr, o, l);
+    CK(cudaMemcpy(j->single_o, o, no, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(j->single_l, l, nl, cudaMemcpyDeviceToHost));
+    if (whole) {
+      void *wd = NULL;
+      mla_kv_cache_layer_data(whole, 0, &wd);
+      CK(cudaMemcpy(j->whole_rows, wd, j->rb * (size_t)j->pages * j->Pg, cudaMemcpyDeviceToHost));
+    }
+    mla_kv_cache_destroy(whole);
+    cudaFree(r2t);
+  }
+  mla_kv_cache_destroy(gath);
+  mla_kv_cache_destroy(shard);
+  void *bufs[] = {slots, c, r, qn, qr, local, table, o, l};
+  for (size_t k = 0; k < sizeof bufs / sizeof bufs[0]; k++) cudaFree(bufs[k]);
+}
+
+static void ext_case(int W, int Pg, int H, mla_dtype dt) {
+  char name[80];
+  snprintf(name, sizeof name, "extend N=%d Pg=%d H=%d %s", W, Pg, H, mla_dtype_name(dt));
+  static const int prefix[EREQ] = {0, 1, 2, 700, 1800, 33}, extl[EREQ] = {7, 1, 64, 130, 300, 1};
+  ext_job j;
+  memset(&j, 0, sizeof j);
+  j.Pg = Pg;
+  j.H = H;
+  j.world = W;
+  j.dt = dt;
+  mla_ctx *cpu = NULL;
+  mla_ctx_desc cd = {MLA_DEVICE_CPU, 1, 0};
+  TU_STATUS(mla_ctx_create(&cd, &cpu), MLA_OK);
+  j.pages = 8;
+  for (int i = 0; i < EREQ; i++) j.pages += (prefix[i] + extl[i] + Pg - 1) / Pg + 1;
+  mla_req_table_desc rd = {EREQ + 2, MAX_CTX, j.pages, Pg};
+  mla_req_table *rt = NULL;
+  TU_STATUS(mla_req_table_create(cpu, &rd, NULL, &rt), MLA_OK);
+  if (!rt) {
+    mla_ctx_destroy(cpu);
+    return;
+  }
+  /* pages interleaved between requests: each request's pages are scattered */
+  int32_t rid[EREQ], have[EREQ] = {0};
+  for (int i = 0; i < EREQ; i++) {
+    TU_STATUS(mla_req_add(rt, &rid[i]), MLA_OK);
+    j.seq[i] = prefix[i] + extl[i];
+    j.ext[i] = extl[i];
+    j.ids[i] = i;
+    j.tq += extl[i];
+    j.tk += j.seq[i];
+  }
+  for (int left = 1; left;) {
+    left = 0;
+    for (int i = 0; i < EREQ; i++) {
+      const int n = j.seq[i] - have[i];
+      if (n <= 0) continue;
+      const int step = tu_randint(&rng, 1, n < 2 * Pg ? n : 2 * Pg);
+      TU_STATUS(mla_req_extend(rt, rid[i], step, NULL), MLA_OK);
+      have[i] += step;
+      left |= have[i] < j.seq[i];
+    }
+  }
+  const int32_t *r2t = NULL;
+  mla_req_table_data(rt, &r2t);
+  j.r2t = malloc(sizeof(int32_t) * EREQ * MAX_CTX);
+  for (int i = 0; i < EREQ; i++) memcpy(j.r2t + (size_t)i * MAX_CTX, r2t + (size_t)rid[i] * MAX_CTX, sizeof(int32_t) * MAX_CTX);
+  mla_req_table_destroy(rt);
+  /* the rows, the global kv indices, each rank's plan and the gathered table */
+  int32_t kv_indptr[EREQ + 1] = {0};
+  for (int i = 0; i < EREQ; i++) kv_indptr[i + 1] = kv_indptr[i] + j.seq[i];
+  j.slots = malloc(sizeof(int32_t) * (size_t)j.tk);
+  for (int i = 0; i < EREQ; i++) memcpy(j.slots + kv_indptr[i], j.r2t + (size_t)i * MAX_CTX, sizeof(int32_t) * j.seq[i]);
+  j.table = malloc(sizeof(int32_t) * EREQ * MAX_CTX);
+  TU_STATUS(mla_dcp_gather_table(cpu, EREQ, j.seq, W, 1, MAX_CTX, j.table, &j.m), MLA_OK);
+  size_t pwb = 0;
+  TU_STATUS(mla_dcp_plan_workspace_size(cpu, EREQ, j.tk, &pwb), MLA_OK);
+  void *pws = malloc(pwb);
+  for (int r = 0; r < W; r++) {
+    mla_dcp_plan plan;
+    memset(&plan, 0, sizeof plan);
+    TU_STATUS(mla_dcp_plan_build(cpu, EREQ, j.seq, kv_indptr, j.slots, r, W, pws, pwb, &plan), MLA_OK);
+    j.nlocal[r] = plan.kv_indptr ? plan.kv_indptr[EREQ] : 0;
+    j.local[r] = malloc(sizeof(int32_t) * (size_t)(j.nlocal[r] + 1));
+    if (plan.kv_indices) memcpy(j.local[r], plan.kv_indices, sizeof(int32_t) * (size_t)j.nlocal[r]);
+  }
+  free(pws);
+  mla_ctx_destroy(cpu);
+  float *tmp = malloc(sizeof(float) * (size_t)(j.tk > j.tq * H ? j.tk : j.tq * H) * MLA_LATENT);
+  j.c = malloc(2 * (size_t)j.tk * MLA_LATENT);
+  j.r = malloc(2 * (size_t)j.tk * MLA_ROPE);
+  tu_fill_bf16_normal(&rng, tmp, (int64_t)j.tk * MLA_LATENT, 1.0);
+  tu_to_dtype(MLA_DTYPE_BF16, tmp, j.c, (int64_t)j.tk * MLA_LATENT);
+  tu_fill_bf16_normal(&rng, tmp, (int64_t)j.tk * MLA_ROPE, 1.0);
+  tu_to_dtype(MLA_DTYPE_BF16, tmp, j.r, (int64_t)j.tk * MLA_ROPE);
+  j.qn = malloc(2 * (size_t)j.tq * H * MLA_LATENT);
+  j.qr = malloc(2 * (size_t)j.tq * H * MLA_ROPE);
+  tu_fill_bf16_normal(&rng, tmp, (int64_t)j.tq * H * MLA_LATENT, 1.0);
+  tu_to_dtype(MLA_DTYPE_BF16, tmp, j.qn, (int64_t)j.tq * H * MLA_LATENT);
+  tu_fill_bf16_normal(&rng, tmp, (int64_t)j.tq * H * MLA_ROPE, 1.0);
+  tu_to_dtype(MLA_DTYPE_BF16, tmp, j.qr, (int64_t)j.tq * H * MLA_ROPE);
+  free(tmp);
+  j.rb = dt == MLA_DTYPE_BF16 || dt == MLA_DTYPE_F16 ? 1152 : dt == MLA_DTYPE_FP8_E4M3 ? 576 : 656;
+  const size_t no = 2 * (size_t)j.tq * H * MLA_LATENT, nl = sizeof(float) * (size_t)j.tq * H;
+  for (int r = 0; r < W; r++) {
+    j.got_o[r] = malloc(no);
+    j.got_l[r] = malloc(nl);
+    tu_poison(j.got_o[r], no);
+    tu_poison(j.got_l[r], nl);
+  }
+  j.single_o = malloc(no);
+  j.single_l = malloc(nl);
+  tu_poison(j.single_o, no);
+  tu_poison(j.single_l, nl);
+  j.gath_rows = malloc(j.rb * (size_t)(1 + W * j.m));
+  j.whole_rows = malloc(j.rb * (size_t)j.pages * Pg);
+  tu_poison(j.gath_rows, j.rb * (size_t)(1 + W * j.m));
+  tu_poison(j.whole_rows, j.rb * (size_t)j.pages * Pg);
+
+  run_ranks(W, ext_body, &j);
+
+  /* the pooled rows are the single cache's rows of the same positions */
+  int rows_bad = 0;
+  for (int i = 0; i < EREQ; i++)
+    for (int p = 0; p < j.seq[i]; p++)
+      rows_bad += memcmp(j.gath_rows + (size_t)j.table[i * MAX_CTX + p] * j.rb,
+                         j.whole_rows + (size_t)j.r2t[(size_t)i * MAX_CTX + p] * j.rb, j.rb) != 0;
+  TU_CHECK(rows_bad == 0, "%s: %d gathered rows differ from the single cache's", name, rows_bad);
+  for (int r = 1; r < W; r++)
+    TU_CHECK(!memcmp(j.got_o[r], j.got_o[0], no) && !memcmp(j.got_l[r], j.got_l[0], nl),
+             "%s: rank %d's EXTEND output differs from rank 0's", name, r);
+  /* against the single-GPU EXTEND: the same rows in the same key order and
+   * split schedule, only the cache page size differs */
+  double dmax = 0, lmax = 0;
+  int64_t bad = 0, nonfinite = 0;
+  const int64_t n_o = (int64_t)j.tq * H * MLA_LATENT, n_l = (int64_t)j.tq * H;
+  for (int64_t k = 0; k < n_o; k++) {
+    const double a = bf16_to_f(j.got_o[0][k]), b = bf16_to_f(j.single_o[k]);
+    if (!isfinite(a) || !isfinite(b)) {
+      nonfinite++;
+      continue;
+    }
+    const double d = fabs(a - b);
+    if (!(d <= dmax)) dmax = d;
+    bad += !(d <= 1e-6 + fabs(b) / 256.0); /* one bf16 rounding step */
+  }
+  for (int64_t k = 0; k < n_l; k++) {
+    const double d = fabs((double)j.got_l[0][k] - j.single_l[k]);
+    if (!(d <= lmax)) lmax = d;
+  }
+  TU_CHECK(nonfinite == 0 && bad == 0 && lmax <= 1e-5,
+           "%s: vs single GPU: %lld non-finite, %lld beyond one bf16 step (max |o| diff %.3g), lse diff %.3g", name,
+           (long long)nonfinite, (long long)bad, dmax, lmax);
+  printf("%s: %d query rows, %d rows per rank; max |o(DCP) - o(1 GPU)| = %.3g, lse %.3g%s\n", name, j.tq, j.m, dmax,
+         lmax, !memcmp(j.got_o[0], j.single_o, no) ? " (bit-identical)" : "");
+  for (int r = 0; r < W; r++) {
+    free(j.got_o[r]);
+    free(j.got_l[r]);
+    free(j.local[r]);
+  }
+  free(j.single_o);
+  free(j.single_l);
+  free(j.gath_rows);
+  free(j.whole_rows);
+  free(j.table);
+  free(j.r2t);
+  free(j.slots);
+  free(j.c);
+  free(j.r);
+  free(j.qn);
+  free(j.qr);
+}
+
 int main(void) {
   rng.s = tu_seed("test_cuda_dcp_nccl", 20261201);
   cpu_refusals();
@@ -781,6 +1058,7 @@ int main(void) {
   /* one rank (any machine with a GPU): the communicator checks and a world-1 merge */
   run_ranks(1, refusal_body, NULL);
   merge_case(1, MLA_DTYPE_F32, 0, 1);
+  ext_case(1, 64, 16, MLA_DTYPE_BF16);
   if (n < 2) {
     printf("test_cuda_dcp_nccl: skipped: needs 2 GPUs (ran the one-rank cases)\n");
     return tu_finish("test_cuda_dcp_nccl");
@@ -792,6 +1070,10 @@ int main(void) {
   dcp_case(64, 16);
   dcp_case(128, 128);
   dcp_case(4, 16);
+  ext_case(2, 64, 16, MLA_DTYPE_BF16);
+  ext_case(2, 128, 128, MLA_DTYPE_BF16);
+  ext_case(2, 16, 16, MLA_DTYPE_FP8_E4M3);
+  ext_case(2, 4, 64, MLA_DTYPE_FP8_E4M3_BLOCK);
   return tu_finish("test_cuda_dcp_nccl");
 }
 #endif

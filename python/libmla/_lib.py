@@ -427,6 +427,9 @@ PROTOTYPES = {
     "mla_dcp_merge_workspace_size": (_S, [_P, _int, _int, _int, _int, _enum, _SZ]),
     "mla_dcp_merge_nccl": (_S, [_P, _P, _int, _int, _int, _int, _int, _enum, _P, _P, _P, ctypes.c_size_t, _P,
                                 _P]),
+    "mla_dcp_gather_table": (_S, [_P, _int, _P, _int, _int, ctypes.c_int64, _P, _PI32]),
+    "mla_kv_cache_pack_rows": (_S, [_P, _int, _int, _P, _P, _int, _int]),
+    "mla_dcp_gather_kv_nccl": (_S, [_P, _P, _int, _int, _P, _int, _int, _P, _int, _P, _int, _int]),
     "mla_gather_latent": (_S, [_P, _P, _int, _int, _P, _enum, _P, _P]),
     "mla_expand_kv": (_S, [_P, _int, _int, _int, _int, _enum, _enum, _P, _P, _P, _P, _P]),
     # device-built steps

@@ -13,7 +13,7 @@
  * the calls validate their arguments and return MLA_ERR_UNSUPPORTED. */
 #include <stdint.h>
 
-#include "../core/internal.h"
+#include "../cache/cache.h"
 #ifdef MLA_WITH_CUDA
 #include "../cuda/prefill.h"
 #include "../cuda/runtime.h"
@@ -227,6 +227,63 @@ mla_status mla_dcp_merge_nccl(mla_ctx *ctx, void *nccl_comm, int world, int rank
   const int e = mla_cuda_merge_launch(world, (int64_t)num_tokens * num_heads, head_dim, (int)act_dtype, 0, o_parts,
                                       lse_parts, out, lse_out, ctx->stream);
   if (e) return mla_cuda_fail(eb, FN, "merge launch", e);
+  return MLA_OK;
+#endif
+}
+
+/* ---- EXTEND under DCP: pooling the shards' rows ------------------------------ */
+
+/* Pack this rank's rows into its block of the gathered cache, then one
+ * in-place all-gather of the blocks: NCCL's in-place form (send buffer = the
+ * receive buffer at rank * count) moves no byte of this rank's own block. The
+ * rows travel as bytes, so every cache format (fp8 scales included) does. */
+mla_status mla_dcp_gather_kv_nccl(mla_ctx *ctx, void *nccl_comm, int world, int rank, const mla_kv_cache *shard,
+                                  int layer, int num_local_rows, const int32_t *local_slots, int rows_per_rank,
+                                  mla_kv_cache *gathered, int gathered_layer, int base_slot) {
+  static const char *const FN = "mla_dcp_gather_kv_nccl";
+  if (!ctx) return MLA_ERR_INVALID_ARGUMENT;
+  mla_errbuf *eb = &ctx->err;
+  mla_clear_error(eb);
+  if (world < 1 || world > DCP_MAX_WORLD)
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, FN, "world = %d, expected 1..%d", world, DCP_MAX_WORLD);
+  if (rank < 0 || rank >= world)
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, FN, "rank = %d, expected 0..%d", rank, world - 1);
+  if (!nccl_comm) return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, FN, "argument 'nccl_comm' is NULL");
+  if (!shard || !gathered)
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, FN, "argument '%s' is NULL", !shard ? "shard" : "gathered");
+  if (shard->ctx != ctx || gathered->ctx != ctx)
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, FN, "%s is not a cache of this context",
+                    shard->ctx != ctx ? "shard" : "gathered");
+  if (rows_per_rank < 0 || num_local_rows < 0 || num_local_rows > rows_per_rank)
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, FN,
+                    "num_local_rows = %d, rows_per_rank = %d: expected 0 <= num_local_rows <= rows_per_rank",
+                    num_local_rows, rows_per_rank);
+  if (base_slot < 1) return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, FN, "base_slot = %d, expected >= 1", base_slot);
+  const int64_t end = (int64_t)base_slot + (int64_t)world * rows_per_rank;
+  if (end > gathered->num_slots)
+    return mla_fail(eb, MLA_ERR_OUT_OF_RANGE, FN, "the blocks need slots up to %lld, the gathered cache has %lld",
+                    (long long)end, (long long)gathered->num_slots);
+  mla_status st = check_capable(ctx, FN);
+  if (st != MLA_OK) return st;
+#ifndef MLA_WITH_NCCL
+  (void)layer;
+  (void)local_slots;
+  (void)gathered_layer;
+  return MLA_ERR_UNSUPPORTED; /* check_capable said so */
+#else
+  ncclComm_t comm = (ncclComm_t)nccl_comm;
+  if ((st = check_comm(ctx, FN, comm, world, rank)) != MLA_OK) return st;
+  /* Every layout argument is checked (the pack's own checks) before the
+   * collective: a refusal here enqueues nothing. */
+  const int64_t block = (int64_t)base_slot + (int64_t)rank * rows_per_rank;
+  if ((st = mla_cache_pack_rows(eb, FN, shard, layer, num_local_rows, local_slots, gathered, gathered_layer,
+                                block)) != MLA_OK)
+    return st;
+  if (rows_per_rank == 0) return MLA_OK; /* every rank has the same M: no rank waits on this one */
+  const size_t rb = gathered->row_bytes, count = (size_t)rows_per_rank * rb;
+  unsigned char *recv = gathered->layers[gathered_layer] + (size_t)base_slot * rb;
+  ncclResult_t r = settle(comm, ncclAllGather(recv + (size_t)rank * count, recv, count, ncclUint8, comm, ctx->stream));
+  if (r != ncclSuccess) return nccl_fail(eb, FN, "ncclAllGather (rows)", r, comm);
   return MLA_OK;
 #endif
 }

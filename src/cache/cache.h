@@ -34,6 +34,11 @@ void mla_cache_row_from_f32(mla_kv_cache *cache, int layer, int64_t slot, const 
 /* Copy n consecutive slots src_slot.. to dst_slot.. in every layer (host or
  * device storage); the request table's copy-on-write. Slots unchecked. */
 mla_status mla_cache_copy_slot_range(mla_kv_cache *cache, int64_t dst_slot, int64_t src_slot, int64_t n);
+/* mla_kv_cache_pack_rows' checks and copy, recording failures in eb under
+ * the public name fn (the DCP gather reports into its context instead). */
+mla_status mla_cache_pack_rows(mla_errbuf *eb, const char *fn, const mla_kv_cache *src, int src_layer,
+                               int num_rows, const int32_t *src_slots /* [num_rows] */, mla_kv_cache *dst,
+                               int dst_layer, int64_t dst_first_slot);
 static inline const unsigned char *mla_cache_row_ptr(const mla_kv_cache *cache, int layer,
                                                      int64_t slot) {
   return cache->layers[layer] + (size_t)slot * cache->row_bytes;

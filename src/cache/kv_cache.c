@@ -581,3 +581,78 @@ mla_status mla_kv_cache_copy_rows(mla_kv_cache *cache, int num_rows,
   mla_parallel_for(cache->ctx, cache->num_layers, grain, copy_layers, &j);
   return MLA_OK;
 }
+
+/* ---- pack: rows of one cache into consecutive slots of another ------------------- */
+
+#ifdef MLA_WITH_CUDA
+#include "../cuda/kv_pack.h"
+#endif
+
+typedef struct pack_job {
+  const unsigned char *src; /* [num_slots, rb] */
+  unsigned char *dst;       /* [num_rows, rb] from the first destination row */
+  const int32_t *slots;     /* [num_rows] */
+  size_t rb;
+} pack_job;
+
+static void pack_range(void *arg, int64_t begin, int64_t end, int worker) {
+  const pack_job *j = (const pack_job *)arg;
+  (void)worker;
+  for (int64_t i = begin; i < end; i++) memcpy(j->dst + (size_t)i * j->rb, j->src + (size_t)j->slots[i] * j->rb, j->rb);
+}
+
+mla_status mla_cache_pack_rows(mla_errbuf *eb, const char *fn, const mla_kv_cache *src, int src_layer, int num_rows,
+                               const int32_t *src_slots, mla_kv_cache *dst, int dst_layer, int64_t dst_first_slot) {
+  if (!src || !dst) return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "argument '%s' is NULL", !src ? "src" : "dst");
+  if (src->ctx != dst->ctx)
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "src and dst belong to different contexts");
+  if (src_layer < 0 || src_layer >= src->num_layers)
+    return mla_fail(eb, MLA_ERR_OUT_OF_RANGE, fn, "src_layer = %d, expected 0..%d", src_layer, src->num_layers - 1);
+  if (dst_layer < 0 || dst_layer >= dst->num_layers)
+    return mla_fail(eb, MLA_ERR_OUT_OF_RANGE, fn, "dst_layer = %d, expected 0..%d", dst_layer, dst->num_layers - 1);
+  if (num_rows < 0) return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "num_rows = %d, expected >= 0", num_rows);
+  if (src->dtype != dst->dtype)
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "src holds %s rows, dst %s: rows move as stored",
+                    mla_dtype_name(src->dtype), mla_dtype_name(dst->dtype));
+  if (src->dtype == MLA_DTYPE_FP8_E4M3 && src->fp8_scales[src_layer] != dst->fp8_scales[dst_layer])
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn,
+                    "fp8 layer scales differ (src %g, dst %g): the copied bytes would mean other values",
+                    (double)src->fp8_scales[src_layer], (double)dst->fp8_scales[dst_layer]);
+  if (src == dst && src_layer == dst_layer)
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn,
+                    "src and dst are the same layer of one cache (mla_kv_cache_copy_rows copies within a cache)");
+  if (dst_first_slot < dst->page_size || dst_first_slot + num_rows > dst->num_slots)
+    return mla_fail(eb, MLA_ERR_OUT_OF_RANGE, fn,
+                    "destination slots [%lld, %lld) outside %lld..%lld (page 0 holds the dummy rows)",
+                    (long long)dst_first_slot, (long long)dst_first_slot + num_rows, (long long)dst->page_size,
+                    (long long)dst->num_slots);
+  if (num_rows == 0) return MLA_OK;
+  if (!src_slots) return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "argument 'src_slots' is NULL");
+  unsigned char *to = dst->layers[dst_layer] + (size_t)dst_first_slot * dst->row_bytes;
+  if (src->on_device) {
+#ifdef MLA_WITH_CUDA
+    if (!mla_cuda_is_device_ptr(src_slots))
+      return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "src_slots is host memory; a CUDA cache takes device pointers");
+    mla_ctx *ctx = src->ctx;
+    int e = mla_cuda_kv_pack(src->layers[src_layer], src->num_slots, to, src->row_bytes, num_rows, src_slots,
+                             ctx->d_bad, ctx->stream);
+    return e ? mla_cuda_fail(eb, fn, "kv pack launch", e) : MLA_OK;
+#else
+    return mla_fail(eb, MLA_ERR_INTERNAL, fn, "device cache without CUDA");
+#endif
+  }
+  mla_status st = check_slots(eb, fn, "src_slots", src, num_rows, src_slots);
+  if (st != MLA_OK) return st;
+  /* Different layers or caches: the source rows never overlap the destination. */
+  pack_job j = {src->layers[src_layer], to, src_slots, src->row_bytes};
+  mla_parallel_for(src->ctx, num_rows, 256, pack_range, &j);
+  return MLA_OK;
+}
+
+mla_status mla_kv_cache_pack_rows(const mla_kv_cache *src, int src_layer, int num_rows, const int32_t *src_slots,
+                                  mla_kv_cache *dst, int dst_layer, int dst_first_slot) {
+  if (!dst) return MLA_ERR_INVALID_ARGUMENT;
+  mla_clear_error(&dst->err);
+  return mla_cache_pack_rows(&dst->err, __func__, src, src_layer, num_rows, src_slots, dst, dst_layer,
+                             dst_first_slot);
+}

@@ -108,3 +108,50 @@ mla_status mla_dcp_plan_build(mla_ctx *ctx, int batch_size, const int32_t *kv_le
   *plan = p;
   return MLA_OK;
 }
+
+/* EXTEND under DCP: where each position's row lands once every rank has
+ * packed its share into its block of the gathered cache (layout in
+ * include/mla.h). Rank r's rows of request i start at the sum of its
+ * earlier requests' shares, so one running offset per rank suffices. */
+#define DCP_GATHER_MAX_WORLD 128
+
+mla_status mla_dcp_gather_table(mla_ctx *ctx, int batch_size, const int32_t *kv_lens, int world, int base_slot,
+                                int64_t table_stride, int32_t *table, int32_t *rows_per_rank) {
+  if (!ctx) return MLA_ERR_INVALID_ARGUMENT;
+  mla_errbuf *eb = &ctx->err;
+  mla_clear_error(eb);
+  MLA_REQUIRE_PTR(eb, rows_per_rank);
+  MLA_REQUIRE(eb, batch_size >= 0, MLA_ERR_INVALID_ARGUMENT, "batch_size = %d, expected >= 0", batch_size);
+  MLA_REQUIRE(eb, world >= 1 && world <= DCP_GATHER_MAX_WORLD, MLA_ERR_INVALID_ARGUMENT,
+              "world = %d, expected 1..%d", world, DCP_GATHER_MAX_WORLD);
+  MLA_REQUIRE(eb, base_slot >= 1, MLA_ERR_INVALID_ARGUMENT,
+              "base_slot = %d, expected >= 1 (slot 0 is the cache's dummy row)", base_slot);
+  if (batch_size > 0) MLA_REQUIRE_PTR(eb, kv_lens);
+  if (table) MLA_REQUIRE(eb, table_stride >= 1, MLA_ERR_INVALID_ARGUMENT, "table_stride = %lld, expected >= 1",
+                         (long long)table_stride);
+  int64_t m = 0; /* rank 0's share: it holds position 0 of every non-empty request */
+  for (int i = 0; i < batch_size; i++) {
+    MLA_REQUIRE(eb, kv_lens[i] >= 0, MLA_ERR_INVALID_ARGUMENT, "kv_lens[%d] = %d, expected >= 0", i,
+                (int)kv_lens[i]);
+    if (table)
+      MLA_REQUIRE(eb, kv_lens[i] <= table_stride, MLA_ERR_OUT_OF_RANGE,
+                  "kv_lens[%d] = %d does not fit a table row of table_stride = %lld", i, (int)kv_lens[i],
+                  (long long)table_stride);
+    m += local_len(kv_lens[i], 0, world);
+  }
+  MLA_REQUIRE(eb, (int64_t)base_slot + (int64_t)world * m <= INT32_MAX, MLA_ERR_OUT_OF_RANGE,
+              "the gathered cache would need %lld slots (base_slot %d + world %d x %lld rows), past 2^31 - 1",
+              (long long)((int64_t)base_slot + (int64_t)world * m), base_slot, world, (long long)m);
+  *rows_per_rank = (int32_t)m;
+  if (!table) return MLA_OK;
+  int64_t off[DCP_GATHER_MAX_WORLD]; /* next row of each rank's block */
+  for (int r = 0; r < world; r++) off[r] = (int64_t)base_slot + (int64_t)r * m;
+  for (int i = 0; i < batch_size; i++) {
+    int32_t *row = table + (size_t)i * (size_t)table_stride;
+    const int32_t k = kv_lens[i];
+    for (int32_t p = 0; p < k; p++) row[p] = (int32_t)(off[p % world] + p / world);
+    for (int64_t p = k; p < table_stride; p++) row[p] = MLA_SLOT_UNUSED;
+    for (int r = 0; r < world; r++) off[r] += local_len(k, r, world);
+  }
+  return MLA_OK;
+}
