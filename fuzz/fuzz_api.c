@@ -1918,12 +1918,12 @@ static void direct_misc(fz *f, world *w) {
 
 /* Counters of the new phases (fuzz_replay prints fz_stats only; these are
  * printed at exit under FZ_STATS=1 too). */
-static long fz_stats_x[4];
-static const char *const fz_stat_x_names[4] = {"steps ok", "step attn ok", "graph steps ok",
-                                               "graph fwd ok"};
+static long fz_stats_x[6];
+static const char *const fz_stat_x_names[6] = {"steps ok", "step attn ok", "graph steps ok",
+                                               "graph fwd ok", "gather table ok", "pack rows ok"};
 #define FZ_COUNT_X(k) (fz_stats_x[k]++)
 static void print_stats_x(void) {
-  for (int k = 0; k < 4; k++) printf("  %-14s %ld\n", fz_stat_x_names[k], fz_stats_x[k]);
+  for (int k = 0; k < 6; k++) printf("  %-15s %ld\n", fz_stat_x_names[k], fz_stats_x[k]);
 }
 
 static int is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
@@ -2799,6 +2799,105 @@ static void run_dcp(fz *f, world *w) {
   }
 }
 
+/* EXTEND under DCP on the CPU: the gathered table (its layout checked on
+ * success, nothing written on refusal) and pack_rows from the world's cache
+ * into a small fresh cache (bytes equal the source rows on success, the
+ * destination unchanged on refusal). */
+static void run_dcp_gather(fz *f, world *w) {
+  /* mla_dcp_gather_table */
+  int32_t lens[8];
+  const int bs = FZ_ONE_OF(f, 3, 0, 1, 8, -1);
+  int lens_ok = 1;
+  for (int i = 0; i < 8; i++) {
+    lens[i] = FZ_ONE_OF(f, 0, 1, 5, 17, 40, -1, 1 << 30);
+    if (i < bs && lens[i] < 0) lens_ok = 0;
+  }
+  const int world_n = FZ_ONE_OF(f, 2, 1, 3, 4, 128, 0, 129, -2);
+  const int base = FZ_ONE_OF(f, 1, 4, 0, -1, INT32_MAX);
+  const int64_t stride = FZ_ONE_OF(f, 48, 17, 0, 1);
+  int32_t *table = fz_pick(f, 4) ? malloc(sizeof(int32_t) * 8 * 48) : NULL;
+  if (table) memset(table, 0x7f, sizeof(int32_t) * 8 * 48);
+  int32_t m = -7;
+  const int null_lens = fz_rare(f, 8);
+  mla_status st = CTX_CHK(w, mla_dcp_gather_table(w->ctx, bs, null_lens ? NULL : lens, world_n, base, stride, table,
+                                                 fz_rare(f, 16) ? NULL : &m));
+  if (st == MLA_OK) {
+    FZ_COUNT_X(4);
+    FZ_ASSERT(bs >= 0 && world_n >= 1 && world_n <= 128 && base >= 1 && (bs == 0 || (!null_lens && lens_ok)),
+              "mla_dcp_gather_table accepted bs %d world %d base %d", bs, world_n, base);
+    int64_t want = 0;
+    for (int i = 0; i < bs; i++) want += lens[i] > 0 ? (lens[i] - 1) / world_n + 1 : 0;
+    FZ_ASSERT(m == want, "rows_per_rank %d, expected %lld", (int)m, (long long)want);
+    for (int i = 0; table && i < bs; i++)
+      for (int64_t p = 0; p < stride; p++) {
+        const int32_t v = table[i * stride + p];
+        FZ_ASSERT(p < lens[i] ? v >= base + (int64_t)(p % world_n) * m && v < base + (int64_t)(p % world_n + 1) * m
+                              : v == MLA_SLOT_UNUSED,
+                  "table[%d][%lld] = %d", i, (long long)p, (int)v);
+      }
+  } else {
+    FZ_ASSERT(st == MLA_ERR_INVALID_ARGUMENT || st == MLA_ERR_OUT_OF_RANGE, "mla_dcp_gather_table returned %s",
+              mla_status_string(st));
+    for (int k = 0; table && k < 8 * 48; k++) FZ_ASSERT(table[k] == 0x7f7f7f7f, "a refused gather_table wrote");
+  }
+  free(table);
+
+  /* mla_kv_cache_pack_rows */
+  mla_kv_cache_desc sd;
+  FZ_ASSERT(mla_kv_cache_get_desc(w->cache, &sd) == MLA_OK, "get_desc");
+  const int sl = fz_rare(f, 8) ? fz_wild(f, 0, w->num_layers - 1) : fz_pick(f, w->num_layers);
+  const int same_dtype = fz_pick(f, 8) != 0, same_scale = fz_pick(f, 8) != 0;
+  const mla_dtype ddt = same_dtype ? w->dtype : (mla_dtype)FZ_ONE_OF(f, MLA_DTYPE_BF16, MLA_DTYPE_FP8_E4M3);
+  const int sl_ok = sl >= 0 && sl < w->num_layers;
+  /* the source layer's scale (any other value when same_scale is 0) */
+  const float src_scale = w->dtype == MLA_DTYPE_FP8_E4M3 && sl_ok ? sd.fp8_scales[sl] : 1.0f;
+  const float scales[2] = {same_scale ? src_scale : src_scale * 2.0f, same_scale ? src_scale : src_scale * 2.0f};
+  const int dpage = FZ_ONE_OF(f, 1, 2, 4), dpages = FZ_ONE_OF(f, 8, 2);
+  mla_kv_cache_desc dd = {2, dpages, dpage, ddt, ddt == MLA_DTYPE_FP8_E4M3 ? scales : NULL};
+  mla_kv_cache *dst = NULL;
+  if (mla_kv_cache_create(w->ctx, &dd, &dst) != MLA_OK) return;
+  int huge;
+  const int n = fz_size(f, 6, &huge), nn = n > 0 && !huge ? n : 0;
+  int32_t *slots = arr_alloc(nn);
+  const int64_t ns = (int64_t)w->num_pages * w->page_size, dns = (int64_t)dpages * dpage;
+  int slots_ok = 1;
+  for (int i = 0; i < nn; i++) {
+    slots[i] = fz_slot(f, w);
+    slots_ok &= slots[i] >= 0 && slots[i] < ns;
+  }
+  const int dl = FZ_ONE_OF(f, 0, 1, 2, -1);
+  const int first = FZ_ONE_OF(f, 4, 1, 0, 8, 15, -1, INT32_MAX);
+  const int null_slots = fz_rare(f, 8);
+  void *dd0 = NULL, *dd1 = NULL, *sdat = NULL;
+  mla_kv_cache_layer_data(dst, 0, &dd0);
+  mla_kv_cache_layer_data(dst, 1, &dd1);
+  size_t rb = 0;
+  mla_kv_cache_row_bytes(dst, &rb);
+  memset(dd0, 0x5a, rb * (size_t)dns);
+  memset(dd1, 0x5a, rb * (size_t)dns);
+  st = chk(mla_kv_cache_pack_rows(w->cache, sl, n, null_slots ? NULL : slots, dst, dl, first), "pack_rows",
+           mla_kv_cache_last_error(dst));
+  const int valid = sl_ok && dl >= 0 && dl < 2 && n >= 0 && ddt == w->dtype &&
+                    (w->dtype != MLA_DTYPE_FP8_E4M3 || same_scale) && first >= dpage &&
+                    (int64_t)first + n <= dns && (n == 0 || (!huge && !null_slots && slots_ok));
+  FZ_ASSERT((st == MLA_OK) == valid, "pack_rows returned %s, the model says %s", mla_status_string(st),
+            valid ? "valid" : "invalid");
+  if (st == MLA_OK && nn > 0) {
+    FZ_COUNT_X(5);
+    mla_kv_cache_layer_data(w->cache, sl, &sdat);
+    unsigned char *to = (unsigned char *)(dl ? dd1 : dd0);
+    for (int i = 0; i < nn; i++)
+      FZ_ASSERT(!memcmp(to + (size_t)(first + i) * rb, (unsigned char *)sdat + (size_t)slots[i] * rb, rb),
+                "pack_rows: row %d differs from its source", i);
+  } else if (st != MLA_OK) {
+    for (size_t k = 0; k < rb * (size_t)dns; k++)
+      FZ_ASSERT(((unsigned char *)dd0)[k] == 0x5a && ((unsigned char *)dd1)[k] == 0x5a,
+                "a refused pack_rows wrote the destination");
+  }
+  free(slots);
+  mla_kv_cache_destroy(dst);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   fz f = {data, size, 0};
   static int stats_registered;
@@ -2826,6 +2925,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   /* A backend costs a few MiB of workspaces (slow under ASan): 1 in 4. */
   if (((later >> 4) & 3) == 0) run_backend(&f, &w);
   if ((later >> 6) == 1) run_dcp(&f, &w);
+  if ((later >> 6) == 2) run_dcp_gather(&f, &w);
   teardown(&w);
   return 0;
 }
