@@ -19,7 +19,10 @@ What differs, and why:
   the first layer's forward call of each pass. On a CPU context the same
   hooks and calls run eagerly (what CI tests). Padding rows are REQ_PAD rows
   with seq_len 1 that read only the reserved page 0 (their new latent rows
-  go to the dummy slot 0).
+  go to the dummy slot 0). Besides DECODE / TARGET_VERIFY / fixed-window
+  DRAFT_EXTEND, EXTEND (the paged absorbed prefill over a cached prefix)
+  can be captured per token bucket (init_cuda_graph_state's
+  max_extend_tokens; the hooks' num_tokens is the bucket).
 * Multi-step drafts run over the C backend's draft steps
   (mla_backend_draft_*) on the same fixed inputs: one prepare builds every
   step, each step's forward selects its own.
@@ -165,15 +168,19 @@ class MLAMetadata:
     or a DevicePlan (has_host_plan False: the step's shape, no arrays) when the library built
     the metadata on the device: CUDA decode-type steps and CUDA graph steps (the C backend
     keeps that metadata to itself). On a CPU context a graph step's plan is a host plan of
-    the same padded batch, built alongside for inspection (the step equals it bit for bit).
+    the same padded batch, built alongside for inspection (the step equals it bit for bit;
+    EXTEND graph steps: equal up to rounding, the step's split schedule being sized for the
+    token bucket). num_q_tokens is the rows q and out hold: an EXTEND graph step's token
+    bucket (its plan, on the CPU, has only the real extend tokens).
     """
 
-    def __init__(self, mode, plan, uses_mha, padded_rows=0, graph=False):
+    def __init__(self, mode, plan, uses_mha, padded_rows=0, graph=False, num_q_tokens=None):
         self.mode = mode
         self.plan = plan
         self.uses_mha = uses_mha
         self.padded_rows = padded_rows
         self.graph = graph
+        self._tq = num_q_tokens
 
     @property
     def has_host_plan(self):
@@ -185,7 +192,7 @@ class MLAMetadata:
 
     @property
     def num_q_tokens(self):
-        return self.plan.num_q_tokens
+        return self._tq if self._tq is not None else self.plan.num_q_tokens
 
     @property
     def block_kv_indices(self):
@@ -260,6 +267,9 @@ class SglangMLABackend:
         self.cuda_graph_req_pool_indices = self.cuda_graph_seq_lens = None
         self._gstep = None  # the graph step of the last CUDA-graph hook (None: eager metadata)
         self._gplanner = None  # CPU: host plans of graph steps, for inspection
+        self._gplanner_ext = None  # CPU: host plans of EXTEND graph steps (token buckets)
+        self.cuda_graph_extend_seq_lens = None  # EXTEND graphs' third fixed input
+        self.cuda_graph_max_extend_tokens = 0  # EXTEND token buckets the graph state takes
 
     # ---- the pools (sglang: req_to_token_pool + token_to_kv_pool) -------------------------
 
@@ -408,19 +418,35 @@ class SglangMLABackend:
     # mla_backend_graph_step at the first layer of each pass (so a pass captured in a CUDA
     # graph contains the metadata build, which replays read from the inputs), then the layer.
     # On a CPU context the same calls run eagerly from host buffers.
+    #
+    # EXTEND graphs (opt-in: init_cuda_graph_state(max_extend_tokens=N), which runs
+    # mla_backend_graph_init_extend) capture the paged absorbed prefill over the cached prefix
+    # at a token bucket: a graph is keyed by (bs, num_tokens), q / out / out_cache_loc hold
+    # num_tokens rows, and a third fixed input, the rows' extend lengths, says which rows own
+    # which tokens (rows past the real total are left as they are; their new latent rows go to
+    # the dummy slot 0).
 
     def init_cuda_graph_state(self, max_bs, max_num_tokens, kv_indices_buf=None, *,
-                              max_draft_tokens=None):
+                              max_draft_tokens=None, max_extend_tokens=None):
         """Allocate the graph buffers for batches up to max_bs rows (once; a later call may
         only ask for less). max_draft_tokens: the largest TARGET_VERIFY / DRAFT_EXTEND
         window a graph will take (default: the backend's num_draft_tokens, else
         max_num_tokens // max_bs when that exceeds 1). The fixed inputs are
         cuda_graph_req_pool_indices / cuda_graph_seq_lens (int32 [max_bs]: torch CUDA tensors
-        viewing library memory on CUDA, numpy arrays on the CPU)."""
+        viewing library memory on CUDA, numpy arrays on the CPU).
+
+        max_extend_tokens (default None: no EXTEND graphs): also size EXTEND graph steps for
+        token buckets up to this many query tokens (1..max_num_tokens of the backend; once,
+        a later call may ask for less or leave it out); their extra fixed input is
+        cuda_graph_extend_seq_lens (int32 [max_bs], same kind as the others)."""
         if max_bs > self.max_bs or max_num_tokens > self.max_num_tokens:
             raise ValueError("init_cuda_graph_state: max_bs %d / max_num_tokens %d exceed the "
                              "backend's %d / %d" % (max_bs, max_num_tokens, self.max_bs,
                                                     self.max_num_tokens))
+        met = None if max_extend_tokens is None else int(max_extend_tokens)
+        if met is not None and not 1 <= met <= self.max_num_tokens:
+            raise ValueError("init_cuda_graph_state: max_extend_tokens = %d, expected 1..%d (the "
+                             "backend's max_num_tokens)" % (met, self.max_num_tokens))
         if max_draft_tokens is None:
             max_draft_tokens = self.num_draft_tokens or (
                 max_num_tokens // max_bs if max_bs > 0 and max_num_tokens // max_bs > 1 else 0)
@@ -432,17 +458,49 @@ class SglangMLABackend:
             raise ValueError("init_cuda_graph_state: the graph buffers exist for max_bs %d and %d "
                              "draft tokens (they are allocated once)"
                              % (be.graph_max_bs, be.graph_max_draft_tokens))
+        have = getattr(be, "graph_max_tokens", None)  # set by Backend.graph_init_extend
+        if met is not None:
+            if have is None:
+                be.graph_init_extend(met)
+            elif met > have:
+                raise ValueError("init_cuda_graph_state: the EXTEND graph buffers exist for %d "
+                                 "tokens (they are allocated once)" % have)
         self.cuda_graph_req_pool_indices, self.cuda_graph_seq_lens = be.graph_inputs()
-        if not self.is_cuda and self._gplanner is None:
-            gb, gq = be.graph_max_bs, be.graph_max_bs * max(be.graph_max_draft_tokens, 1)
-            self._gplanner = Planner(self.ctx, max_bs=gb, max_q_tokens=gq,
-                                     max_kv_tokens=gb * self.max_context_len,
-                                     max_context=self.max_context_len, page_size=self.page_size)
+        self.cuda_graph_extend_seq_lens = getattr(be, "_graph_extend_lens", None)
+        if not self.is_cuda:
+            if self._gplanner is None:
+                gb, gq = be.graph_max_bs, be.graph_max_bs * max(be.graph_max_draft_tokens, 1)
+                self._gplanner = Planner(self.ctx, max_bs=gb, max_q_tokens=gq,
+                                         max_kv_tokens=gb * self.max_context_len,
+                                         max_context=self.max_context_len,
+                                         page_size=self.page_size)
+            if met is not None and self._gplanner_ext is None:
+                gb = be.graph_max_bs
+                self._gplanner_ext = Planner(self.ctx, max_bs=gb, max_q_tokens=be.graph_max_tokens,
+                                             max_kv_tokens=gb * self.max_context_len,
+                                             max_context=self.max_context_len,
+                                             page_size=self.page_size)
         self.cuda_graph_max_bs = int(max_bs)
         self.cuda_graph_max_num_tokens = int(max_num_tokens)
+        if met is not None:  # (a later call without it keeps the buckets)
+            self.cuda_graph_max_extend_tokens = met
 
-    def _graph_mode(self, forward_mode, spec_info):
+    def _graph_mode(self, forward_mode, spec_info, num_tokens=None):
+        """(mode, ndt) of a graph step; for EXTEND ndt is the token bucket num_tokens."""
         mode = _mode_of(forward_mode if forward_mode is not None else Mode.DECODE)
+        if mode == Mode.EXTEND:
+            lim = self.cuda_graph_max_extend_tokens
+            if lim == 0:
+                raise ValueError("forward_mode = EXTEND: CUDA graphs take decode, target_verify "
+                                 "and draft_extend (a fixed window) steps, and extend steps "
+                                 "after init_cuda_graph_state(..., max_extend_tokens=N)")
+            if num_tokens is None:
+                raise ValueError("an EXTEND graph is keyed by its token bucket: pass num_tokens")
+            nt = int(num_tokens)
+            if not 1 <= nt <= lim:
+                raise ValueError("num_tokens = %d: the EXTEND graph state takes token buckets "
+                                 "1..%d (init_cuda_graph_state's max_extend_tokens)" % (nt, lim))
+            return mode, nt
         if mode != Mode.IDLE and mode not in _GRAPH_MODES:
             raise ValueError("forward_mode = %s: CUDA graphs take decode, target_verify and "
                              "draft_extend (a fixed window) steps" % mode.name)
@@ -455,11 +513,15 @@ class SglangMLABackend:
                              % (ndt, self.backend.graph_max_draft_tokens))
         return mode, (0 if mode == Mode.DECODE else ndt)
 
-    def _graph_md(self, mode, bs, ndt, rid, sl):
+    def _graph_md(self, mode, bs, ndt, rid, sl, ext=None):
         """Host plan of the padded batch (CPU: checks the rows, for inspection) or the step's
         DevicePlan (CUDA), and the metadata the forward calls run from."""
         if self.is_cuda:
             plan = DevicePlan(mode, bs, ndt, graph=True)
+        elif mode == Mode.EXTEND:  # the same rows as an eager EXTEND over their prefixes
+            plan = self._gplanner_ext.build(
+                self.req_table, mode, num_heads=self.num_heads,
+                batch_args=_BatchArgs(mode, rid, sl, extend_lens=ext, prefix_lens=sl - ext))
         else:
             plan = self._gplanner.build(self.req_table, mode, num_heads=self.num_heads,
                                         batch_args=_BatchArgs(mode, rid, sl, num_draft_tokens=ndt))
@@ -468,7 +530,9 @@ class SglangMLABackend:
     def _set_graph(self, mode, bs, ndt, plan, padded):
         self.backend.sync()
         self._gstep = _GraphStep(mode, bs, ndt)
-        self.forward_metadata = MLAMetadata(mode, plan, False, padded, graph=True)
+        # an EXTEND step's q / out hold the whole token bucket
+        self.forward_metadata = MLAMetadata(mode, plan, False, padded, graph=True,
+                                            num_q_tokens=ndt if mode == Mode.EXTEND else None)
         return self.forward_metadata
 
     def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens,
@@ -476,27 +540,38 @@ class SglangMLABackend:
                                                  spec_info=None):
         """Capture-time metadata, called before the captured pass (and its warm-up passes),
         outside the graph: the captured batch is dummy data, so every row of the fixed
-        inputs' first bs becomes a padding row (REQ_PAD, seq_len 1). The captured pass's first
-        forward call records the graph step."""
+        inputs' first bs becomes a padding row (REQ_PAD, seq_len 1; EXTEND: extend length 0).
+        The captured pass's first forward call records the graph step. forward_mode EXTEND
+        (after init_cuda_graph_state(max_extend_tokens=...)): num_tokens is the graph's token
+        bucket, the rows q, k, out and out_cache_loc hold in its passes."""
         self._require_graph_state(bs)
-        mode, ndt = self._graph_mode(forward_mode, spec_info)
+        mode, ndt = self._graph_mode(forward_mode, spec_info, num_tokens)
         if mode == Mode.IDLE:
             return self._plan(_BatchArgs(Mode.IDLE), 0)
         fill = self.get_cuda_graph_seq_len_fill_value()
         rid, sl = np.full(bs, _lib.REQ_PAD, np.int32), np.full(bs, fill, np.int32)
-        plan = self._graph_md(mode, bs, ndt, rid, sl)
+        ext = np.zeros(bs, np.int32)
+        plan = self._graph_md(mode, bs, ndt, rid, sl, ext)
         ids, seq = self.backend.graph_inputs()
+        elens = self.cuda_graph_extend_seq_lens
         if self.is_cuda:
             ids[:bs].fill_(_lib.REQ_PAD)
             seq[:bs].fill_(fill)
+            if mode == Mode.EXTEND:
+                elens[:bs].fill_(0)
         else:
             ids[:bs], seq[:bs] = rid, sl
+            if mode == Mode.EXTEND:
+                elens[:bs] = ext
         return self._set_graph(mode, bs, ndt, plan, bs)
 
     def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens,
                                                 seq_lens_sum=None, encoder_lens=None,
                                                 forward_mode=None, spec_info=None,
-                                                seq_lens_cpu=None, num_real=None):
+                                                seq_lens_cpu=None, num_real=None, *,
+                                                num_tokens=None, extend_seq_lens=None,
+                                                extend_seq_lens_cpu=None, extend_prefix_lens=None,
+                                                extend_prefix_lens_cpu=None):
         """Replay-time metadata for a captured size bs, before graph.replay(), outside the
         graph: the rows go into the fixed inputs, rows past num_real (or past the given
         arrays) become padding rows (REQ_PAD, seq_len 1; a REQ_PAD id in the arrays is one
@@ -504,16 +579,48 @@ class SglangMLABackend:
         copied on the device (no host sync; seq_lens is preferred over seq_lens_cpu then), the
         rows are checked by the device (an out-of-range row is emptied and reported by
         ctx.synchronize()) and padded_rows counts the rows padded here only; on the CPU the
-        rows are checked here."""
+        rows are checked here.
+
+        EXTEND graphs: num_tokens is the captured token bucket; seq_lens are the rows' kv
+        lengths (prefix included) and extend_seq_lens their query tokens (or
+        extend_prefix_lens, the extend lengths being seq_lens - extend_prefix_lens), in the
+        order their tokens fill q (padding rows: extend length 0). Extend lengths adding up
+        to more than num_tokens raise ValueError when known on the host; from device tensors
+        such a batch is not attended and reported by ctx.synchronize()."""
         self._require_graph_state(bs)
-        mode, ndt = self._graph_mode(forward_mode, spec_info)
+        mode, ndt = self._graph_mode(forward_mode, spec_info, num_tokens)
         if mode == Mode.IDLE:
             return self._plan(_BatchArgs(Mode.IDLE), 0)
+        ext_src = ext_cpu = pre_src = None
+        if mode == Mode.EXTEND:
+            ext_src, ext_cpu = extend_seq_lens, extend_seq_lens_cpu
+            pre_src, pre_cpu = extend_prefix_lens, extend_prefix_lens_cpu
+            if ext_src is None and ext_cpu is None:
+                if pre_src is None and pre_cpu is None:
+                    raise ValueError("an EXTEND replay needs extend_seq_lens (or "
+                                     "extend_prefix_lens)")
+                if pre_src is None or (not self.is_cuda and pre_cpu is not None):
+                    pre_src = pre_cpu
         if self.is_cuda:
             sl_src = seq_lens if getattr(seq_lens, "is_cuda", False) or seq_lens_cpu is None \
                 else seq_lens_cpu
-            padded = self._write_device_inputs(bs, req_pool_indices, sl_src, num_real)
+            ext = None
+            if mode == Mode.EXTEND:
+                ext = ext_src if getattr(ext_src, "is_cuda", False) or ext_cpu is None \
+                    else ext_cpu
+                if ext is None:  # from the prefixes, on the side the lengths are
+                    ext = self._ext_from_prefix(sl_src, pre_src)
+                self._check_bucket_host(ext, num_real, bs, ndt)
+            padded = self._write_device_inputs(bs, req_pool_indices, sl_src, num_real, ext)
             plan = self._graph_md(mode, bs, ndt, None, None)
+        elif mode == Mode.EXTEND:
+            rid, sl, ext, padded = self._extend_rows_host(
+                bs, req_pool_indices, seq_lens_cpu if seq_lens_cpu is not None else seq_lens,
+                ext_cpu if ext_cpu is not None else ext_src, pre_src, num_real, ndt)
+            plan = self._graph_md(mode, bs, ndt, rid, sl, ext)  # checks the rows first
+            ids, seq = self.backend.graph_inputs()
+            ids[:bs], seq[:bs] = rid, sl
+            self.cuda_graph_extend_seq_lens[:bs] = ext
         else:
             b, padded = self._batch_from(None, mode, req_pool_indices,
                                          seq_lens_cpu if seq_lens_cpu is not None else seq_lens,
@@ -526,9 +633,64 @@ class SglangMLABackend:
             ids[:bs], seq[:bs] = rid, sl
         return self._set_graph(mode, bs, ndt, plan, padded)
 
-    def _write_device_inputs(self, bs, req_pool_indices, seq_lens, num_real):
+    @staticmethod
+    def _ext_from_prefix(seq_lens, prefix_lens):
+        """Extend lengths seq_lens - prefix_lens (torch on the device when either is a CUDA
+        tensor, else host int32)."""
+        if getattr(seq_lens, "is_cuda", False) or getattr(prefix_lens, "is_cuda", False):
+            torch = sys.modules["torch"]
+            dev = seq_lens.device if getattr(seq_lens, "is_cuda", False) else prefix_lens.device
+
+            def on(x):
+                return x.to(dev) if hasattr(x, "to") and hasattr(x, "device") else \
+                    torch.from_numpy(np.array(_host(x), np.int32)).to(dev)
+            s, p = on(seq_lens).reshape(-1), on(prefix_lens).reshape(-1)
+            return s.to(torch.int32) - p.to(torch.int32)
+        return _host(seq_lens) - _host(prefix_lens)
+
+    @staticmethod
+    def _check_bucket_host(ext, num_real, bs, bucket):
+        """Host extend lengths: the real rows' tokens must fit the bucket (device tensors are
+        left to the device check)."""
+        if ext is None or getattr(ext, "is_cuda", False):
+            return
+        e = _host(ext)
+        n = bs if num_real is None else max(0, min(int(num_real), bs))
+        e = e[:min(n, e.shape[0])]
+        if (e < 0).any():
+            raise ValueError("extend_seq_lens: a negative length")
+        if int(e.sum()) > bucket:
+            raise ValueError("extend_seq_lens add up to %d tokens: more than the graph's bucket "
+                             "num_tokens = %d" % (int(e.sum()), bucket))
+
+    def _extend_rows_host(self, bs, req_pool_indices, seq_lens, ext, prefix, num_real, bucket):
+        """CPU: the padded host rows (ids, seq_lens, extend lens) of an EXTEND replay and the
+        number of rows padded (REQ_PAD rows in the arrays included)."""
+        rid, sl = _host(req_pool_indices), _host(seq_lens)
+        e = _host(ext) if ext is not None else sl - _host(prefix)
+        n = min(rid.shape[0], sl.shape[0], e.shape[0])
+        if num_real is not None:
+            n = max(0, min(int(num_real), n))
+        if n > bs:
+            raise ValueError("replay: %d rows for a graph of batch size %d" % (n, bs))
+        fill = self.get_cuda_graph_seq_len_fill_value()
+        out_r = np.full(bs, _lib.REQ_PAD, np.int32)
+        out_s = np.full(bs, fill, np.int32)
+        out_e = np.zeros(bs, np.int32)
+        out_r[:n], out_s[:n], out_e[:n] = rid[:n], sl[:n], e[:n]
+        pad = out_r == _lib.REQ_PAD
+        out_s[pad], out_e[pad] = fill, 0
+        if (out_e < 0).any() or (out_e > out_s).any():
+            raise ValueError("extend_seq_lens: a row's extend length is outside 0..seq_len")
+        if int(out_e.sum()) > bucket:
+            raise ValueError("extend_seq_lens add up to %d tokens: more than the graph's bucket "
+                             "num_tokens = %d" % (int(out_e.sum()), bucket))
+        return out_r, out_s, out_e, int(np.count_nonzero(pad))
+
+    def _write_device_inputs(self, bs, req_pool_indices, seq_lens, num_real, extend_lens=None):
         """CUDA: rows [0, n) from the engine's tensors, [n, bs) padding, enqueued on torch's
-        current stream. Returns the number of rows padded here."""
+        current stream (extend_lens given: the EXTEND input too, 0 for padding rows and for
+        REQ_PAD ids). Returns the number of rows padded here."""
         torch = sys.modules["torch"]
         ids, seq = self.backend.graph_inputs()
         n = bs if num_real is None else max(0, min(int(num_real), bs))
@@ -545,6 +707,13 @@ class SglangMLABackend:
             return m
 
         m = min(put(ids, req_pool_indices, "req_pool_indices"), put(seq, seq_lens, "seq_lens"))
+        if extend_lens is not None:
+            el = self.cuda_graph_extend_seq_lens
+            m = min(m, put(el, extend_lens, "extend_seq_lens"))
+            if m:  # a REQ_PAD id in the arrays is a padding row: no tokens
+                el[:m].masked_fill_(ids[:m] == _lib.REQ_PAD, 0)
+            if m < bs:
+                el[m:bs].fill_(0)
         if m < bs:
             ids[m:bs].fill_(_lib.REQ_PAD)
             seq[m:bs].fill_(self.get_cuda_graph_seq_len_fill_value())
@@ -650,6 +819,11 @@ class SglangMLABackend:
         to store (sglang's model stores them itself: then pass latent=None and
         use set_kv_buffer); kv_b_proj [H, nope + v_dim, 512] for chunked
         prefixes. Returns o [T, H * v_dim]. out / lse: optional outputs as in forward_decode.
+
+        Under an EXTEND graph (the capture / replay hooks with forward_mode EXTEND) the step is
+        the paged absorbed prefill whatever extend_impl is: absorbed q / k as above, T being
+        the graph's token bucket (q, k, out and out_cache_loc hold that many rows; rows past
+        the real tokens are left as they are, their latent rows go to slot 0).
         """
         md = self._meta()
         if not md.uses_mha:

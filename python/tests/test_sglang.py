@@ -471,6 +471,155 @@ def test_cuda_graph_first_layer_rebuilds_step(ctx, rng):
     assert not np.array_equal(o1, o1b)
 
 
+def test_cuda_graph_extend_buckets_match_eager(ctx, rng):
+    """EXTEND graphs (the paged absorbed prefill over cached prefixes at a token bucket) on
+    the CPU: capture per (bs, num_tokens) bucket, then rounds of requests extending by 0..12
+    tokens, replayed through the hooks into the bucket that fits. Each round's real rows
+    equal an eager init_forward_metadata + forward_extend of the same EXTEND batch on a twin
+    backend (up to the split schedule, sized for the bucket in the graph step) and the
+    float64 reference; the token rows past the real total are left untouched; the state's
+    checks refuse what does not fit."""
+    eager, graph = _graph_pair(ctx)
+    m = Model(eager, rng)
+    L, TMAX = 2, 64
+    BUCKETS = ((2, 16), (4, 32), (6, 64))  # (bs, num_tokens)
+    with pytest.raises(ValueError, match="max_extend_tokens"):
+        graph.init_cuda_graph_state(max_bs=6, max_num_tokens=18, max_extend_tokens=129)
+    graph.init_cuda_graph_state(max_bs=6, max_num_tokens=18, max_extend_tokens=TMAX)
+    ids, seq = graph.cuda_graph_req_pool_indices, graph.cuda_graph_seq_lens
+    ext_in = graph.cuda_graph_extend_seq_lens
+    assert ext_in.shape == (6,) and ext_in.dtype == np.int32 and ext_in.flags.writeable
+    assert list(ext_in) == [0] * 6 and graph.cuda_graph_max_extend_tokens == TMAX
+    SENT = 7.0  # what the engine's output buffer held before: rows past the total keep it
+
+    # capture: every row padding (no tokens), so no row of the bucket is attended
+    for bs, nt in BUCKETS:
+        md = graph.init_forward_metadata_capture_cuda_graph(
+            bs, nt, np.zeros(bs, np.int32), np.ones(bs, np.int32), forward_mode="extend")
+        assert md.graph and md.padded_rows == bs and md.num_q_tokens == nt
+        assert md.plan.num_q_tokens == 0  # the CPU's host plan of the padded batch
+        assert list(ids[:bs]) == [libmla.REQ_PAD] * bs and list(ext_in[:bs]) == [0] * bs
+        for _ in range(2):
+            for lid in range(L):
+                out = np.full((nt, H * 512), SENT, np.float32)
+                fb = libmla.ForwardBatch("extend", ids[:bs], seq[:bs],
+                                         out_cache_loc=np.zeros(nt, np.int32))
+                o = graph.forward_extend(rng.standard_normal((nt, H * 576)).astype(np.float32),
+                                         rng.standard_normal((nt, 576)).astype(np.float32), None,
+                                         Layer(lid), fb, out=out)
+                assert o.shape == (nt, H * 512) and (out == SENT).all()
+                p = graph.backend.get_plan()
+                assert p.graph and p.mode == libmla.Mode.EXTEND and p.num_q_tokens == nt
+    with pytest.raises(ValueError, match="1..64"):
+        graph.init_forward_metadata_capture_cuda_graph(2, TMAX + 1, None, None,
+                                                       forward_mode="extend")
+    with pytest.raises(ValueError, match="num_tokens"):
+        graph.init_forward_metadata_capture_cuda_graph(2, None, None, None, forward_mode="extend")
+
+    # requests with cached prompts, in both twins
+    live = {}
+    for _ in range(5):
+        a = eager.alloc_req()
+        assert graph.alloc_req() == a
+        n = int(rng.integers(1, 90))
+        loc = eager.extend_req(a, n)
+        np.testing.assert_array_equal(graph.extend_req(a, n), loc)
+        for lid in range(L):
+            kv = m.latent(lid, loc)
+            eager.set_kv_buffer(Layer(lid), loc, kv)
+            graph.set_kv_buffer(Layer(lid), loc, kv)
+        live[a] = n
+    rounds = 0
+    for rnd in range(8):
+        reqs = list(live)
+        nreal = int(rng.integers(1, len(reqs) + 1))
+        order = [reqs[i] for i in rng.permutation(len(reqs))[:nreal]]
+        ext = [int(rng.integers(0 if rnd % 3 == 1 else 1, 13)) for _ in order]
+        if rnd == 0:
+            ext[0] = 0 if nreal > 1 else ext[0]  # a row without tokens among the real ones
+        total = sum(ext)
+        bs, nt = min((b, t) for b, t in BUCKETS if b >= nreal and t >= total)
+        pre = [live[r] for r in order]
+        locs = []
+        for r, e in zip(order, ext):
+            loc = eager.extend_req(r, e)
+            np.testing.assert_array_equal(graph.extend_req(r, e), loc)
+            locs.append(loc)
+            live[r] += e
+        sl = [live[r] for r in order]
+        real_loc = np.concatenate(locs).astype(np.int32)
+        # sglang-style padded arrays: ids 0 and seq 1 past the real rows (num_real says so)
+        rid_pad = np.array(order + [0] * (bs - nreal), np.int32)
+        seq_pad = np.array(sl + [1] * (bs - nreal), np.int32)
+        ext_pad = np.array(ext + [5] * (bs - nreal), np.int32)  # ignored past num_real
+        kw = dict(extend_seq_lens=ext_pad) if rnd % 2 == 0 else \
+            dict(extend_prefix_lens_cpu=np.array(pre + [0] * (bs - nreal), np.int32))
+        md = graph.init_forward_metadata_replay_cuda_graph(
+            bs, rid_pad, seq_pad, forward_mode="extend", num_tokens=nt, num_real=nreal, **kw)
+        assert md.graph and md.padded_rows == bs - nreal and md.num_q_tokens == nt
+        assert md.plan.num_q_tokens == total  # the CPU's host plan: the real tokens only
+        assert list(ids[:bs]) == order + [libmla.REQ_PAD] * (bs - nreal)
+        assert list(seq[:bs]) == sl + [1] * (bs - nreal)
+        assert list(ext_in[:bs]) == ext + [0] * (bs - nreal)
+        loc_pad = np.concatenate([real_loc, np.zeros(nt - total, np.int32)])
+        gb = libmla.ForwardBatch("extend", rid_pad, seq_pad, out_cache_loc=loc_pad)
+        eb = libmla.ForwardBatch(libmla.ForwardMode.EXTEND, order, sl, out_cache_loc=real_loc,
+                                 extend_prefix_lens=pre, extend_seq_lens=ext)
+        assert not eager.init_forward_metadata(eb).uses_mha
+        for lid in range(L):
+            kv = np.concatenate([m.latent(lid, real_loc),
+                                 rng.standard_normal((nt - total, 576)).astype(np.float32)])
+            q = rng.standard_normal((nt, H * 576)).astype(np.float32)
+            out = np.full((nt, H * 512), SENT, np.float32)
+            lse = np.full((nt, H), SENT, np.float32)
+            og, lg = graph.forward_extend(q, kv, None, Layer(lid), gb, out=out, lse=lse)
+            assert og.shape == (nt, H * 512)
+            assert (out[total:] == SENT).all() and (lse[total:] == SENT).all(), \
+                "round %d: rows past the real total were written" % rnd
+            assert graph.backend.get_plan().graph
+            if total == 0:
+                continue
+            oe, le = eager.forward_extend(q[:total], kv[:total], None, Layer(lid), eb,
+                                          return_lse=True)
+            np.testing.assert_allclose(og[:total], oe, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(lg[:total], le, rtol=1e-6, atol=1e-5)
+            keep = [i for i, e in enumerate(ext) if e > 0]
+            o_ref, l_ref = m.ref_absorbed(lid, q[:total], [order[i] for i in keep],
+                                          [ext[i] for i in keep], [sl[i] for i in keep], True)
+            ref.assert_close(og[:total], o_ref, *TOL["f32"], what="extend graph round %d" % rnd)
+            ref.assert_close(lg[:total], l_ref, 1e-4, 1e-5, "extend graph lse round %d" % rnd)
+        rounds += 1
+    assert rounds == 8
+
+    # the state's checks
+    r0 = list(live)[0]
+    before = (ids.copy(), seq.copy(), ext_in.copy())
+    with pytest.raises(ValueError, match="bucket"):  # more tokens than the bucket
+        graph.init_forward_metadata_replay_cuda_graph(2, [r0], [live[r0]], forward_mode="extend",
+                                                      num_tokens=16, extend_seq_lens=[17])
+    with pytest.raises(ValueError, match="extend_seq_lens"):
+        graph.init_forward_metadata_replay_cuda_graph(2, [r0], [live[r0]], forward_mode="extend",
+                                                      num_tokens=16)
+    with pytest.raises(ValueError, match="0..seq_len"):
+        graph.init_forward_metadata_replay_cuda_graph(2, [r0], [3], forward_mode="extend",
+                                                      num_tokens=16, extend_seq_lens=[4])
+    with pytest.raises(libmla.MLAError):  # request 9 is not live: refused before any write
+        graph.init_forward_metadata_replay_cuda_graph(2, [r0, 9], [live[r0], 5],
+                                                      forward_mode="extend", num_tokens=16,
+                                                      extend_seq_lens=[1, 1])
+    for a, b in zip(before, (ids, seq, ext_in)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="allocated once"):
+        graph.init_cuda_graph_state(6, 18, max_extend_tokens=TMAX + 1)
+    graph.init_cuda_graph_state(6, 18)  # keeps the EXTEND buckets
+    assert graph.cuda_graph_max_extend_tokens == TMAX
+    # a state without EXTEND buckets refuses EXTEND graphs
+    plain = _backend(ctx, max_reqs=4, max_bs=2, num_pages=16, max_context_len=64)
+    plain.init_cuda_graph_state(2, 6)
+    with pytest.raises(ValueError, match="max_extend_tokens"):
+        plain.init_forward_metadata_capture_cuda_graph(2, 8, None, None, forward_mode="extend")
+
+
 def test_backend_graph_calls(ctx, rng):
     """libmla.Backend's wrappers of mla_backend_graph_*: the fixed inputs as writable views of
     the library's buffers, graph steps as DevicePlans equal to the host-plan path, the

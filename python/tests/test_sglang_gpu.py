@@ -9,8 +9,9 @@ every latent row written. Graphs: sglang's CUDA-graph lifecycle (init_cuda_graph
 the capture hook + warm-up passes + a torch.cuda.CUDAGraph capture of 2 layers per batch
 bucket and mode, then the replay hook + graph.replay()) through a decode loop with
 requests joining and leaving and target-verify steps, equal bit for bit to a twin backend
-running the same padded batches eagerly, and to the reference. The references use float32
-on the GPU (TF32 off).
+running the same padded batches eagerly, and to the reference; EXTEND graphs per (bs,
+token bucket) replayed with other rows and lengths, against the eager paged prefill and the
+reference. The references use float32 on the GPU (TF32 off).
 """
 
 import math
@@ -662,3 +663,141 @@ def test_sglang_cuda_multi_step_draft_eager_and_graph(cctx):
     assert not bool((out_g[:, :, 1] != 0).any()) and bool(torch.isneginf(lse_g[:, :, 1]).all())
     assert bool(torch.isfinite(lse_g[:, :, 0]).all())
     cctx.synchronize()
+
+
+def test_sglang_cuda_graph_extend_buckets(cctx):
+    """EXTEND graphs (the paged absorbed prefill over cached prefixes) per (bs, num_tokens)
+    bucket: the capture hook, two warm-up passes on a side stream, a torch.cuda.CUDAGraph
+    capture of 2 layers; then rounds replaying each graph with other rows and extend lengths
+    (device tensors through the replay hook), every round against the eager twin (a host
+    plan of the same EXTEND batch: the paged prefill kernels, the schedule sized for the
+    longest extend rather than the bucket) and the float32 reference; the token rows past
+    the real total stay as they were."""
+    H, P, L, MAXB, TMAX = 16, 64, 2, 4, 256
+    BUCKETS = ((2, 64), (4, 256))  # (bs, num_tokens)
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    g = np.random.default_rng(23)
+    eager = make_backend(cctx, H, P, L=L, max_bs=MAXB)
+    graph = make_backend(cctx, H, P, L=L, max_bs=MAXB)
+    sh = Shadow(eager, L)
+    graph.init_cuda_graph_state(MAXB, MAXB * 2, max_extend_tokens=TMAX)
+    ids, seq = graph.cuda_graph_req_pool_indices, graph.cuda_graph_seq_lens
+    ext_in = graph.cuda_graph_extend_seq_lens
+    assert isinstance(ext_in, torch.Tensor) and ext_in.is_cuda and ext_in.dtype == torch.int32
+    torch.cuda.synchronize()
+    assert ext_in.tolist() == [0] * MAXB
+
+    q_buf = torch.zeros(TMAX, H * 576, dtype=BF16, device="cuda")
+    k_buf = torch.zeros(TMAX, 576, dtype=BF16, device="cuda")
+    loc_buf = torch.zeros(TMAX, dtype=torch.int32, device="cuda")
+    out_g = torch.zeros(L, TMAX, H * 512, dtype=BF16, device="cuda")
+    lse_g = torch.zeros(L, TMAX, H, device="cuda")
+
+    def run_pass(nt, fb):
+        for lid in range(L):
+            graph.forward_extend(q_buf[:nt], k_buf[:nt], None, Layer(lid), fb,
+                                 out=out_g[lid, :nt], lse=lse_g[lid, :nt])
+
+    graphs = {}
+    side = torch.cuda.Stream()
+    for bs, nt in BUCKETS:
+        md = graph.init_forward_metadata_capture_cuda_graph(
+            bs, nt, torch.zeros(bs, dtype=torch.int64, device="cuda"),
+            torch.ones(bs, dtype=torch.int64, device="cuda"), forward_mode="extend")
+        assert md.graph and md.padded_rows == bs and md.num_q_tokens == nt
+        assert not md.has_host_plan
+        loc_buf.zero_()
+        fb = libmla.ForwardBatch("extend", ids[:bs], seq[:bs], out_cache_loc=loc_buf[:nt])
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run_pass(nt, fb)
+        torch.cuda.current_stream().wait_stream(side)
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gr):
+            run_pass(nt, fb)
+        graphs[(bs, nt)] = gr
+    torch.cuda.synchronize()
+    cctx.synchronize()
+
+    # requests with cached prompts, in both twins and the shadow
+    live = {}
+    for i in range(MAXB):
+        a = eager.alloc_req()
+        assert graph.alloc_req() == a
+        n = 800 if i == 0 else int(g.integers(1, 700))  # (+ <= 6 x 63 stays under 1200)
+        loc = eager.extend_req(a, n)
+        assert np.array_equal(graph.extend_req(a, n), loc)
+        for lid in range(L):
+            kv = torch.randn(n, 576, generator=gen, device="cuda").to(BF16)
+            eager.set_kv_buffer(Layer(lid), dev_i32(loc), kv)
+            graph.set_kv_buffer(Layer(lid), dev_i32(loc), kv)
+            sh.write(lid, loc, kv)
+        live[a] = n
+    used, exact = set(), 0
+    ROUNDS = 6
+    for rnd in range(ROUNDS):
+        # rounds 0 and 2 fit the small bucket, round 1 needs the large one
+        nreal = (2, MAXB, 1)[rnd] if rnd < 3 else int(g.integers(1, MAXB + 1))
+        order = [list(live)[i] for i in g.permutation(len(live))[:nreal]]
+        ext = [int(g.integers(1, (32, 60, 64)[rnd] if rnd < 3 else 60)) for _ in order]
+        if rnd == 3:
+            ext[0] = 1
+        total = sum(ext)
+        bs, nt = min((b, t) for b, t in BUCKETS if b >= nreal and t >= total)
+        used.add((bs, nt))
+        pre = [live[r] for r in order]
+        locs = []
+        for r, e in zip(order, ext):
+            loc = eager.extend_req(r, e)
+            assert np.array_equal(graph.extend_req(r, e), loc)
+            locs.append(loc)
+            live[r] += e
+        sl = [live[r] for r in order]
+        real_loc = np.concatenate(locs)
+        loc_buf[:nt].copy_(dev_i32(np.concatenate([real_loc, np.zeros(nt - total, np.int32)])))
+        q_buf[:nt].copy_((torch.randn(nt, H * 576, generator=gen, device="cuda") * 0.5).to(BF16))
+        k_buf[:nt].copy_(torch.randn(nt, 576, generator=gen, device="cuda").to(BF16))
+        for lid in range(L):  # both layers store the same k_buf rows
+            sh.write(lid, real_loc, k_buf[:total])
+        # sglang-style padded device inputs (ids 0, seq 1 past the real rows; int64)
+        md = graph.init_forward_metadata_replay_cuda_graph(
+            bs, torch.tensor(order + [0] * (bs - nreal), dtype=torch.int64, device="cuda"),
+            torch.tensor(sl + [1] * (bs - nreal), dtype=torch.int64, device="cuda"),
+            forward_mode="extend", num_tokens=nt, num_real=nreal,
+            extend_seq_lens=torch.tensor(ext + [3] * (bs - nreal), dtype=torch.int64,
+                                         device="cuda"))
+        assert md.graph and md.padded_rows == bs - nreal and md.num_q_tokens == nt
+        out_g.fill_(3.0)
+        lse_g.fill_(3.0)
+        graphs[(bs, nt)].replay()
+        # the eager twin: the same EXTEND batch, planned on the host
+        fb = libmla.ForwardBatch(libmla.ForwardMode.EXTEND, order, sl,
+                                 out_cache_loc=dev_i32(real_loc), extend_prefix_lens=pre,
+                                 extend_seq_lens=ext)
+        assert not eager.init_forward_metadata(fb).uses_mha
+        oe = [eager.forward_extend(q_buf[:total], k_buf[:total], None, Layer(lid), fb,
+                                   return_lse=True) for lid in range(L)]
+        torch.cuda.synchronize()
+        cctx.synchronize()  # no row was found out of range
+        assert ids[:bs].tolist() == order + [libmla.REQ_PAD] * (bs - nreal)
+        assert seq[:bs].tolist() == sl + [1] * (bs - nreal)
+        assert ext_in[:bs].tolist() == ext + [0] * (bs - nreal)
+        untouched = bool((out_g[:, total:nt] == 3.0).all()) and \
+            bool((lse_g[:, total:nt] == 3.0).all())
+        assert untouched, "round %d: rows past the real total were written" % rnd
+        for lid in range(L):
+            what = "extend graph round %d (bs %d, bucket %d, %d tokens) layer %d" % (
+                rnd, bs, nt, total, lid)
+            og, lg = out_g[lid, :total], lse_g[lid, :total]
+            exact += int(torch.equal(og, oe[lid][0]) and torch.equal(lg, oe[lid][1]))
+            close(og, oe[lid][0], 2e-2, 2e-2, what + " vs eager")
+            close(lg, oe[lid][1], 1e-3, 1e-5, what + " lse vs eager")
+            cos = torch.nn.functional.cosine_similarity(og.double().reshape(1, -1),
+                                                        oe[lid][0].double().reshape(1, -1))
+            assert float(1 - cos) < 1e-5, what + ": cosine distance %.3g" % float(1 - cos)
+            o_ref, l_ref = absorbed_reference(sh, lid, order, sl, ext, q_buf, True)
+            close(og, o_ref, 1e-2, 1.6e-2, what + " out")
+            close(lg, l_ref, 2e-3, 1e-4, what + " lse")
+    assert used == set(BUCKETS), used
+    print("EXTEND graph replays: %d of %d layer results bit-equal to eager" % (exact, ROUNDS * L))
