@@ -431,9 +431,30 @@ typedef struct dcp_job {
   float *single_l;
 } dcp_job;
 
-/* One step (prepare + attention) on this rank's device. */
-static void run_step(rank_env *e, dcp_job *j, const mla_step_desc *d, mla_kv_cache *cache, void *qn, void *qr,
-                     int32_t *r2t, int32_t *ids, int32_t *seq, void *o, float *lse) {
+/* One step (prepare + attention) on this rank's device, bf16 q / out. */
+static void rank_step(rank_env *e, const mla_step_desc *d, mla_kv_cache *cache, const mla_step_inputs *in, void *qn,
+                      void *qr, void *o, float *lse) {
+  size_t wsb = 0;
+  RK_OK(e, mla_step_workspace_size(e->ctx, d, &wsb));
+  void *ws = tu_dev_alloc(wsb);
+  mla_absorbed_args a;
+  memset(&a, 0, sizeof a);
+  a.num_heads = d->num_heads;
+  a.scale = 0.0721687836f;
+  a.act_dtype = MLA_DTYPE_BF16;
+  a.q_nope = qn;
+  a.q_rope = qr;
+  a.out = o;
+  a.lse = lse;
+  if (e->ok) RK_OK(e, mla_step_prepare(e->ctx, d, cache, in, ws, wsb));
+  if (e->ok) RK_OK(e, mla_step_attention(e->ctx, d, cache, 0, &a, ws, wsb));
+  RK_OK(e, mla_ctx_synchronize(e->ctx));
+  cudaFree(ws);
+}
+
+/* The decode batch's step. */
+static void run_step(rank_env *e, const mla_step_desc *d, mla_kv_cache *cache, void *qn, void *qr, int32_t *r2t,
+                     int32_t *ids, int32_t *seq, void *o, float *lse) {
   mla_step_inputs in;
   memset(&in, 0, sizeof in);
   in.req_to_token = r2t;
@@ -441,22 +462,7 @@ static void run_step(rank_env *e, dcp_job *j, const mla_step_desc *d, mla_kv_cac
   in.max_reqs = NREQ;
   in.req_ids = ids;
   in.seq_lens = seq;
-  size_t wsb = 0;
-  RK_OK(e, mla_step_workspace_size(e->ctx, d, &wsb));
-  void *ws = tu_dev_alloc(wsb);
-  mla_absorbed_args a;
-  memset(&a, 0, sizeof a);
-  a.num_heads = j->H;
-  a.scale = 0.0721687836f;
-  a.act_dtype = MLA_DTYPE_BF16;
-  a.q_nope = qn;
-  a.q_rope = qr;
-  a.out = o;
-  a.lse = lse;
-  RK_OK(e, mla_step_prepare(e->ctx, d, cache, &in, ws, wsb));
-  RK_OK(e, mla_step_attention(e->ctx, d, cache, 0, &a, ws, wsb));
-  RK_OK(e, mla_ctx_synchronize(e->ctx));
-  cudaFree(ws);
+  rank_step(e, d, cache, &in, qn, qr, o, lse);
 }
 
 /* A cache of this rank's context, every row NaN except page 0 (zero: the
@@ -500,7 +506,7 @@ static void dcp_body(rank_env *e, void *arg) {
   d.page_size = j->Pg / W;
   d.dcp_world = W;
   d.dcp_rank = e->rank;
-  if (cache && e->ok) run_step(e, j, &d, cache, qn, qr, r2t, ids, seq, o_local, l_local);
+  if (cache && e->ok) run_step(e, &d, cache, qn, qr, r2t, ids, seq, o_local, l_local);
   size_t wsb = 0;
   RK_OK(e, mla_dcp_merge_workspace_size(e->ctx, W, BS, H, MLA_LATENT, MLA_DTYPE_BF16, &wsb));
   void *ws = tu_dev_alloc(wsb);
@@ -520,7 +526,7 @@ static void dcp_body(rank_env *e, void *arg) {
     d1.dcp_world = 0;
     d1.dcp_rank = 0;
     CK(cudaMemset(o_local, 0xFF, no));
-    if (whole && e->ok) run_step(e, j, &d1, whole, qn, qr, r2t, ids, seq, o_local, l_local);
+    if (whole && e->ok) run_step(e, &d1, whole, qn, qr, r2t, ids, seq, o_local, l_local);
     CK(cudaMemcpy(j->single_o, o_local, no, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(j->single_l, l_local, nl, cudaMemcpyDeviceToHost));
     mla_kv_cache_destroy(whole);
@@ -817,22 +823,7 @@ static void ext_step(rank_env *e, ext_job *j, mla_kv_cache *cache, int page, con
   d.page_size = page;
   d.num_tokens = j->tq;
   mla_step_inputs in = {r2t_d, MAX_CTX, EREQ, ids, seq, ext};
-  size_t wsb = 0;
-  RK_OK(e, mla_step_workspace_size(e->ctx, &d, &wsb));
-  void *ws = tu_dev_alloc(wsb);
-  mla_absorbed_args a;
-  memset(&a, 0, sizeof a);
-  a.num_heads = j->H;
-  a.scale = 0.0721687836f;
-  a.act_dtype = MLA_DTYPE_BF16;
-  a.q_nope = qn;
-  a.q_rope = qr;
-  a.out = o;
-  a.lse = l;
-  if (e->ok) RK_OK(e, mla_step_prepare(e->ctx, &d, cache, &in, ws, wsb));
-  if (e->ok) RK_OK(e, mla_step_attention(e->ctx, &d, cache, 0, &a, ws, wsb));
-  RK_OK(e, mla_ctx_synchronize(e->ctx));
-  cudaFree(ws);
+  rank_step(e, &d, cache, &in, qn, qr, o, l);
   cudaFree(ids);
   cudaFree(seq);
   cudaFree(ext);
