@@ -107,10 +107,14 @@ INL void cf_end(const conv_fast *s, mla_cpu_conv *cv) {
 }
 
 INL void conv_step_fast(conv_fast *s) {
-  /* two lines, row after row (the whole next tile is in flight well
-   * before the value blocks convert it; measured 2-3 % faster than
-   * first-columns-first, which kept more prefetches waiting on memory) */
-  for (int t = 0; t < 2 && s->pp != s->pe; t++) {
+  /* one line, row after row. Two lines a step finished the next tile's
+   * rows within the first ~6 score blocks of the 16-row path, a burst that
+   * holds most line-fill buffers on memory latency while the kernels' own
+   * L1 misses (the tile blocks, in L2) wait for them; one line spreads it
+   * over the scores and the first value blocks (0-1 % faster at H = 16
+   * and 128 on the 2-core VM, 2026-11-30, within its noise; first-columns-
+   * first measured 1-2 % slower). */
+  if (s->pp != s->pe) {
     _mm_prefetch((const char *)*s->pp + s->poff, _MM_HINT_T1);
     s->poff += 64;
     if (s->poff >= s->plim) s->poff = 0, s->pp++;
@@ -279,12 +283,21 @@ INL void qkp_block(const int NK, const int CV, int D, const float *K, const floa
     else                                                                                   \
       qkp_block(NK, 0, D, K, QTp, S2, accumulate, cv);                                     \
   }
-QKP_FN(12) QKP_FN(8) QKP_FN(4) QKP_FN(2) QKP_FN(1)
+QKP_FN(12) QKP_FN(10) QKP_FN(8) QKP_FN(4) QKP_FN(2) QKP_FN(1)
 
 static TGT void qk16p_avx512(int n, int D, const float *K /* [n, 64] */,
                              const float *QTp /* [D / 2][2][16] */, float *S2 /* [n, 32] */,
                              int accumulate, mla_cpu_conv *cv) {
   int j = 0;
+  /* A full tile (64 = 5 x 12 + 4) would end on a 4-key block, whose 8
+   * accumulators barely cover the FMA latency (profiled ~30 % slower per
+   * key than 12; the whole call gained < 1 %): such counts (12 k + 4,
+   * k >= 3) run their last 40 keys as 4 x 10. Same sums, same order. */
+  const int tens = n % 12 == 4 && n >= 40 ? 4 : 0;
+  for (; j + 12 <= n - 10 * tens; j += 12)
+    qkp_12(D, K + (size_t)j * 64, QTp, S2 + (size_t)j * 32, accumulate, cv);
+  for (int t = 0; t < tens; t++, j += 10)
+    qkp_10(D, K + (size_t)j * 64, QTp, S2 + (size_t)j * 32, accumulate, cv);
   for (; j + 12 <= n; j += 12) qkp_12(D, K + (size_t)j * 64, QTp, S2 + (size_t)j * 32, accumulate, cv);
   if (n - j >= 8) qkp_8(D, K + (size_t)j * 64, QTp, S2 + (size_t)j * 32, accumulate, cv), j += 8;
   if (n - j >= 4) qkp_4(D, K + (size_t)j * 64, QTp, S2 + (size_t)j * 32, accumulate, cv), j += 4;
