@@ -2,18 +2,87 @@
  * kernels store and return exactly the bytes and values of the CPU cache, for
  * every cache dtype, source dtype and page size (layer 0 through the
  * vectorized write of 16-byte-aligned sources, layer 1 through the
- * row-per-block write of misaligned ones); bad slots are skipped and
- * reported; host pointers are refused; copy-on-write copies device rows.
- * Skips (passing) where the library was built without CUDA or no GPU is
- * present. */
+ * row-per-block write of misaligned ones; rows of ties, zeros, tiny, huge and
+ * non-finite values; enough rows that each warp of the vectorized write walks
+ * several); bad slots are skipped and reported; host pointers are refused;
+ * copy-on-write copies device rows. Skips (passing) where the library was
+ * built without CUDA or no GPU is present, after the CPU check of the GPU's
+ * division-free e4m3 quantizer (mla_e4m3_quotient_rcp) against the
+ * definition (mla_e4m3_quantize), and of its block scale (mla_div448). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/convert.h"
 #include "test_util.h"
+
+/* mla_e4m3_quotient_rcp, the fast path of the GPU's fp8 write, gives the
+ * bytes of mla_e4m3_quantize for every value of its domain: every bf16 and
+ * f16 value, the floats within 4 ulps of every e4m3 midpoint and value times
+ * the scale, and random floats, at the domain's edge scales, scales with all
+ * mantissa bits set and random ones. The domain holds no NaN or inf. */
+static void check_rcp_quantizer(tu_rng *rng) {
+  enum { kMax = 3 * 65536 + 126 * 9 * 4 };
+  float *v = malloc(sizeof(float) * kMax);
+  long bad = 0, n = 0, nonfinite_in = 0;
+  for (int si = 0; si < 24; si++) {
+    static const float fixed[8] = {1.0f, 0x1p-40f, 0x1p40f, 0x1.fffffep39f, 0x1.000002p-40f, 0.37f, 2.5f,
+                                   1.0f / 448.0f};
+    const float s = si < 8 ? fixed[si]
+                    : si < 12 ? ldexpf(0x1.fffffep0f, tu_randint(rng, -40, 39))
+                              : ldexpf((float)(1.0 + tu_uniform(rng)), tu_randint(rng, -40, 39));
+    TU_CHECK(mla_e4m3_rcp_scale_ok(s), "scale %a in the domain", (double)s);
+    /* 1 / s split, from the rounded reciprocal or (as the GPU's approximate
+     * one may be) from one a float step or two off it */
+    float hi, lo;
+    mla_e4m3_rcp_split(s, &hi, &lo);
+    for (int k = si % 5 - 2; k != 0; k += k > 0 ? -1 : 1) hi = nextafterf(hi, k > 0 ? INFINITY : 0.0f);
+    lo = hi * fmaf(-s, hi, 1.0f);
+    int m = 0;
+    for (uint32_t h = 0; h < 65536; h++) {
+      v[m++] = mla_bf16_to_f32((uint16_t)h);
+      v[m++] = mla_f16_to_f32((uint16_t)h);
+      v[m++] = mla_bits_f32((uint32_t)tu_next(rng));
+    }
+    for (int b = 0; b < 126; b++) {
+      const double lo = mla_e4m3_to_f32((uint8_t)b), hi = mla_e4m3_to_f32((uint8_t)(b + 1));
+      float mid = (float)((lo + hi) / 2 * s), at = (float)(hi * s);
+      for (int k = 0; k < 4; k++) mid = nextafterf(mid, 0.0f), at = nextafterf(at, 0.0f);
+      for (int k = 0; k < 9; k++) {
+        v[m++] = mid, v[m++] = -mid, v[m++] = at, v[m++] = -at;
+        mid = nextafterf(mid, INFINITY), at = nextafterf(at, INFINITY);
+      }
+    }
+    for (int i = 0; i < m; i++) {
+      if (!mla_e4m3_rcp_value_ok(v[i])) continue;
+      nonfinite_in += !isfinite(v[i]);
+      n++;
+      const uint8_t got = mla_f32_to_e4m3(mla_e4m3_quotient_rcp(v[i], s, hi, lo)), want = mla_e4m3_quantize(v[i], s);
+      if (got != want && bad++ < 5)
+        TU_CHECK(0, "e4m3 of %a / %a: reciprocal path %02x, definition %02x", (double)v[i], (double)s, got, want);
+    }
+  }
+  free(v);
+  /* mla_div448 (the GPU's block scale) is the division by 448: the range
+   * edges, random floats (the whole range is checked offline), subnormals */
+  long div_bad = 0;
+  for (int i = 0; i < 200000; i++) {
+    float a = i < 4 ? (float[]){0x1p-100f, 0x1p127f, 0x1.fffffep-101f, FLT_MAX}[i]
+                    : fabsf(mla_bits_f32((uint32_t)tu_next(rng)));
+    if (isnan(a)) continue;
+    const volatile float d = a / 448.0f;
+    div_bad += mla_f32_bits(mla_div448(a)) != mla_f32_bits(d);
+  }
+  TU_CHECK(div_bad == 0, "mla_div448 differs from the division for %ld floats", div_bad);
+  TU_CHECK(!mla_e4m3_rcp_value_ok(NAN) && !mla_e4m3_rcp_value_ok(-INFINITY) && nonfinite_in == 0,
+           "NaN and inf are outside the reciprocal path's domain");
+  TU_CHECK(bad == 0 && n > 3000000, "reciprocal e4m3 quantizer: %ld of %ld values differ", bad, n);
+}
 
 #ifndef MLA_TEST_CUDA
 int main(void) {
+  tu_rng rng = {tu_seed("test_cuda_cache", 17)};
+  check_rcp_quantizer(&rng);
   printf("test_cuda_cache: skipped: built without CUDA\n");
   return tu_finish("test_cuda_cache");
 }
@@ -35,8 +104,66 @@ static int same_values(mla_dtype t, const void *a, const void *b, int64_t n) {
   return ok;
 }
 
+/* Many rows (T > 8 warps x 4 blocks x SMs on an H200), so that each warp of
+ * the vectorized write walks several rows and prefetches: bf16 rows into a
+ * cache of `cdt`, and the shard write of world 2, against the CPU's bytes. */
+static void check_many_rows(tu_rng *rng, mla_ctx *gpu, mla_ctx *cpu, mla_dtype cdt) {
+  enum { T = 12000, P = 64, kPages = 192 };
+  float scale = (float)ldexp(1.0 + tu_uniform(rng), -2);
+  mla_kv_cache_desc kd = {1, kPages, P, cdt, cdt == MLA_DTYPE_FP8_E4M3 ? &scale : NULL};
+  float *c = malloc(sizeof(float) * T * 512), *r = malloc(sizeof(float) * T * 64);
+  uint16_t *cb = malloc(2 * (size_t)T * 512), *rb16 = malloc(2 * (size_t)T * 64);
+  int32_t *slots = malloc(sizeof(int32_t) * kPages * P);
+  for (int t = 0; t < T; t++) {
+    const double sigma = ldexp(1.0, tu_randint(rng, -8, 9));
+    for (int i = 0; i < 512; i++) c[t * 512 + i] = (float)(tu_normal(rng) * sigma);
+    for (int i = 0; i < 64; i++) r[t * 64 + i] = (float)(tu_normal(rng) * sigma);
+  }
+  c[7777 * 512 + 300] = NAN;
+  c[9000 * 512 + 3] = -INFINITY;
+  for (int i = 0; i < kPages * P; i++) slots[i] = i;
+  tu_shuffle_i32(rng, slots, kPages * P);
+  tu_to_dtype(MLA_DTYPE_BF16, c, cb, (int64_t)T * 512);
+  tu_to_dtype(MLA_DTYPE_BF16, r, rb16, (int64_t)T * 64);
+  void *d_c = tu_dev_copy(cb, 2 * (size_t)T * 512), *d_r = tu_dev_copy(rb16, 2 * (size_t)T * 64);
+  int32_t *d_slots = tu_dev_copy(slots, sizeof(int32_t) * T);
+  for (int world = 1; world <= 2; world++) {
+    mla_kv_cache *hc = NULL, *dc = NULL;
+    TU_STATUS(mla_kv_cache_create(cpu, &kd, &hc), MLA_OK);
+    TU_STATUS(mla_kv_cache_create(gpu, &kd, &dc), MLA_OK);
+    if (!hc || !dc) break;
+    TU_STATUS(mla_kv_cache_write_shard(hc, 0, T, slots, cb, rb16, MLA_DTYPE_BF16, world, world - 1), MLA_OK);
+    TU_STATUS(mla_kv_cache_write_shard(dc, 0, T, d_slots, d_c, d_r, MLA_DTYPE_BF16, world, world - 1), MLA_OK);
+    TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
+    size_t rowb = 0;
+    mla_kv_cache_row_bytes(hc, &rowb);
+    const size_t lb = rowb * kPages * P;
+    unsigned char *got = malloc(lb);
+    void *hp = NULL, *dp = NULL;
+    mla_kv_cache_layer_data(hc, 0, &hp);
+    mla_kv_cache_layer_data(dc, 0, &dp);
+    CK(cudaMemcpy(got, dp, lb, cudaMemcpyDeviceToHost));
+    size_t diff = 0;
+    for (size_t i = 0; i < lb; i++) diff += got[i] != ((unsigned char *)hp)[i];
+    TU_CHECK(diff == 0, "%s cache, %d bf16 rows, world %d: %zu stored bytes differ from the CPU's",
+             mla_dtype_name(cdt), T, world, diff);
+    free(got);
+    mla_kv_cache_destroy(hc);
+    mla_kv_cache_destroy(dc);
+  }
+  CK(cudaFree(d_c));
+  CK(cudaFree(d_r));
+  CK(cudaFree(d_slots));
+  free(c);
+  free(r);
+  free(cb);
+  free(rb16);
+  free(slots);
+}
+
 int main(void) {
   tu_rng rng = {tu_seed("test_cuda_cache", 17)};
+  check_rcp_quantizer(&rng);
   mla_ctx *gpu = NULL, *cpu = NULL;
   mla_ctx_desc gd = {MLA_DEVICE_CUDA, 1, 0};
   mla_status st = mla_ctx_create(&gd, &gpu);
@@ -57,7 +184,9 @@ int main(void) {
       for (int pi = 0; pi < 2; pi++) {
         mla_dtype cdt = cdts[di], act = acts[ai];
         int P = Ps[pi], pages = 4096 / P, T = 300;
-        float scales[2] = {0.37f, 2.5f};
+        /* layer 1's scale has a random significand: the reciprocal path
+         * (mla_e4m3_quotient_rcp) at an inexact 1 / s */
+        float scales[2] = {0.37f, (float)ldexp(1.0 + tu_uniform(&rng), tu_randint(&rng, -3, 3))};
         mla_kv_cache_desc kd = {2, pages, P, cdt, cdt == MLA_DTYPE_FP8_E4M3 ? scales : NULL};
         mla_kv_cache *hc = NULL, *dc = NULL;
         TU_STATUS(mla_kv_cache_create(cpu, &kd, &hc), MLA_OK);
@@ -85,6 +214,33 @@ int main(void) {
               if (nudge) f = nextafterf(f, nudge > 0 ? INFINITY : 0.0f);
               c[t * 512 + i] = tu_randint(&rng, 0, 1) ? -f : f;
             }
+          }
+        }
+        /* Rows 40..43: signed zeros; tiny values (f32 subnormals included,
+         * block scales below the fast path's domain); huge ones (past 2^64,
+         * block scales above it); all of these mixed with normal values and
+         * ties. Rows 44..51: per 128-value block, an amax and values on or
+         * one float ulp off the e4m3 midpoints times the block's scale. */
+        for (int t = 40; t < 52; t++) {
+          float *x = c + t * 512, *y = r + t * 64, amax[4];
+          for (int blk = 0; blk < 4; blk++) amax[blk] = (float)ldexp(1.0 + tu_uniform(&rng), (t * 7 + blk * 3) % 41 - 20);
+          for (int i = 0; i < 576; i++) {
+            float *p = i < 512 ? x + i : y + (i - 512);
+            const int kind = t < 43 ? t - 40 : t == 43 ? tu_randint(&rng, 0, 3) : 4;
+            const int b = tu_randint(&rng, 0, 125);
+            const double mid = ((double)mla_e4m3_to_f32((uint8_t)b) + mla_e4m3_to_f32((uint8_t)(b + 1))) / 2;
+            float f = 0.0f;
+            if (kind == 1) f = (float)ldexp(1.0 + tu_uniform(&rng), tu_randint(&rng, -150, -60));
+            if (kind == 2) f = (float)ldexp(1.0 + tu_uniform(&rng), tu_randint(&rng, 60, 126));
+            if (kind == 3) f = (float)(mid * (tu_randint(&rng, 0, 1) ? scales[0] : scales[1]));
+            if (kind == 4) {
+              const int blk = i < 512 ? i / 128 : 0;
+              f = (float)(mid * mla_fp8_block_scale_from(amax[blk], 0));
+            }
+            const int nudge = tu_randint(&rng, -1, 1);
+            if (kind >= 3 && nudge) f = nextafterf(f, nudge > 0 ? INFINITY : 0.0f);
+            if (kind == 4 && i < 512 && i % 128 == t % 128) f = amax[i / 128];
+            *p = tu_randint(&rng, 0, 1) ? -f : f;
           }
         }
         c[5 * 512 + 130] = NAN;
@@ -193,6 +349,8 @@ int main(void) {
         mla_kv_cache_destroy(hc);
         mla_kv_cache_destroy(dc);
       }
+
+  for (int di = 0; di < 4; di++) check_many_rows(&rng, gpu, cpu, cdts[di]);
 
   /* Bad slots are skipped and reported; host pointers refused; CPU-only calls
    * refuse a CUDA context. */

@@ -107,6 +107,82 @@ MLA_HD uint8_t mla_e4m3_quantize(float v, float scale) {
   return mla_f32_to_e4m3(f);
 }
 
+/* mla_e4m3_quantize(v, s) without a division (the GPU write's fast path; the
+ * function above stays the definition): returns a float f with
+ * mla_f32_to_e4m3(f) == mla_e4m3_quantize(v, s) for every v with |v| <= 2^64
+ * (NaN, inf and larger values are the caller's to send to mla_e4m3_quantize)
+ * when 2^-40 <= s <= 2^40 and hi + lo is 1 / s split by mla_e4m3_rcp_split
+ * (any hi with |1 - s hi| <= 2^-20). It works on a = |v| and sets v's sign
+ * at the end (e4m3 rounding is symmetric). Why it is exact, q = a / s:
+ * - a < 2^-56 is raised to 2^-56: both quotients are below 2^-16, and e4m3
+ *   rounds either to zero.
+ * - Then q lies in [2^-96, 2^104]: every quotient below is a normal float,
+ *   and a nonzero residual a - f s (f a float near q) is a multiple of
+ *   ulp(f) ulp(s) >= 2^-103, so an fma rounds it with its sign, never to 0.
+ * - hi + lo is 1 / s within 2^-39 relative (one Newton step from hi), so
+ *   a hi + RN(a lo) is q within 2^-38 q, far inside half a float spacing
+ *   (>= 2^-25 q): f, its rounding, is q when q is a float and one of the two
+ *   floats around q otherwise (f is faithful).
+ * - r = a - f s then says which: q's truncation toward zero is f, or the
+ *   float below f when r < 0; with its last bit set when r != 0 that is q
+ *   rounded to odd, the float that mla_e4m3_quantize rounds to e4m3 (its
+ *   double quotient, q rounded to 53 bits, is at least 2^-47 q from every
+ *   float but q, so it has the same rounding to odd), and rounding to odd
+ *   then to 4 significant bits is rounding once.
+ * Cost: three float operations and a few integer ones, no branch, no
+ * division (the definition's double division and branches made the GPU's fp8
+ * write compute-bound). */
+MLA_HD float mla_fmaf_rn(float a, float b, float c) {
+#ifdef __CUDA_ARCH__
+  return __fmaf_rn(a, b, c);
+#else
+  return fmaf(a, b, c);
+#endif
+}
+MLA_HD float mla_fmul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+MLA_HD void mla_e4m3_rcp_split(float s, float *hi, float *lo) {
+#ifdef __CUDA_ARCH__
+  float h;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(h) : "f"(s)); /* 2^-23 relative, no division */
+#else
+  const float h = 1.0f / s;
+#endif
+  *hi = h;
+  *lo = mla_fmul_rn(h, mla_fmaf_rn(-s, h, 1.0f));
+}
+/* The float for |v| (the GPU sets the e4m3 sign bits four at a time: the
+ * byte of -x is the byte of x | 0x80). */
+MLA_HD float mla_e4m3_quotient_rcp_abs(float v, float s, float hi, float lo) {
+  const float a = fmaxf(fabsf(v), 0x1p-56f);
+  const float f = mla_fmaf_rn(a, hi, mla_fmul_rn(a, lo));
+  const float r = mla_fmaf_rn(-f, s, a);
+  uint32_t u = mla_f32_bits(f);
+  if (r != 0.0f) u = (u - (mla_f32_bits(r) >> 31)) | 1u; /* the float below f when r < 0 */
+  return mla_bits_f32(u);
+}
+MLA_HD float mla_e4m3_quotient_rcp(float v, float s, float hi, float lo) {
+  return mla_bits_f32(mla_f32_bits(mla_e4m3_quotient_rcp_abs(v, s, hi, lo)) | (mla_f32_bits(v) & 0x80000000u));
+}
+/* The domain of mla_e4m3_quotient_rcp(_abs): scale and value checks. */
+MLA_HD int mla_e4m3_rcp_scale_ok(float s) { return s >= 0x1p-40f && s <= 0x1p40f; }
+MLA_HD int mla_e4m3_rcp_value_ok(float v) { return fabsf(v) <= 0x1p64f; }
+
+/* amax / 448 rounded to nearest without a division, for amax in
+ * [2^-100, 2^127]: a product by RN(1 / 448) and one correction, which checked
+ * against the division for every float of that range gives the same bits.
+ * Elsewhere, the division. */
+MLA_HD float mla_div448(float amax) {
+  if (!(amax >= 0x1p-100f && amax <= 0x1p127f)) return amax / 448.0f;
+  const float y = 1.0f / 448.0f, q = mla_fmul_rn(amax, y);
+  return mla_fmaf_rn(mla_fmaf_rn(-q, 448.0f, amax), y, q);
+}
+
 /* Block-scaled format: the scale of one 128-value block is amax / 448 over
  * the finite values (1.0 when that is 0), NaN when any value is NaN (the
  * whole block then decodes as NaN); infinities saturate to +-448 * scale.

@@ -1,7 +1,9 @@
 // KV cache kernels: scatter this step's latent rows into the paged cache
 // with quantize-on-write (set_mla_kv_buffer), and gather rows back
-// dequantized. One 128-thread block per token row; the scalar conversions are
-// src/core/convert.h, shared with the CPU so both store identical bytes.
+// dequantized. The write: one warp per row when the pointers are 16-byte
+// aligned (kv_write_rows_kernel), else one 128-thread block per row; the read:
+// one block per row. The scalar conversions are src/core/convert.h, shared
+// with the CPU so both store identical bytes.
 #include <cuda_runtime.h>
 
 #include "../core/convert.h"
@@ -49,35 +51,6 @@ __device__ float block_scale(float v, float *red_amax, int *red_nan) {
   return mla_fp8_block_scale_from(amax, any_nan);
 }
 
-// v / scale rounded once to e4m3, bit for bit mla_e4m3_quantize (convert.h:
-// the exact quotient narrowed to float with round-to-odd, then rounded to 4
-// significant bits), without its double division and its integer rounding
-// steps, which make the fp8 write compute-bound: the float quotient
-// f = RN(v / s) is exact iff the remainder v - f s is 0 (that remainder is
-// exactly representable, and exactly what the fma returns, when |v| >= 2^-100
-// and f and s are normal floats), and its sign says on which side of f the
-// exact quotient lies; the odd-rounded f then goes through the hardware's
-// round-to-nearest-even, saturating e4m3 conversion (sm_89+), the same
-// rounding and saturation as mla_f32_to_e4m3. Anything outside those ranges
-// (zero, tiny, NaN or infinite values or scales, a quotient outside the
-// normal range) takes the exact software path.
-__device__ __forceinline__ bool quotient_odd(float v, float s, float *q) {
-  const float av = fabsf(v);
-  if (!(av >= 0x1p-100f && av <= FLT_MAX && s >= FLT_MIN && s <= FLT_MAX)) return false;
-  float f = __fdiv_rn(v, s);
-  if (!(fabsf(f) >= FLT_MIN && fabsf(f) <= FLT_MAX)) return false;
-  const float r = fmaf(-f, s, v);  // v - f s, exact
-  if (r != 0.0f) {
-    const uint32_t u = __float_as_uint(f);
-    if (!(u & 1u)) {  // step to the odd neighbour on the quotient's side (s > 0: the side of r's sign)
-      const bool mag_up = (r > 0.0f) == ((u >> 31) == 0);
-      f = __uint_as_float(mag_up ? u + 1u : u - 1u);
-    }
-  }
-  *q = f;
-  return true;
-}
-
 // Two floats to e4m3 (round to nearest even, saturating): lo in the low byte.
 __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -89,29 +62,53 @@ __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
 #endif
 }
 
-// n (even) values of x quantized with scale s, packed little-endian into bytes.
-template <int n>
-__device__ __forceinline__ void e4m3_quantize_n(const float *x, float s, uint8_t *out) {
-  float q[n];
-  bool ok[n];
-#pragma unroll
-  for (int k = 0; k < n; k++) {
-    ok[k] = quotient_odd(x[k], s, &q[k]);
-    if (!ok[k]) q[k] = 0.0f;
-  }
-#pragma unroll
-  for (int k = 0; k < n; k += 2) {
-    const uint32_t w = e4m3x2(q[k], q[k + 1]);
-    out[k] = ok[k] ? (uint8_t)(w & 0xFFu) : mla_e4m3_quantize(x[k], s);
-    out[k + 1] = ok[k + 1] ? (uint8_t)(w >> 8) : mla_e4m3_quantize(x[k + 1], s);
-  }
+// v / s rounded once to e4m3, bit for bit mla_e4m3_quantize: on the fast
+// path (convert.h: mla_e4m3_quotient_rcp, 1 / s split in two floats, three
+// float operations and a rounding to odd, no branch, no division) the float
+// whose hardware e4m3 rounding (the same rounding and saturation as
+// mla_f32_to_e4m3) is the answer. The exact path it replaced (a division and
+// branches per value) made the fp8 writes compute-bound, at a third of the
+// copy rate. The fast
+// path's domain (mla_e4m3_rcp_*_ok) is checked once per lane; a lane with a
+// value outside it (NaN, inf, |v| > 2^64) or an odd scale redoes its values
+// with the exact mla_e4m3_quantize, out of line.
+__device__ __noinline__ uint32_t e4m3x4_exact(float a, float b, float c, float d, float s) {
+  return (uint32_t)mla_e4m3_quantize(a, s) | ((uint32_t)mla_e4m3_quantize(b, s) << 8) |
+         ((uint32_t)mla_e4m3_quantize(c, s) << 16) | ((uint32_t)mla_e4m3_quantize(d, s) << 24);
 }
 
+// Four values, little-endian bytes of one word, without their signs.
+__device__ __forceinline__ uint32_t e4m3x4_rcp_abs(const float *x, float s, float hi, float lo) {
+  const uint32_t a =
+      e4m3x2(mla_e4m3_quotient_rcp_abs(x[0], s, hi, lo), mla_e4m3_quotient_rcp_abs(x[1], s, hi, lo));
+  const uint32_t b =
+      e4m3x2(mla_e4m3_quotient_rcp_abs(x[2], s, hi, lo), mla_e4m3_quotient_rcp_abs(x[3], s, hi, lo));
+  return a | (b << 16);
+}
+
+// The sign bits of four source values at the e4m3 sign bits of their bytes:
+// two words of 16-bit values (signs at bits 15 and 31) or four floats.
+__device__ __forceinline__ uint32_t signs4_16(uint32_t x, uint32_t y) { return __byte_perm(x, y, 0x7531) & 0x80808080u; }
+__device__ __forceinline__ uint32_t signs4_32(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  return __byte_perm(__byte_perm(a, b, 0x0073), __byte_perm(c, d, 0x0073), 0x5410) & 0x80808080u;
+}
+
+// One value (the row-per-block write).
 __device__ __forceinline__ uint8_t e4m3_quantize_fast(float v, float s) {
-  float x[2] = {v, 0.0f};
-  uint8_t b[2];
-  e4m3_quantize_n<2>(x, s, b);
-  return b[0];
+  if (mla_e4m3_rcp_scale_ok(s) && mla_e4m3_rcp_value_ok(v)) {
+    float hi, lo;
+    mla_e4m3_rcp_split(s, &hi, &lo);
+    return (uint8_t)(e4m3x2(mla_e4m3_quotient_rcp(v, s, hi, lo), 0.0f) & 0xFFu);
+  }
+  return mla_e4m3_quantize(v, s);
+}
+
+// mla_fp8_block_scale_from(amax, 0), its division by 448 done as
+// mla_div448 (the same bits).
+__device__ __forceinline__ float block_scale_finite(float amax) {
+  if (amax == 0.0f) return 1.0f;
+  const float s = mla_div448(amax);
+  return s > 0.0f ? s : 1.40129846e-45f;
 }
 
 __global__ void __launch_bounds__(kThreads) kv_write_kernel(unsigned char *layer, int64_t num_slots,
@@ -168,67 +165,105 @@ __global__ void __launch_bounds__(kThreads) kv_write_kernel(unsigned char *layer
   }
 }
 
-// The vectorized write: one warp per row, 8 rows per block; lane l owns the
-// latent elements [16 l, 16 l + 16) (16-byte loads and stores) and the rope
-// elements [2 l, 2 l + 2). Same results as kv_write_kernel, bit for bit (the
-// same conversion helpers; the block scale is the same max over the same 128
-// elements, reduced over the 8 lanes that hold them). Used when every base
-// pointer is 16-byte aligned, which the row sizes then keep for every row.
+// The vectorized write, used when every base pointer is 16-byte aligned
+// (which the row sizes then keep for every row): one warp per row, 8 warps
+// per block, a grid of at most rows_blocks_per_sm blocks per SM in which each
+// warp walks rows t, t + (warps in the grid), ..., issuing the next row's
+// loads before it converts the current one, so that a row stays in flight
+// while the warp computes (an fp8 value costs ~11 instructions).
+// Lane l owns the latent elements [8 l, 8 l + 8) and [256 + 8 l, 264 + 8 l):
+// each half of a row is one contiguous 512-byte load (bf16 / f16 sources)
+// and one contiguous store per warp instruction. For the block format the
+// first half of lanes 0-15 is block 0 and their second half block 2; lanes
+// 16-31 hold blocks 1 and 3. Rope: lane l owns [2 l, 2 l + 2). Same bytes as
+// kv_write_kernel (the same conversions; the block scale is the same max over
+// the same 128 values).
 constexpr int kWarpRows = 8;
+// Resident blocks per SM (the register budget): an f32 source keeps two rows
+// of 18 registers a lane, and 64 registers would spill.
+constexpr int rows_blocks_per_sm(int src) { return src == DT_F32 ? 3 : 4; }
+
+// One lane's share of a source row as loaded: c[0..1] (16-bit sources) or
+// c[0..3] (f32) hold the latent elements, r.x (16-bit) or r (f32) the rope.
+struct RawRow {
+  uint4 c[4];
+  uint2 r;
+};
 
 template <int kSrc>
-__device__ __forceinline__ void load16(const void *c, const void *r, int64_t t, int lane, float *cv, float *rv) {
+__device__ __forceinline__ void load_row(const void *c /* [T, 512] */, const void *r /* [T, 64] */, int64_t t,
+                                         int lane, RawRow *raw) {
   if (kSrc == DT_F32) {
-    const float4 *p = reinterpret_cast<const float4 *>(static_cast<const float *>(c) + t * kLatent + 16 * lane);
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-      const float4 v = p[k];
-      cv[4 * k] = v.x, cv[4 * k + 1] = v.y, cv[4 * k + 2] = v.z, cv[4 * k + 3] = v.w;
-    }
-    const float2 w = reinterpret_cast<const float2 *>(static_cast<const float *>(r) + t * kRope)[lane];
-    rv[0] = w.x, rv[1] = w.y;
+    const uint4 *p = reinterpret_cast<const uint4 *>(static_cast<const float *>(c) + t * kLatent);
+    raw->c[0] = __ldg(p + 2 * lane);
+    raw->c[1] = __ldg(p + 2 * lane + 1);
+    raw->c[2] = __ldg(p + 64 + 2 * lane);
+    raw->c[3] = __ldg(p + 64 + 2 * lane + 1);
+    raw->r = __ldg(reinterpret_cast<const uint2 *>(static_cast<const float *>(r) + t * kRope) + lane);
   } else {
-    const uint4 *p = reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(c) + t * kLatent + 16 * lane);
-#pragma unroll
-    for (int k = 0; k < 2; k++) {
-      const uint4 v = p[k];
-      const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int j = 0; j < 4; j++) {
-        const uint16_t lo = (uint16_t)(u[j] & 0xFFFFu), hi = (uint16_t)(u[j] >> 16);
-        cv[8 * k + 2 * j] = kSrc == DT_BF16 ? mla_bf16_to_f32(lo) : mla_f16_to_f32(lo);
-        cv[8 * k + 2 * j + 1] = kSrc == DT_BF16 ? mla_bf16_to_f32(hi) : mla_f16_to_f32(hi);
-      }
-    }
-    const uint32_t w = reinterpret_cast<const uint32_t *>(static_cast<const uint16_t *>(r) + t * kRope)[lane];
-    const uint16_t lo = (uint16_t)(w & 0xFFFFu), hi = (uint16_t)(w >> 16);
-    rv[0] = kSrc == DT_BF16 ? mla_bf16_to_f32(lo) : mla_f16_to_f32(lo);
-    rv[1] = kSrc == DT_BF16 ? mla_bf16_to_f32(hi) : mla_f16_to_f32(hi);
+    const uint4 *p = reinterpret_cast<const uint4 *>(static_cast<const uint16_t *>(c) + t * kLatent);
+    raw->c[0] = __ldg(p + lane);
+    raw->c[1] = __ldg(p + 32 + lane);
+    raw->r.x = __ldg(reinterpret_cast<const unsigned int *>(static_cast<const uint16_t *>(r) + t * kRope) + lane);
   }
 }
 
 template <int kSrc>
-__global__ void __launch_bounds__(32 * kWarpRows) kv_write_rows_kernel(
-    unsigned char *layer, int64_t num_slots, int cache_dtype, size_t row_bytes, float fp8_scale,
-    const int32_t *slots, const void *c /* [T, 512] */, const void *r /* [T, 64] */, int num_tokens, int *bad,
-    int world, int rank) {
-  const int lane = threadIdx.x & 31;
-  const int64_t t = (int64_t)blockIdx.x * kWarpRows + (threadIdx.x >> 5);
-  if (t >= num_tokens) return;
-  int32_t slot = slots[t];
-  if (world > 1 && slot >= 0) {
-    if (slot % world != rank) return;
-    slot /= world;
+__device__ __forceinline__ float unpack16(uint32_t w, int hi) {
+  const uint16_t h = (uint16_t)(hi ? w >> 16 : w & 0xFFFFu);
+  return kSrc == DT_BF16 ? mla_bf16_to_f32(h) : mla_f16_to_f32(h);
+}
+
+// cv[0..7]: elements 8 l..; cv[8..15]: elements 256 + 8 l..; rv: rope 2 l, 2 l + 1.
+template <int kSrc>
+__device__ __forceinline__ void unpack_row(const RawRow &raw, float *cv, float *rv) {
+  if (kSrc == DT_F32) {
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      cv[4 * k] = __uint_as_float(raw.c[k].x), cv[4 * k + 1] = __uint_as_float(raw.c[k].y);
+      cv[4 * k + 2] = __uint_as_float(raw.c[k].z), cv[4 * k + 3] = __uint_as_float(raw.c[k].w);
+    }
+    rv[0] = __uint_as_float(raw.r.x), rv[1] = __uint_as_float(raw.r.y);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+      const uint32_t u[4] = {raw.c[k].x, raw.c[k].y, raw.c[k].z, raw.c[k].w};
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        cv[8 * k + 2 * j] = unpack16<kSrc>(u[j], 0);
+        cv[8 * k + 2 * j + 1] = unpack16<kSrc>(u[j], 1);
+      }
+    }
+    rv[0] = unpack16<kSrc>(raw.r.x, 0), rv[1] = unpack16<kSrc>(raw.r.x, 1);
   }
-  if (slot < 0 || slot >= num_slots) {
-    if (lane == 0) atomicAdd(bad, 1);
-    return;
+}
+
+// The finite amax and any-NaN of a 128-value block, the exact reduction
+// (a block holding an inf or a NaN), over the 16 lanes that share it.
+__device__ __forceinline__ float block_scale_exact(const float *x /* [8] */) {
+  float fin = 0.0f;
+  int nan = 0;
+#pragma unroll
+  for (int k = 0; k < 8; k++) {
+    const float a = fabsf(x[k]);
+    nan |= a != a;
+    fin = fmaxf(fin, (a != a || a > FLT_MAX) ? 0.0f : a);
   }
-  unsigned char *row = layer + static_cast<size_t>(slot) * row_bytes;
+#pragma unroll
+  for (int o = 1; o < 16; o <<= 1) {
+    fin = fmaxf(fin, __shfl_xor_sync(0xffffffffu, fin, o));
+    nan |= __shfl_xor_sync(0xffffffffu, nan, o);
+  }
+  return mla_fp8_block_scale_from(fin, nan);
+}
+
+template <int kSrc, int kCache>
+__device__ __forceinline__ void write_row(unsigned char *row, const RawRow &raw, int lane, float fp8_scale,
+                                          float fp8_hi, float fp8_lo, bool fp8_scale_ok) {
   float cv[16], rv[2];
-  load16<kSrc>(c, r, t, lane, cv, rv);
-  if (cache_dtype == DT_BF16 || cache_dtype == DT_F16) {
-    const bool bf = cache_dtype == DT_BF16;
+  unpack_row<kSrc>(raw, cv, rv);
+  if (kCache == DT_BF16 || kCache == DT_F16) {
+    const bool bf = kCache == DT_BF16;
     uint32_t u[8];
 #pragma unroll
     for (int j = 0; j < 8; j++) {
@@ -236,48 +271,166 @@ __global__ void __launch_bounds__(32 * kWarpRows) kv_write_rows_kernel(
       const uint16_t hi = bf ? mla_f32_to_bf16(cv[2 * j + 1]) : mla_f32_to_f16(cv[2 * j + 1]);
       u[j] = (uint32_t)lo | ((uint32_t)hi << 16);
     }
-    uint4 *dst = reinterpret_cast<uint4 *>(row + 32 * lane);
-    dst[0] = make_uint4(u[0], u[1], u[2], u[3]);
-    dst[1] = make_uint4(u[4], u[5], u[6], u[7]);
+    reinterpret_cast<uint4 *>(row)[lane] = make_uint4(u[0], u[1], u[2], u[3]);
+    reinterpret_cast<uint4 *>(row + kLatent)[lane] = make_uint4(u[4], u[5], u[6], u[7]);
     const uint16_t lo = bf ? mla_f32_to_bf16(rv[0]) : mla_f32_to_f16(rv[0]);
     const uint16_t hi = bf ? mla_f32_to_bf16(rv[1]) : mla_f32_to_f16(rv[1]);
     reinterpret_cast<uint32_t *>(row + 2 * kLatent)[lane] = (uint32_t)lo | ((uint32_t)hi << 16);
     return;
   }
-  float s = fp8_scale;
-  if (cache_dtype == DT_FP8_BLOCK) {  // amax over the 128 elements of lanes 8b..8b+7
-    float fin = 0.0f;
-    int nan = 0;
+  // scales of cv[0..7] and cv[8..15], their reciprocals split (mla_e4m3_rcp_split)
+  float sa = fp8_scale, sb = fp8_scale, ha = fp8_hi, la = fp8_lo, hb = fp8_hi, lb = fp8_lo;
+  bool ok;
+  if (kCache == DT_FP8_BLOCK) {
+    // |x| bit patterns order like the values, NaNs above inf: their max over
+    // the block is the amax when every value is finite.
+    uint32_t ka = 0, kb = 0;
 #pragma unroll
-    for (int k = 0; k < 16; k++) {
-      const float a = fabsf(cv[k]);
-      nan |= a != a;
-      fin = fmaxf(fin, (a != a || a > FLT_MAX) ? 0.0f : a);
+    for (int k = 0; k < 8; k++) {
+      ka = max(ka, __float_as_uint(cv[k]) & 0x7FFFFFFFu);
+      kb = max(kb, __float_as_uint(cv[8 + k]) & 0x7FFFFFFFu);
     }
+    ok = max(ka, kb) < 0x7F800000u;  // this lane's values finite
 #pragma unroll
-    for (int o = 1; o < 8; o <<= 1) {
-      fin = fmaxf(fin, __shfl_xor_sync(0xffffffffu, fin, o));
-      nan |= __shfl_xor_sync(0xffffffffu, nan, o);
+    for (int o = 1; o < 16; o <<= 1) {
+      ka = max(ka, __shfl_xor_sync(0xffffffffu, ka, o));
+      kb = max(kb, __shfl_xor_sync(0xffffffffu, kb, o));
     }
-    s = mla_fp8_block_scale_from(fin, nan);
-    if ((lane & 7) == 0) reinterpret_cast<float *>(row + kBlockScaleOff)[lane >> 3] = s;
-  }
-  uint8_t b[16];
-  e4m3_quantize_n<16>(cv, s, b);
-  uint32_t u[4];
-#pragma unroll
-  for (int j = 0; j < 4; j++)
-    u[j] = (uint32_t)b[4 * j] | ((uint32_t)b[4 * j + 1] << 8) | ((uint32_t)b[4 * j + 2] << 16) |
-           ((uint32_t)b[4 * j + 3] << 24);
-  reinterpret_cast<uint4 *>(row)[lane] = make_uint4(u[0], u[1], u[2], u[3]);
-  if (cache_dtype == DT_FP8_BLOCK) {
-    const uint32_t w = (uint32_t)mla_f32_to_bf16(rv[0]) | ((uint32_t)mla_f32_to_bf16(rv[1]) << 16);
-    reinterpret_cast<uint32_t *>(row + kBlockRopeOff)[lane] = w;
+    if (__any_sync(0xffffffffu, max(ka, kb) >= 0x7F800000u)) {  // an inf or NaN in some block of the row
+      sa = block_scale_exact(cv);
+      sb = block_scale_exact(cv + 8);
+    } else {
+      sa = block_scale_finite(__uint_as_float(ka));
+      sb = block_scale_finite(__uint_as_float(kb));
+    }
+    ok = ok && mla_e4m3_rcp_scale_ok(sa) && mla_e4m3_rcp_scale_ok(sb);
+    mla_e4m3_rcp_split(sa, &ha, &la);
+    mla_e4m3_rcp_split(sb, &hb, &lb);
+    if ((lane & 15) == 0) {
+      float *scales = reinterpret_cast<float *>(row + kBlockScaleOff);
+      scales[lane >> 4] = sa;
+      scales[2 + (lane >> 4)] = sb;
+    }
   } else {
-    uint8_t rb[2];
-    e4m3_quantize_n<2>(rv, fp8_scale, rb);
-    reinterpret_cast<uint16_t *>(row + kLatent)[lane] = (uint16_t)(rb[0] | (rb[1] << 8));
+    ok = fp8_scale_ok;
+#pragma unroll
+    for (int k = 0; k < 16; k++) ok &= mla_e4m3_rcp_value_ok(cv[k]);
+    ok &= mla_e4m3_rcp_value_ok(rv[0]) & mla_e4m3_rcp_value_ok(rv[1]);
   }
+  // magnitudes, then the sign bits taken from the source words
+  uint32_t w[4];
+  w[0] = e4m3x4_rcp_abs(cv, sa, ha, la);
+  w[1] = e4m3x4_rcp_abs(cv + 4, sa, ha, la);
+  w[2] = e4m3x4_rcp_abs(cv + 8, sb, hb, lb);
+  w[3] = e4m3x4_rcp_abs(cv + 12, sb, hb, lb);
+  uint32_t wr = kCache == DT_FP8 ? e4m3x2(mla_e4m3_quotient_rcp_abs(rv[0], sa, ha, la),
+                                          mla_e4m3_quotient_rcp_abs(rv[1], sa, ha, la))
+                                 : 0u;
+  if (kSrc == DT_F32) {
+#pragma unroll
+    for (int k = 0; k < 4; k++) w[k] |= signs4_32(raw.c[k].x, raw.c[k].y, raw.c[k].z, raw.c[k].w);
+    wr |= signs4_32(raw.r.x, raw.r.y, 0u, 0u) & 0xFFFFu;
+  } else {
+    w[0] |= signs4_16(raw.c[0].x, raw.c[0].y);
+    w[1] |= signs4_16(raw.c[0].z, raw.c[0].w);
+    w[2] |= signs4_16(raw.c[1].x, raw.c[1].y);
+    w[3] |= signs4_16(raw.c[1].z, raw.c[1].w);
+    wr |= signs4_16(raw.r.x, 0u) & 0xFFFFu;
+  }
+  if (!ok) {  // rare: a value or scale outside the fast path's domain
+    w[0] = e4m3x4_exact(cv[0], cv[1], cv[2], cv[3], sa);
+    w[1] = e4m3x4_exact(cv[4], cv[5], cv[6], cv[7], sa);
+    w[2] = e4m3x4_exact(cv[8], cv[9], cv[10], cv[11], sb);
+    w[3] = e4m3x4_exact(cv[12], cv[13], cv[14], cv[15], sb);
+    if (kCache == DT_FP8) wr = e4m3x4_exact(rv[0], rv[1], 0.0f, 0.0f, sa) & 0xFFFFu;
+  }
+  reinterpret_cast<uint2 *>(row)[lane] = make_uint2(w[0], w[1]);
+  reinterpret_cast<uint2 *>(row + kLatent / 2)[lane] = make_uint2(w[2], w[3]);
+  if (kCache == DT_FP8) {
+    reinterpret_cast<uint16_t *>(row + kLatent)[lane] = (uint16_t)wr;
+  } else {
+    const uint32_t b = (uint32_t)mla_f32_to_bf16(rv[0]) | ((uint32_t)mla_f32_to_bf16(rv[1]) << 16);
+    reinterpret_cast<uint32_t *>(row + kBlockRopeOff)[lane] = b;
+  }
+}
+
+template <int kSrc, int kCache>
+__global__ void __launch_bounds__(32 * kWarpRows, rows_blocks_per_sm(kSrc)) kv_write_rows_kernel(
+    unsigned char *layer /* [num_slots, row_bytes] */, int64_t num_slots, size_t row_bytes, float fp8_scale,
+    const int32_t *slots /* [T] */, const void *c /* [T, 512] */, const void *r /* [T, 64] */, int num_tokens,
+    int *bad, int world, int rank) {
+  const int lane = threadIdx.x & 31;
+  const int64_t stride = (int64_t)gridDim.x * kWarpRows;
+  int64_t t = (int64_t)blockIdx.x * kWarpRows + (threadIdx.x >> 5);
+  float fp8_hi, fp8_lo;
+  mla_e4m3_rcp_split(fp8_scale, &fp8_hi, &fp8_lo);
+  const bool fp8_scale_ok = mla_e4m3_rcp_scale_ok(fp8_scale);
+  RawRow cur;
+  int32_t slot = -1;
+  if (t < num_tokens) {
+    slot = __ldg(slots + t);
+    load_row<kSrc>(c, r, t, lane, &cur);
+  }
+  for (; t < num_tokens; t += stride) {
+    // Prefetch the next row. A shard write (world > 1) reads only its own
+    // rows: the load waits for the slot there, never when world is 1.
+    RawRow nxt;
+    int32_t next_slot = -1;
+    const int64_t tn = t + stride;
+    if (tn < num_tokens) {
+      next_slot = __ldg(slots + tn);
+      if (world <= 1)
+        load_row<kSrc>(c, r, tn, lane, &nxt);
+      else if (next_slot >= 0 && next_slot % world == rank)
+        load_row<kSrc>(c, r, tn, lane, &nxt);
+    }
+    // Context parallel (world > 1): a global slot; only this rank's rows, at slot / world.
+    bool mine = true;
+    if (world > 1 && slot >= 0) {
+      mine = slot % world == rank;
+      slot /= world;
+    }
+    if (mine) {
+      if (slot < 0 || slot >= num_slots) {  // checked per row: the host cannot see device slots
+        if (lane == 0) atomicAdd(bad, 1);
+      } else {
+        write_row<kSrc, kCache>(layer + static_cast<size_t>(slot) * row_bytes, cur, lane, fp8_scale, fp8_hi,
+                                fp8_lo, fp8_scale_ok);
+      }
+    }
+    cur = nxt;
+    slot = next_slot;
+  }
+}
+
+// Enough blocks to fill the SMs once, fewer when there are fewer rows; the
+// warps walk the rest.
+template <int kSrc>
+int launch_rows(int cache_dtype, int sms, cudaStream_t st, unsigned char *l, int64_t num_slots, size_t row_bytes,
+                float fp8_scale, const int32_t *slots, const void *c, const void *r, int num_tokens, int *bad,
+                int world, int rank) {
+  const int64_t want = ((int64_t)num_tokens + kWarpRows - 1) / kWarpRows, fill = (int64_t)sms * rows_blocks_per_sm(kSrc);
+  const unsigned grid = (unsigned)(want < fill ? want : fill);
+  const dim3 block(32 * kWarpRows);
+  switch (cache_dtype) {
+    case DT_BF16:
+      kv_write_rows_kernel<kSrc, DT_BF16><<<grid, block, 0, st>>>(l, num_slots, row_bytes, fp8_scale, slots, c, r,
+                                                                  num_tokens, bad, world, rank);
+      break;
+    case DT_F16:
+      kv_write_rows_kernel<kSrc, DT_F16><<<grid, block, 0, st>>>(l, num_slots, row_bytes, fp8_scale, slots, c, r,
+                                                                 num_tokens, bad, world, rank);
+      break;
+    case DT_FP8:
+      kv_write_rows_kernel<kSrc, DT_FP8><<<grid, block, 0, st>>>(l, num_slots, row_bytes, fp8_scale, slots, c, r,
+                                                                 num_tokens, bad, world, rank);
+      break;
+    default:
+      kv_write_rows_kernel<kSrc, DT_FP8_BLOCK><<<grid, block, 0, st>>>(l, num_slots, row_bytes, fp8_scale, slots, c,
+                                                                       r, num_tokens, bad, world, rank);
+      break;
+  }
+  return static_cast<int>(cudaGetLastError());
 }
 
 __global__ void __launch_bounds__(kThreads) kv_read_kernel(const unsigned char *layer, int64_t num_slots,
@@ -338,18 +491,18 @@ extern "C" int mla_cuda_kv_write(void *layer, int64_t num_slots, int cache_dtype
   const bool aligned = ((reinterpret_cast<uintptr_t>(layer) | reinterpret_cast<uintptr_t>(c) |
                          reinterpret_cast<uintptr_t>(r)) & 15) == 0 && row_bytes % 16 == 0;
   if (aligned) {  // every row keeps the alignment: rows of 1152 / 576 / 656 bytes, src rows of 1 or 2 KiB
-    const unsigned grid = (unsigned)((num_tokens + kWarpRows - 1) / kWarpRows);
+    int dev = 0, sms = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (e != cudaSuccess) return static_cast<int>(e);
     if (src_dtype == DT_F32)
-      kv_write_rows_kernel<DT_F32><<<grid, 32 * kWarpRows, 0, st>>>(l, num_slots, cache_dtype, row_bytes, fp8_scale,
-                                                                    slots, c, r, num_tokens, bad, world, rank);
-    else if (src_dtype == DT_BF16)
-      kv_write_rows_kernel<DT_BF16><<<grid, 32 * kWarpRows, 0, st>>>(l, num_slots, cache_dtype, row_bytes,
-                                                                     fp8_scale, slots, c, r, num_tokens, bad, world,
-                                                                     rank);
-    else
-      kv_write_rows_kernel<DT_F16><<<grid, 32 * kWarpRows, 0, st>>>(l, num_slots, cache_dtype, row_bytes, fp8_scale,
-                                                                    slots, c, r, num_tokens, bad, world, rank);
-    return static_cast<int>(cudaGetLastError());
+      return launch_rows<DT_F32>(cache_dtype, sms, st, l, num_slots, row_bytes, fp8_scale, slots, c, r, num_tokens,
+                                 bad, world, rank);
+    if (src_dtype == DT_BF16)
+      return launch_rows<DT_BF16>(cache_dtype, sms, st, l, num_slots, row_bytes, fp8_scale, slots, c, r,
+                                  num_tokens, bad, world, rank);
+    return launch_rows<DT_F16>(cache_dtype, sms, st, l, num_slots, row_bytes, fp8_scale, slots, c, r, num_tokens,
+                               bad, world, rank);
   }
   kv_write_kernel<<<num_tokens, kThreads, 0, st>>>(l, num_slots, cache_dtype, row_bytes, fp8_scale, slots, c, r,
                                                    src_dtype, bad, world, rank);
