@@ -8,6 +8,7 @@
 #include "demo.h"
 #include "mla.h"
 #include "serve.h"
+#include "serve_dcp.h"
 
 static void usage(FILE *f) {
   fprintf(f,
@@ -51,6 +52,12 @@ static void usage(FILE *f) {
           "                   has CUDA and one is present, else the CPU), cpu, cuda\n"
           "  --no-graphs      simulation on CUDA: plan decode steps eagerly instead of replaying\n"
           "                   CUDA graphs\n"
+          "  --dcp N          simulation: decode context parallel on N GPUs (power of two 2..8, at\n"
+          "                   most the GPUs present; needs CUDA and NCCL, else exit status 2): each\n"
+          "                   GPU holds its shard of the KV (position p on GPU p mod N); DECODE runs\n"
+          "                   as DCP steps merged over NCCL, TARGET_VERIFY and prefix EXTEND as an\n"
+          "                   EXTEND over the KV all-gathered over NCCL; page size x N <= 256; no\n"
+          "                   CUDA graphs\n"
           "  --seed S         RNG seed (default 1)\n");
 }
 
@@ -85,6 +92,7 @@ static int bad(const char *what, const char *value) {
 static int cmd_demo(int argc, char **argv) {
   demo_opts o;
   demo_default_opts(&o);
+  int dcp = 0;
   for (int i = 0; i < argc; i++) {
     const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     long x;
@@ -148,6 +156,9 @@ static int cmd_demo(int argc, char **argv) {
       else if (v && !strcmp(v, "cpu")) o.device = 1;
       else if (v && !strcmp(v, "cuda")) o.device = 2;
       else return bad("--device", v);
+    } else if (!strcmp(k, "--dcp")) {
+      if (!parse_int(v, 2, SDCP_MAX_RANKS, &x) || (x & (x - 1))) return bad("--dcp", v);
+      dcp = (int)x;
     } else if (!strcmp(k, "--prefix-impl")) {
       if (v && !strcmp(v, "absorbed")) o.prefix_impl = MLA_EXTEND_ABSORBED;
       else if (v && !strcmp(v, "chunked")) o.prefix_impl = MLA_EXTEND_MHA_CHUNKED;
@@ -158,10 +169,26 @@ static int cmd_demo(int argc, char **argv) {
     i++; /* every option takes a value */
   }
   if (o.spec && !o.sim) return bad("option", "--spec with --no-sim (--spec is a simulation mode)");
+  if (dcp) { /* refused before anything runs: exit status 2, as a bad option */
+    char why[256] = "";
+    const int host = serve_dcp_host();
+    if (!o.sim) snprintf(why, sizeof why, "--dcp is a simulation mode (not with --no-sim)");
+    else if (o.page_size * dcp > 256)
+      snprintf(why, sizeof why, "page size %d x %d ranks = %d: the request table's page (at most 256)", o.page_size,
+               dcp, o.page_size * dcp);
+    else if (!host && o.device == 1) snprintf(why, sizeof why, "--device cpu: decode context parallel runs on GPUs");
+    else if (!host && o.act_dtype == MLA_DTYPE_F32)
+      snprintf(why, sizeof why, "--act f32: the GPU prefill kernels take bf16 or f16 activations");
+    else if (!host) sdcp_available(dcp, why, sizeof why);
+    if (why[0]) {
+      fprintf(stderr, "mla demo: --dcp %d: %s\n", dcp, why);
+      return 2;
+    }
+  }
   int failed = demo_run(&o, stdout);
   if (failed >= 0 && o.sim) {
     fflush(stdout);
-    int sim_failed = serve_run(&o, stdout);
+    int sim_failed = serve_run_dcp(&o, dcp, stdout);
     failed = sim_failed < 0 ? -1 : failed + sim_failed;
   }
   if (failed < 0) return 1;

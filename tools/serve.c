@@ -33,7 +33,15 @@
  * a speculative round for every running request (spec_round below): a
  * multi-step draft through the backend's draft steps with a one-layer draft
  * model, one TARGET_VERIFY batch of all requests, acceptance by comparing
- * drafts with the target's tokens, and rollback of the rest. */
+ * drafts with the target's tokens, and rollback of the rest.
+ *
+ * With --dcp N (serve_run_dcp) there is no backend: the sim keeps its own
+ * request table (global slots, page P * N, metadata only) and serve_dcp's N
+ * rank threads, one per GPU, each hold a shard of the KV and run the
+ * attention (forward_dcp below: DECODE as DCP steps merged over NCCL;
+ * TARGET_VERIFY and EXTEND over a prefix as EXTEND over the KV pooled by an
+ * NCCL all-gather; EXTEND without prefix as ragged MHA on rank 0). The
+ * oracle checks read rows back from the shards. */
 #include "serve.h"
 
 #include <math.h>
@@ -42,6 +50,7 @@
 
 #include "demo_util.h"
 #include "ref.h"
+#include "serve_dcp.h"
 #include "serve_dev.h"
 #include "serve_gemm.h"
 
@@ -95,6 +104,9 @@ typedef struct stats {
   int pages_peak, shared_peak;
   double t_replay;        /* CUDA: ms in decode steps replayed from graphs (upload, layers, download) */
   int replay_steps, graphs_captured;
+  double t_dcp_decode;    /* --dcp: ms of attention in DECODE batches (draft steps included) */
+  int dcp_decode_steps;
+  int cow_checks;         /* --dcp: copy-on-write pages checked in the shards */
 } stats;
 
 typedef struct sim {
@@ -153,6 +165,13 @@ typedef struct sim {
   void **d_kvb;               /* [layers] kv_b_proj in the act dtype */
   void **gexec;               /* [layers * NBUCKETS] decode layer graphs per batch bucket */
   int bucket;                 /* > 0: this pass replays the decode graphs of a batch of this size */
+  /* --dcp: no backend; the request table is the sim's own (global slots,
+   * page P * dcp, metadata only: copy-on-write goes to the shards through
+   * req_extend) and the attention is serve_dcp's ranks. */
+  int dcp;                    /* ranks, 0 = off */
+  sdcp *dc;
+  int32_t *dext;              /* [max_batch] query tokens per batch row */
+  mla_plan dplan;             /* the rows of a prefill batch, as check_mha reads them */
   stats st;
   /* the step's oracle check */
   int check_layer;            /* -1: none this step */
@@ -303,7 +322,20 @@ typedef struct check_bufs {
  * output may move by up to u max_j |v_j| (demo_compare_p). 0 on the CPU,
  * whose kernels keep P in fp32. */
 static double p_round(const sim *s, const double *v /* [n] */, int64_t n) {
-  if (!s->cuda || s->act == MLA_DTYPE_F32) return 0.0;
+  if (!(s->cuda || (s->dc && sdcp_on_gpu(s->dc))) || s->act == MLA_DTYPE_F32) return 0.0;
+  double vmax = 0;
+  for (int64_t i = 0; i < n; i++) vmax = fmax(vmax, fabs(v[i]));
+  return (s->act == MLA_DTYPE_F16 ? 0x1p-11 : 0x1p-8) * vmax;
+}
+
+/* --dcp DECODE: each rank's partial output is rounded to the activation
+ * type before the merge (mla_dcp_merge_nccl takes act-dtype states), so
+ * the merged output moves by up to u max_k |o_k| <= u max_j |v_j| (u = 2^-8
+ * bf16, 2^-11 f16): a merge of partials that nearly cancel keeps their
+ * rounding error. Added to the absolute tolerance like p_round. 0 for the
+ * pooled EXTEND (one state) and without --dcp. */
+static double dcp_round(const sim *s, const double *v /* [n] */, int64_t n) {
+  if (!s->dc || s->rows_causal || s->act == MLA_DTYPE_F32) return 0.0;
   double vmax = 0;
   for (int64_t i = 0; i < n; i++) vmax = fmax(vmax, fabs(v[i]));
   return (s->act == MLA_DTYPE_F16 ? 0x1p-11 : 0x1p-8) * vmax;
@@ -329,14 +361,15 @@ static int bufs_alloc(check_bufs *b, int m, int K, int nh) {
 /* The rows this batch wrote to the cache, read back, against what was
  * written rounded the way the cache dtype stores it. */
 static void check_cache_write(sim *s, int layer, int T) {
-  mla_kv_cache *cache;
-  mla_backend_cache(s->be, &cache);
+  mla_kv_cache *cache = NULL;
+  if (!s->dc) mla_backend_cache(s->be, &cache);
   float *cf = malloc((size_t)T * L * sizeof(float)), *rf = malloc((size_t)T * R * sizeof(float));
   demo_cmp c;
   memset(&c, 0, sizeof c);
   const int read_ok = cf && rf &&
-                      (s->cuda ? sdev_cache_read(cache, layer, T, s->slots, cf, rf) == 0
-                               : mla_kv_cache_read(cache, layer, T, s->slots, cf, rf, MLA_DTYPE_F32) == MLA_OK);
+                      (s->dc     ? sdcp_read(s->dc, layer, T, s->slots, cf, rf) == 0 /* from the ranks' shards */
+                       : s->cuda ? sdev_cache_read(cache, layer, T, s->slots, cf, rf) == 0
+                                 : mla_kv_cache_read(cache, layer, T, s->slots, cf, rf, MLA_DTYPE_F32) == MLA_OK);
   if (read_ok) {
     const mla_dtype cd = s->o->cache_dtype;
     c.ok = 1;
@@ -363,6 +396,22 @@ static void check_cache_write(sim *s, int layer, int T) {
   free(rf);
 }
 
+/* The first len rows of request req in `layer` as the cache holds them, in
+ * double: the backend's cache, or under --dcp the ranks' shards. */
+static int read_request(sim *s, int layer, int32_t req, int len, double *c /* [len, 512] */,
+                        double *r /* [len, 64] */) {
+  if (!s->dc) return demo_read_request(s->be, layer, req, len, c, r);
+  const int32_t *r2t = NULL;
+  float *cf = malloc((size_t)(len ? len : 1) * L * sizeof(float)), *rf = malloc((size_t)(len ? len : 1) * R * sizeof(float));
+  int rc = !cf || !rf || mla_req_table_data(s->rt, &r2t) != MLA_OK ||
+           sdcp_read(s->dc, layer, len, r2t + (size_t)req * s->max_ctx, cf, rf) != 0;
+  for (int64_t i = 0; !rc && i < (int64_t)len * L; i++) c[i] = cf[i];
+  for (int64_t i = 0; !rc && i < (int64_t)len * R; i++) r[i] = rf[i];
+  free(cf);
+  free(rf);
+  return rc ? -1 : 0;
+}
+
 /* Absorbed modes: per request, its last query rows and a spread of heads,
  * against ref_absorbed on the keys the cache holds. Rows i of the batch:
  * request req_ids[i], queries qo_indptr[i] .. qo_indptr[i+1], kv_lens[i] keys. */
@@ -376,7 +425,7 @@ static void check_absorbed(sim *s, int layer, int bs, const int32_t *req_ids /* 
     check_bufs b;
     demo_cmp c;
     memset(&c, 0, sizeof c);
-    if (bufs_alloc(&b, m, kv, nh) == 0 && demo_read_request(s->be, layer, req_ids[i], kv, b.c, b.r) == 0) {
+    if (bufs_alloc(&b, m, kv, nh) == 0 && read_request(s, layer, req_ids[i], kv, b.c, b.r) == 0) {
       pick(s, s->in_a, L, r0, m, hs, nh, b.q);
       pick(s, s->qr_a, R, r0, m, hs, nh, b.qr);
       /* m of the request's nq queries: bottom-right alignment makes the
@@ -385,7 +434,7 @@ static void check_absorbed(sim *s, int layer, int bs, const int32_t *req_ids /* 
       pick(s, s->out_a, L, r0, m, hs, nh, b.got);
       pick_lse(s, r0, m, hs, nh, b.got_lse);
       c = demo_compare_p(b.got, b.o, (int64_t)m * nh * L, s->act, b.got_lse, b.lse, (int64_t)m * nh, DEMO_LSE_ATOL,
-                         p_round(s, b.c, (int64_t)kv * L));
+                         p_round(s, b.c, (int64_t)kv * L) + dcp_round(s, b.c, (int64_t)kv * L));
     }
     record(s, &c, 1);
     bufs_free(&b);
@@ -406,7 +455,7 @@ static void check_mha(sim *s, const mla_plan *p, int layer, int T, const int32_t
     memset(&c, 0, sizeof c);
     int ok = bufs_alloc(&b, m, K, nh) == 0;
     if (ok && P) {
-      ok = demo_read_request(s->be, layer, p->req_ids[i], P, b.c, b.r) == 0;
+      ok = read_request(s, layer, p->req_ids[i], P, b.c, b.r) == 0;
       for (int j = 0; ok && j < nh; j++)
         mla_convert((const char *)s->lw[layer].kvb_a + (size_t)hs[j] * (NOPE + DV) * L * s->es, s->act,
                     b.w + (size_t)j * (NOPE + DV) * L, MLA_DTYPE_F64, (int64_t)(NOPE + DV) * L);
@@ -432,8 +481,8 @@ static void check_layer(sim *s, int layer, int T, int mha, const int32_t *prefix
   s->last_checked = layer;
   /* A draft step has no host plan (its metadata is a device-built step):
    * its rows are the ones the sim handed over (qo, kvl, ids). */
-  const mla_plan *p = NULL;
-  if (!s->draft_rows && mla_backend_get_plan(s->be, &p) != MLA_OK) return;
+  const mla_plan *p = s->dc ? &s->dplan : NULL; /* --dcp: no backend plan; the sim's rows */
+  if (!s->dc && !s->draft_rows && mla_backend_get_plan(s->be, &p) != MLA_OK) return;
   int hs[CHECK_HEADS], nh = s->H < CHECK_HEADS ? s->H : CHECK_HEADS;
   const int off = demo_rng_int(&s->g, 0, s->H - 1);
   for (int j = 0; j < nh; j++) hs[j] = (off + j * s->H / nh) % s->H;
@@ -671,9 +720,18 @@ static int run_layers(sim *s, int T, int mha, const int32_t *prefix, int n_sampl
     a.out = s->out_a;
     a.lse = s->lse;
     const double t1 = demo_now_ms();
-    mla_status st = s->cuda ? forward_cuda(s, &a, T, mha) : mla_backend_forward(s->be, &a);
-    ta += demo_now_ms() - t1;
-    TRY(s, st, mla_backend_last_error(s->be));
+    if (s->dc) { /* the ranks: new rows to the shards, then this batch kind's attention (serve_dcp.h) */
+      const int rc = sdcp_layer(s->dc, l, T, s->slots, s->c_a, s->r_a, s->in_a, s->qr_a, s->out_a, s->lse);
+      ta += demo_now_ms() - t1;
+      if (rc) {
+        fprintf(s->out, "error: --dcp layer %d: %s\n", l, sdcp_error(s->dc));
+        return -1;
+      }
+    } else {
+      mla_status st = s->cuda ? forward_cuda(s, &a, T, mha) : mla_backend_forward(s->be, &a);
+      ta += demo_now_ms() - t1;
+      TRY(s, st, mla_backend_last_error(s->be));
+    }
     if (l == s->check_layer) check_layer(s, l, T, mha, prefix);
     project_out(s, l, T, mha);
   }
@@ -682,10 +740,59 @@ static int run_layers(sim *s, int T, int mha, const int32_t *prefix, int n_sampl
   return 0;
 }
 
+/* --dcp: batch b through the ranks (serve_dcp.h). DECODE runs as DCP
+ * steps with the NCCL merge. TARGET_VERIFY, which the DCP step does not
+ * take (DECODE only), runs as what it is: an EXTEND of ndt tokens per
+ * request over the committed prefix (extend_lens = ndt, kv = seq_len + ndt),
+ * on the KV the ranks pool with mla_dcp_gather_kv_nccl; EXTEND over a prefix
+ * likewise (always absorbed under --dcp). EXTEND without prefix is the
+ * ragged MHA over the new tokens (no cache read) on rank 0. The oracle
+ * checks see the rows through ids / qo / kvl (absorbed) or dplan (MHA). */
+static int forward_dcp(sim *s, const mla_batch *b, int T, const int32_t *prefix, int n_sample) {
+  const double t0 = demo_now_ms();
+  const int bs = b->batch_size, verify = b->mode == MLA_MODE_TARGET_VERIFY, decode = b->mode == MLA_MODE_DECODE;
+  const int mha = b->mode == MLA_MODE_EXTEND && !prefix;
+  s->qo[0] = 0;
+  for (int i = 0; i < bs; i++) {
+    s->dext[i] = decode ? 1 : verify ? b->num_draft_tokens : b->seq_lens[i] - (prefix ? prefix[i] : 0);
+    s->kvl[i] = b->seq_lens[i] + (verify ? b->num_draft_tokens : 0);
+    s->qo[i + 1] = s->qo[i] + s->dext[i];
+  }
+  if (s->qo[bs] != T || b->req_ids != s->ids) {
+    fprintf(s->out, "error: --dcp: a batch of %d query rows with %d planned\n", T, s->qo[bs]);
+    return -1;
+  }
+  const int32_t *r2t = NULL;
+  mla_req_table_data(s->rt, &r2t);
+  if (sdcp_batch(s->dc, decode ? SDCP_DECODE : mha ? SDCP_PREFILL : SDCP_EXTEND, bs, s->ids, s->kvl, s->dext, r2t)) {
+    fprintf(s->out, "error: --dcp: %s\n", sdcp_error(s->dc));
+    return -1;
+  }
+  if (mha) {
+    memset(&s->dplan, 0, sizeof s->dplan);
+    s->dplan.batch_size = bs;
+    s->dplan.req_ids = s->ids;
+    s->dplan.qo_indptr = s->qo;
+  } else {
+    s->draft_rows = bs;
+    s->rows_causal = !decode;
+  }
+  const double attn0 = s->st.t_attn;
+  const int rc = run_layers(s, T, mha, prefix, n_sample, s->layers, demo_now_ms() - t0);
+  if (decode) {
+    s->st.t_dcp_decode += s->st.t_attn - attn0;
+    s->st.dcp_decode_steps++;
+  }
+  s->draft_rows = 0;
+  s->rows_causal = 0;
+  return rc;
+}
+
 /* Plan batch b (T query rows: tok, pos, slots filled) and run it through
  * every layer, then sample n_sample rows. prefix: EXTEND prefix lengths (for
  * the chunked check), or NULL. */
 static int forward(sim *s, const mla_batch *b, int T, const int32_t *prefix, int n_sample) {
+  if (s->dc) return forward_dcp(s, b, T, prefix, n_sample);
   double t0 = demo_now_ms();
   TRY(s, mla_backend_plan(s->be, b), mla_backend_last_error(s->be));
   int mha = 0;
@@ -710,6 +817,49 @@ static int forward(sim *s, const mla_batch *b, int T, const int32_t *prefix, int
 }
 
 /* ---- the serving loop ------------------------------------------------------- */
+
+/* mla_req_extend. Under --dcp the table is metadata only: when the extend
+ * made a private copy of a shared partial last page (copy-on-write), the
+ * rows it holds are copied in the ranks' shards too (page ids are the same
+ * on every rank). */
+static mla_status req_extend(sim *s, int32_t id, int n, int32_t *slots_out /* [n] or NULL */) {
+  if (!s->dc) return mla_req_extend(s->rt, id, n, slots_out);
+  const int PN = s->P * s->dcp;
+  const int32_t *r2t = NULL;
+  int len = 0;
+  if (mla_req_table_data(s->rt, &r2t) != MLA_OK || mla_req_length(s->rt, id, &len) != MLA_OK)
+    return mla_req_extend(s->rt, id, n, slots_out); /* reports the bad id */
+  const int32_t *row = r2t + (size_t)id * s->max_ctx;
+  const int32_t old = len % PN ? row[len - 1] / PN : -1;
+  mla_status st = mla_req_extend(s->rt, id, n, slots_out);
+  if (st != MLA_OK || old < 0 || row[len - 1] / PN == old) return st;
+  const int used = len % PN, fresh = row[len - 1] / PN;
+  int32_t src[MLA_MAX_PAGE_SIZE], dst[MLA_MAX_PAGE_SIZE];
+  for (int j = 0; j < used; j++) src[j] = old * PN + j, dst[j] = fresh * PN + j;
+  if (sdcp_copy(s->dc, used, src, dst)) {
+    fprintf(s->out, "error: --dcp: copy-on-write of page %d: %s\n", (int)old, sdcp_error(s->dc));
+    return MLA_ERR_DEVICE;
+  }
+  /* The copies hold the originals' rows (a missed copy would go unseen by
+   * the attention checks, which read the same rows the kernels do): the
+   * first and last layer, read back from the shards. */
+  const double t0 = demo_now_ms();
+  float *a = malloc(sizeof(float) * (size_t)used * (L + R) * 2);
+  demo_cmp c;
+  memset(&c, 0, sizeof c);
+  for (int l = 0, k = 0; a && k < 2; k++, l = s->layers - 1) {
+    float *ac = a, *ar = a + (size_t)used * L, *bc = ar + (size_t)used * R, *br = bc + (size_t)used * L;
+    c.ok = sdcp_read(s->dc, l, used, src, ac, ar) == 0 && sdcp_read(s->dc, l, used, dst, bc, br) == 0 &&
+           !memcmp(ac, bc, sizeof(float) * (size_t)used * L) && !memcmp(ar, br, sizeof(float) * (size_t)used * R);
+    if (!c.ok) break;
+  }
+  free(a);
+  s->st.checks++; /* in the summary's count; in the step's line only when it fails */
+  if (!c.ok) s->st.failed++, s->step_checks++, s->step_failed++;
+  s->st.cow_checks++;
+  s->st.t_check += demo_now_ms() - t0;
+  return MLA_OK;
+}
 
 /* Pages held by requests now (and how many of them are shared by several
  * requests), folded into the peaks. */
@@ -759,7 +909,7 @@ static int admit_and_prefill(sim *s, int step, int *n_new, int *n_fork) {
       free(all_slots);
       return -1;
     }
-    st = mla_req_extend(s->rt, q->id, fresh_tokens, all_slots + used);
+    st = req_extend(s, q->id, fresh_tokens, all_slots + used);
     if (st != MLA_OK) {
       mla_req_free(s->rt, q->id);
       if (st == MLA_ERR_CACHE_FULL) break; /* wait for pages to come back */
@@ -821,7 +971,7 @@ static int decode(sim *s, int step, int skip, int *bs_out) {
   for (int i = 0; i < s->N; i++) {
     sim_req *q = &s->req[i];
     if (q->state != RUNNING || q->admitted == step || i == skip) continue;
-    TRY(s, mla_req_extend(s->rt, q->id, 1, s->slots + bs), mla_req_table_last_error(s->rt));
+    TRY(s, req_extend(s, q->id, 1, s->slots + bs), mla_req_table_last_error(s->rt));
     q->len++;
     s->ids[bs] = q->id;
     s->seq[bs] = q->len;
@@ -873,7 +1023,7 @@ static int decode(sim *s, int step, int skip, int *bs_out) {
 static int verify(sim *s, int i, int *kept) {
   sim_req *q = &s->req[i];
   const int ndt = s->ndt, committed = q->len;
-  TRY(s, mla_req_extend(s->rt, q->id, ndt, s->slots), mla_req_table_last_error(s->rt));
+  TRY(s, req_extend(s, q->id, ndt, s->slots), mla_req_table_last_error(s->rt));
   s->ids[0] = q->id;
   s->seq[0] = committed; /* TARGET_VERIFY: kv = seq_len + ndt */
   for (int t = 0; t < ndt; t++) {
@@ -955,7 +1105,7 @@ static int spec_round(sim *s, int step, int *bs_out, int *acc_out) {
   for (int i = 0; i < s->N; i++) {
     sim_req *q = &s->req[i];
     if (q->state != RUNNING || q->admitted == step) continue;
-    TRY(s, mla_req_extend(s->rt, q->id, ns, s->dslot + (size_t)bs * w), mla_req_table_last_error(s->rt));
+    TRY(s, req_extend(s, q->id, ns, s->dslot + (size_t)bs * w), mla_req_table_last_error(s->rt));
     s->committed[bs] = q->len;
     s->vidx[bs++] = i;
   }
@@ -969,15 +1119,20 @@ static int spec_round(sim *s, int step, int *bs_out, int *acc_out) {
     s->qo[b] = b;
   }
   s->qo[bs] = bs;
-  if (s->cuda) {
+  if (s->dc) {
+    /* --dcp: no backend draft steps; draft step i is a DCP DECODE batch
+     * (kv = committed + i + 1) of the draft model's one layer, below. */
+  } else if (s->cuda) {
     if (sdev_put(s->stream, s->g_ids, s->ids, sizeof(int32_t) * (size_t)bs) ||
         sdev_put(s->stream, s->g_seq, s->committed, sizeof(int32_t) * (size_t)bs))
       return (void)dev_fail(s, "graph input upload"), -1;
   } else {
     for (int b = 0; b < bs; b++) s->g_ids[b] = s->ids[b], s->g_seq[b] = s->committed[b];
   }
-  TRY(s, mla_backend_sync(s->be), mla_backend_last_error(s->be));
-  TRY(s, mla_backend_draft_prepare(s->be, bs, ns), mla_backend_last_error(s->be));
+  if (!s->dc) {
+    TRY(s, mla_backend_sync(s->be), mla_backend_last_error(s->be));
+    TRY(s, mla_backend_draft_prepare(s->be, bs, ns), mla_backend_last_error(s->be));
+  }
   double ta = demo_now_ms() - t0;
   /* On a check step every draft step is checked too (its only layer). */
   const int sched = s->check_layer;
@@ -985,7 +1140,7 @@ static int spec_round(sim *s, int step, int *bs_out, int *acc_out) {
   int rc = 0;
   for (int i = 0; i < ns && rc == 0; i++) {
     const double t1 = demo_now_ms();
-    mla_status st = mla_backend_draft_select(s->be, i);
+    mla_status st = s->dc ? MLA_OK : mla_backend_draft_select(s->be, i);
     ta += demo_now_ms() - t1;
     if (fail_status(s, st, "mla_backend_draft_select", mla_backend_last_error(s->be))) {
       rc = -1;
@@ -998,13 +1153,29 @@ static int spec_round(sim *s, int step, int *bs_out, int *acc_out) {
       s->sample_rows[b] = b;
       s->kvl[b] = s->committed[b] + i + 1;
     }
-    if (s->check_layer == 0) {
+    if (s->check_layer == 0 && !s->dc) {
       const double tc = demo_now_ms();
       check_draft_metadata(s, bs);
       s->st.t_check += demo_now_ms() - tc;
     }
+    if (s->dc) {
+      const double t2 = demo_now_ms();
+      const int32_t *r2t = NULL;
+      mla_req_table_data(s->rt, &r2t);
+      if (sdcp_batch(s->dc, SDCP_DECODE, bs, s->ids, s->kvl, NULL, r2t)) {
+        fprintf(s->out, "error: --dcp: %s\n", sdcp_error(s->dc));
+        rc = -1;
+        break;
+      }
+      ta += demo_now_ms() - t2;
+    }
     s->draft_rows = bs;
+    const double attn0 = s->st.t_attn;
     rc = run_layers(s, bs, 0, NULL, bs, DRAFT_LAYERS, ta);
+    if (s->dc) {
+      s->st.t_dcp_decode += s->st.t_attn - attn0;
+      s->st.dcp_decode_steps++;
+    }
     s->draft_rows = 0;
     ta = 0;
     for (int b = 0; rc == 0 && b < bs; b++) s->dtok[(size_t)b * ns + i] = s->sampled[b];
@@ -1018,7 +1189,7 @@ static int spec_round(sim *s, int step, int *bs_out, int *acc_out) {
   int T = 0;
   for (int b = 0; b < bs; b++) {
     sim_req *q = &s->req[s->vidx[b]];
-    TRY(s, mla_req_extend(s->rt, q->id, 1, s->dslot + (size_t)b * w + ns), mla_req_table_last_error(s->rt));
+    TRY(s, req_extend(s, q->id, 1, s->dslot + (size_t)b * w + ns), mla_req_table_last_error(s->rt));
     s->ids[b] = q->id;
     s->seq[b] = s->committed[b]; /* TARGET_VERIFY: kv = seq_len + ndt */
     for (int t = 0; t < w; t++, T++) {
@@ -1187,9 +1358,19 @@ static int setup(sim *s) {
   bd.extend_impl = o->prefix_impl;
   bd.chunk_capacity = 256; /* a long shared prefix takes several chunks */
   s->usable_pages = bd.cache.num_pages - 1;
-  TRY(s, mla_backend_create(s->ctx, &bd, &s->be), mla_ctx_last_error(s->ctx));
-  TRY(s, mla_backend_req_table(s->be, &s->rt), "");
-  if (s->spec || s->cuda) { /* the multi-step draft and the decode graphs run on the graph inputs */
+  if (s->dcp) {
+    /* No backend: the sim's own request table hands out global slots with
+     * page P * N (so slot mod N = position mod N), metadata only; each
+     * rank's shard (serve_dcp) has page P and the same page ids. */
+    const int PN = s->P * s->dcp;
+    mla_req_table_desc rd = {s->max_batch, s->max_ctx, 1 + s->max_batch * ((s->max_ctx + PN - 1) / PN + 2), PN};
+    s->usable_pages = rd.num_pages - 1;
+    TRY(s, mla_req_table_create(s->ctx, &rd, NULL, &s->rt), mla_ctx_last_error(s->ctx));
+  } else {
+    TRY(s, mla_backend_create(s->ctx, &bd, &s->be), mla_ctx_last_error(s->ctx));
+    TRY(s, mla_backend_req_table(s->be, &s->rt), "");
+  }
+  if (!s->dcp && (s->spec || s->cuda)) { /* the multi-step draft and the decode graphs run on the graph inputs */
     TRY(s, mla_backend_graph_init(s->be, s->max_batch, 0), mla_backend_last_error(s->be));
     if (s->spec) TRY(s, mla_backend_draft_init(s->be, s->ns), mla_backend_last_error(s->be));
     TRY(s, mla_backend_graph_inputs(s->be, &s->g_ids, &s->g_seq), mla_backend_last_error(s->be));
@@ -1229,6 +1410,7 @@ static int setup(sim *s) {
   }
   s->qo = xmalloc(((size_t)s->max_batch + 1) * sizeof(int32_t), &oom);
   s->kvl = xmalloc((size_t)s->max_batch * sizeof(int32_t), &oom);
+  if (s->dcp) s->dext = xmalloc((size_t)s->max_batch * sizeof(int32_t), &oom);
   if (oom) {
     fprintf(s->out, "error: out of memory for the simulation's buffers (%zu rows, %d heads)\n", T, s->H);
     return -1;
@@ -1236,6 +1418,31 @@ static int setup(sim *s) {
   if (model_init(s)) {
     fprintf(s->out, "error: out of memory for the weights\n");
     return -1;
+  }
+  if (s->dcp) {
+    sdcp_desc dd;
+    memset(&dd, 0, sizeof dd);
+    dd.world = s->dcp;
+    dd.host = serve_dcp_host();
+    dd.threads = o->threads > 0 ? (o->threads + s->dcp - 1) / s->dcp : 1;
+    dd.layers = s->layers;
+    dd.num_pages = s->usable_pages + 1;
+    dd.page_size = s->P;
+    dd.cache_dtype = o->cache_dtype;
+    dd.act = s->act;
+    dd.heads = s->H;
+    dd.scale = (float)s->scale;
+    dd.qk_dim = DQK;
+    dd.v_dim = DV;
+    dd.max_reqs = s->max_batch;
+    dd.max_ctx = s->max_ctx;
+    dd.max_batch = s->max_batch;
+    dd.max_tokens = s->max_tokens;
+    char err[400];
+    if (sdcp_create(&dd, &s->dc, err, sizeof err)) {
+      fprintf(s->out, "error: --dcp %d: %s\n", s->dcp, err);
+      return -1;
+    }
   }
   if (s->cuda) { /* the attention's device buffers, and kv_b_proj per layer */
     const size_t es = s->es;
@@ -1269,9 +1476,13 @@ static void teardown(sim *s) {
   void *bufs[] = {s->x,     s->xn,  s->q,   s->kv,  s->c,   s->r,   s->big, s->oh,  s->c_a,
                   s->r_a,   s->in_a, s->qr_a, s->out_a, s->lse, s->logits, s->ids, s->seq, s->pre,
                   s->tok,   s->pos, s->slots, s->sample_rows, s->sampled, s->req, s->committed, s->dslot,
-                  s->dtok,  s->vidx, s->qo, s->kvl};
+                  s->dtok,  s->vidx, s->qo, s->kvl, s->dext};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
   mla_backend_destroy(s->be);
+  if (s->dcp) { /* the ranks first (they read nothing of the table after their last job) */
+    sdcp_destroy(s->dc);
+    mla_req_table_destroy(s->rt);
+  }
   if (s->cuda) {
     void *dbufs[] = {s->d_in, s->d_qr, s->d_c, s->d_r, s->d_out, s->d_lse, s->d_slots};
     for (size_t i = 0; i < sizeof dbufs / sizeof dbufs[0]; i++) sdev_free(dbufs[i]);
@@ -1324,6 +1535,38 @@ static void summary(sim *s, int steps_run) {
             "  CUDA graphs: %d decode steps replayed (%d layer graphs captured over the batch buckets);"
             " attention per step %.3f ms (%d layers, each: input upload, graph launch, output download)\n",
             t->replay_steps, t->graphs_captured, t->t_replay / t->replay_steps, s->layers);
+  if (s->dc) {
+    sdcp_stats ds;
+    sdcp_get_stats(s->dc, &ds);
+    const int gpu = sdcp_on_gpu(s->dc);
+    fprintf(s->out,
+            "  DCP: %d ranks on %s; position p on rank p mod %d (request table page %d, shard page %d)\n"
+            "    DECODE%s: DCP step on each rank's shard + %s (%lld layer merges)\n"
+            "    TARGET_VERIFY and EXTEND over a prefix: run as EXTEND (verify = extend_lens ndt over the committed"
+            " prefix; the DCP step is DECODE only) over the KV pooled by %s (%lld layer gathers, %lld rows)\n"
+            "    EXTEND without prefix: ragged MHA on rank 0 (no cache read); every rank writes its shard of the"
+            " new rows\n",
+            ds.world, sdcp_where(s->dc), ds.world, s->P * ds.world, s->P, s->spec ? " (and the draft steps)" : "",
+            gpu ? "mla_dcp_merge_nccl" : "a host all-gather + mla_merge_states", (long long)ds.merges,
+            gpu ? "mla_dcp_gather_kv_nccl" : "mla_kv_cache_pack_rows + a host all-gather", (long long)ds.gathers,
+            (long long)ds.gathered_rows);
+    fprintf(s->out, "    time in the %s exchange:", gpu ? "NCCL" : "host");
+    for (int r = 0; r < ds.world; r++)
+      fprintf(s->out, "%s rank %d %.1f ms (merge %.1f, KV all-gather %.1f)", r ? ";" : "", r, ds.exchange_ms[r],
+              ds.merge_ms[r], ds.exchange_ms[r] - ds.merge_ms[r]);
+    fprintf(s->out, "; %.3f ms per DECODE batch (rank 0)\n",
+            t->dcp_decode_steps ? ds.merge_ms[0] / t->dcp_decode_steps : 0.0);
+    fprintf(s->out, "    rows written per shard:");
+    for (int r = 0; r < ds.world; r++) fprintf(s->out, "%s rank %d %lld", r ? "," : "", r, (long long)ds.shard_rows[r]);
+    fprintf(s->out, "; copy-on-write pages copied in the shards and read back: %d", t->cow_checks);
+    fprintf(s->out,
+            "\n  CUDA graphs: not used under --dcp (each layer's shard write, DCP step and exchange run eagerly);"
+            " DECODE attention per step %.3f ms over %d DECODE batches (%d layer%s, each: input upload, step, %s,"
+            " output download)\n",
+            t->dcp_decode_steps ? t->t_dcp_decode / t->dcp_decode_steps : 0.0, t->dcp_decode_steps,
+            s->spec ? DRAFT_LAYERS : s->layers, (s->spec ? DRAFT_LAYERS : s->layers) > 1 ? "s" : "",
+            gpu ? "NCCL merge" : "host merge");
+  }
   fprintf(s->out, "  pages: peak %d of %d in use (%d shared by forks at most)\n", t->pages_peak, s->usable_pages,
           t->shared_peak);
   fprintf(s->out,
@@ -1333,7 +1576,14 @@ static void summary(sim *s, int steps_run) {
           t->failed ? "FAILED" : "all ok");
 }
 
-int serve_run(const demo_opts *o, FILE *out) {
+int serve_dcp_host(void) {
+  const char *e = getenv("MLA_DEMO_DCP_HOST");
+  return e && *e && strcmp(e, "0") != 0;
+}
+
+int serve_run(const demo_opts *o, FILE *out) { return serve_run_dcp(o, 0, out); }
+
+int serve_run_dcp(const demo_opts *o, int dcp, FILE *out) {
   sim s;
   memset(&s, 0, sizeof s);
   s.o = o;
@@ -1359,7 +1609,20 @@ int serve_run(const demo_opts *o, FILE *out) {
   memset(&cd, 0, sizeof cd);
   cd.num_threads = o->threads;
   mla_status st = MLA_ERR_UNSUPPORTED;
-  if (o->device != 1) { /* a GPU when there is one (auto), or required */
+  s.dcp = dcp;
+  if (dcp) {
+    /* The ranks hold the attention; the sim's context only plans (the
+     * request table, the gathered layout): a CPU one. Prefix EXTEND is
+     * absorbed (the pooled KV feeds the paged EXTEND step). */
+    resolved.prefix_impl = MLA_EXTEND_ABSORBED;
+    cd.device = MLA_DEVICE_CPU;
+    cd.num_threads = 1;
+    st = mla_ctx_create(&cd, &s.ctx);
+    if (st != MLA_OK) {
+      fprintf(out, "error: mla_ctx_create: %s\n", mla_status_string(st));
+      return -1;
+    }
+  } else if (o->device != 1) { /* a GPU when there is one (auto), or required */
     cd.device = MLA_DEVICE_CUDA;
     st = mla_ctx_create(&cd, &s.ctx);
     if (st == MLA_OK) {
@@ -1377,7 +1640,7 @@ int serve_run(const demo_opts *o, FILE *out) {
       return -1;
     }
   }
-  if (!s.cuda) {
+  if (!s.cuda && !dcp) {
     cd.device = MLA_DEVICE_CPU;
     st = mla_ctx_create(&cd, &s.ctx);
     if (st != MLA_OK) {
@@ -1388,7 +1651,11 @@ int serve_run(const demo_opts *o, FILE *out) {
   int threads = 0;
   mla_ctx_get_threads(s.ctx, &threads);
   char where[320];
-  if (s.cuda)
+  if (dcp)
+    snprintf(where, sizeof where,
+             "libmla with decode context parallel over %d ranks (--dcp%s; no CUDA graphs under --dcp)", dcp,
+             serve_dcp_host() ? ", CPU ranks in one process: MLA_DEMO_DCP_HOST" : "");
+  else if (s.cuda)
     snprintf(where, sizeof where, "libmla on %s (CUDA context%s)", sdev_name(),
              s.graphs ? "; decode steps replayed from CUDA graphs" : "");
   else
@@ -1404,13 +1671,17 @@ int serve_run(const demo_opts *o, FILE *out) {
           resolved.max_prompt, s.max_batch, o->steps, s.spec ? "speculative decoding (--spec):" : "verify with",
           s.spec ? s.ns : s.ndt,
           s.spec ? "draft steps (layer 0 + LM head) then one verify batch per step" : "draft tokens",
-          o->prefix_impl == MLA_EXTEND_MHA_CHUNKED ? "chunked MHA" : "absorbed", serve_gemm_name(), where);
+          resolved.prefix_impl == MLA_EXTEND_MHA_CHUNKED ? "chunked MHA"
+          : dcp && o->prefix_impl == MLA_EXTEND_MHA_CHUNKED ? "absorbed (--dcp: the pooled KV feeds the paged EXTEND)"
+                                                             : "absorbed",
+          serve_gemm_name(), where);
   const double t0 = demo_now_ms();
   int rc = setup(&s);
   if (rc == 0) {
     const double gemm_err = check_gemm(&s);
     fprintf(out, "  set-up (random weights): %.1f s; projection self-check: rel err %.1e %s\n",
             (demo_now_ms() - t0) / 1e3, gemm_err, gemm_err <= 1e-5 ? "ok" : "FAIL");
+    if (s.dc) fprintf(out, "  DCP ranks: %s, each with its shard of the KV and its NCCL communicator\n", sdcp_where(s.dc));
   }
   int k = 0;
   for (; rc == 0 && k < o->steps; k++) {

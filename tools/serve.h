@@ -15,5 +15,12 @@
 /* Returns the number of failed checks (0 = all passed), or -1 when the
  * library refused to run (the message is printed). */
 int serve_run(const demo_opts *o, FILE *out);
+/* The same with decode context parallel over dcp ranks (serve_dcp.h; 0 =
+ * off, serve_run). */
+int serve_run_dcp(const demo_opts *o, int dcp, FILE *out);
+/* 1 when MLA_DEMO_DCP_HOST is set (not "0"): --dcp runs its ranks as CPU
+ * contexts in one process, exchanging through host memory, to test the
+ * flow on a machine without GPUs. */
+int serve_dcp_host(void);
 
 #endif
