@@ -601,7 +601,13 @@ typedef struct mla_step_metadata {
   const int32_t *num_splits;  /* [bs+1] */
 } mla_step_metadata;
 
-/* Workspace for one step shape (the same for every layer and replay). */
+/* Workspace for one step shape (the same for every layer and replay).
+ * Not monotonic in the shape: fewer query rows per request (a smaller
+ * num_tokens or num_draft_tokens, or DECODE) give the split schedule more
+ * parts, and past one part the partial-state buffers (up to 2 x 64 x num_sm
+ * rows of 512 floats) are needed; one part needs none. A workspace shared by
+ * several descriptors (graph buckets) takes the largest of their sizes, as
+ * mla_backend_graph_init does. */
 MLA_API mla_status mla_step_workspace_size(mla_ctx *ctx, const mla_step_desc *desc,
                                            size_t *bytes);
 /* Build the step's metadata (once per step, before the layers). cache gives
