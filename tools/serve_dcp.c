@@ -109,32 +109,22 @@ static void r_free(rank *k, void *p) {
 #endif
 }
 
-/* Copies in stream order (the job ends with a synchronize). 0 or -1. */
-static int r_put(rank *k, void *dst, const void *src, size_t n) {
+/* Copies in stream order (the job ends with a synchronize), either way
+ * (unified addressing tells the direction). 0 or -1. */
+static int r_copy(rank *k, void *dst, const void *src, size_t n) {
   if (!n) return 0;
   if (k->d->desc.host) {
     memcpy(dst, src, n);
     return 0;
   }
 #ifdef MLA_CLI_CUDA
-  return cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, (cudaStream_t)k->stream) == cudaSuccess ? 0 : -1;
+  return cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, (cudaStream_t)k->stream) == cudaSuccess ? 0 : -1;
 #else
   return -1;
 #endif
 }
-
-static int r_get(rank *k, void *dst, const void *src, size_t n) {
-  if (!n) return 0;
-  if (k->d->desc.host) {
-    memcpy(dst, src, n);
-    return 0;
-  }
-#ifdef MLA_CLI_CUDA
-  return cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, (cudaStream_t)k->stream) == cudaSuccess ? 0 : -1;
-#else
-  return -1;
-#endif
-}
+#define r_put r_copy
+#define r_get r_copy
 
 static int r_fail(rank *k, const char *what, const char *msg) {
   if (!k->err[0]) snprintf(k->err, sizeof k->err, "%s: %s", what, msg ? msg : "");
