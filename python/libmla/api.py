@@ -425,6 +425,15 @@ class KVCache(_Handle):
         cache dtype. dtype: the dtype of c/r when it cannot be read from them ("bf16" for
         uint16 arrays holding raw bf16). CUDA caches: slots, c and r are device tensors and the
         call is asynchronous on the context's stream."""
+        self._write(layer, slots, c, r, dtype, "slots", None)
+
+    def write_shard(self, layer, global_slots, c, r, world, rank, dtype=None):
+        """Decode context parallel: this rank's share of a write. global_slots are the
+        allocator's slots; rows whose slot mod world != rank belong to other ranks and are
+        skipped, the others go to local slot global // world (world: power of two 1..64)."""
+        self._write(layer, global_slots, c, r, dtype, "global_slots", (int(world), int(rank)))
+
+    def _write(self, layer, slots, c, r, dtype, slots_name, shard):
         ctx = self.ctx
         dev = ctx.device
         bf16 = dtype is not None and mla_dtype(dtype) == DType.BF16
@@ -440,13 +449,37 @@ class KVCache(_Handle):
         if dtype is not None and mla_dtype(dtype) != t:
             raise ValueError("argument 'c': dtype %s, but dtype=%r was given" % (dn, dtype))
         if dev == "cpu":
-            _, sp = int32_array(slots, "slots", length=n)
+            _, sp = int32_array(slots, slots_name, length=n)
         else:
-            sp = ptr_of(slots, "slots", dtypes=("i32",), shape=(n,), device=dev)
+            sp = ptr_of(slots, slots_name, dtypes=("i32",), shape=(n,), device=dev)
             ctx._before_launch(c)
-        st = _c.mla_kv_cache_write(self.handle, int(layer), n, sp, cp, rp, t)
+        if shard is None:
+            st, fn = _c.mla_kv_cache_write(self.handle, int(layer), n, sp, cp, rp, t), "mla_kv_cache_write"
+        else:
+            st = _c.mla_kv_cache_write_shard(self.handle, int(layer), n, sp, cp, rp, t, shard[0], shard[1])
+            fn = "mla_kv_cache_write_shard"
         if st:
-            self._check(st, "mla_kv_cache_write")
+            self._check(st, fn)
+
+    def pack_rows(self, layer, src_slots, dst, dst_layer, dst_first_slot):
+        """Copy rows src_slots[i] of this cache's `layer` into consecutive slots dst_first_slot + i
+        of `dst`'s dst_layer, bytes as stored (same dtype and, for fp8, the same layer scale;
+        the range must avoid dst's page 0). EXTEND under DCP: each rank's rows into its block
+        of the gathered cache (see dcp_gather_table). CPU: host slots; CUDA: a device tensor,
+        asynchronous."""
+        dh = _handle_of(dst, KVCache, "dst")
+        dev = self.ctx.device
+        if dev == "cpu":
+            sa, sp = int32_array(src_slots, "src_slots")
+            n = sa.shape[0]
+        else:
+            ts = check(src_slots, "src_slots", dtypes=("i32",), shape=(None,), device=dev)
+            n, sp = ts.shape[0], ts.ptr
+            self.ctx._before_launch(src_slots)
+        st = _c.mla_kv_cache_pack_rows(self.handle, int(layer), n, sp or None, dh, int(dst_layer),
+                                       int(dst_first_slot))
+        if st:
+            dst._check(st, "mla_kv_cache_pack_rows")
 
     def read(self, layer, slots, dtype="f32", *, c_out=None, r_out=None, parts="cr"):
         """Gather rows back, dequantized to dtype ("f32", "bf16", "f16"); returns (c, r) with
@@ -1005,6 +1038,25 @@ class DcpPlanner:
                                               int(world), self._wp, self.workspace_bytes,
                                               _byref(p)), "mla_dcp_plan_build")
         return DcpPlan(p, self, self._generation)
+
+
+def dcp_gather_table(ctx, kv_lens, world, *, base_slot=1, table_stride=None):
+    """EXTEND under decode context parallel: the slot of every position of every request in the
+    gathered cache the ranks pool their shards into (rank r's rows in the block [base_slot + r M,
+    base_slot + (r+1) M), each request's positions r, r+N, ... in order: the local slots of rank
+    r's DcpPlan). kv_lens [bs]: keys per request (prefix and new tokens). Returns (table
+    [bs, table_stride] int32, MLA_SLOT_UNUSED past each length; rows_per_rank M). The gathered
+    cache needs base_slot + world * M slots; run the EXTEND Step over it with the table as
+    req_to_token and req_ids 0..bs-1."""
+    kl, kp = int32_array(kv_lens, "kv_lens")
+    bs = kl.shape[0]
+    stride = int(table_stride) if table_stride is not None else max(int(kl.max()) if bs else 1, 1)
+    table = np.empty((bs, stride), dtype=np.int32)
+    m = ctypes.c_int32()
+    ctx._check(_c.mla_dcp_gather_table(ctx.handle, bs, kp, int(world), int(base_slot), stride,
+                                       table.ctypes.data if bs else None, _byref(m)),
+               "mla_dcp_gather_table")
+    return table, m.value
 
 
 def dcp_plan(ctx, plan_, rank, world):
