@@ -75,12 +75,6 @@ static mla_status step_geom(mla_ctx *ctx, const char *fn, const mla_step_desc *d
   if (d->num_heads < 1 || d->num_heads > MLA_MAX_HEADS)
     return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "desc->num_heads = %d, expected 1..%d",
                     (int)d->num_heads, MLA_MAX_HEADS);
-  /* One grid row of CUDA blocks per 64 (query token, head) rows of the
-   * longest request, at most 65535 of them; the same bound on both devices. */
-  if (extend && (int64_t)d->num_tokens * d->num_heads > 65535LL * 64)
-    return mla_fail(eb, MLA_ERR_UNSUPPORTED, fn,
-                    "desc->num_tokens = %d with %d heads: an EXTEND step takes at most 4194240 (token, head) rows",
-                    (int)d->num_tokens, (int)d->num_heads);
   if (!mla_is_pow2(d->page_size) || d->page_size > 256)
     return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "desc->page_size = %d, expected a power of two 1..256",
                     (int)d->page_size);
@@ -101,13 +95,22 @@ static mla_status step_geom(mla_ctx *ctx, const char *fn, const mla_step_desc *d
     return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn,
                     "desc->dcp_world = %d, dcp_rank = %d: expected world 0 or a power of two 1..64, rank 0..world-1",
                     (int)d->dcp_world, (int)d->dcp_rank);
+  if ((int64_t)d->page_size * (d->dcp_world > 0 ? d->dcp_world : 1) > 256 * 64)
+    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "desc->page_size x dcp_world too large");
+  /* Every field is well-formed from here on: what follows is UNSUPPORTED
+   * (a valid descriptor this library does not run), so a descriptor that
+   * is both bad and unsupported reports INVALID_ARGUMENT. */
   if (d->dcp_world > 1 && d->mode != MLA_MODE_DECODE)
     return mla_fail(eb, MLA_ERR_UNSUPPORTED, fn,
                     "desc->dcp_world = %d with mode %d: context-parallel steps are DECODE (a shard's keys are "
                     "not a contiguous causal window)",
                     (int)d->dcp_world, (int)d->mode);
-  if ((int64_t)d->page_size * (d->dcp_world > 0 ? d->dcp_world : 1) > 256 * 64)
-    return mla_fail(eb, MLA_ERR_INVALID_ARGUMENT, fn, "desc->page_size x dcp_world too large");
+  /* One grid row of CUDA blocks per 64 (query token, head) rows of the
+   * longest request, at most 65535 of them; the same bound on both devices. */
+  if (extend && (int64_t)d->num_tokens * d->num_heads > 65535LL * 64)
+    return mla_fail(eb, MLA_ERR_UNSUPPORTED, fn,
+                    "desc->num_tokens = %d with %d heads: an EXTEND step takes at most 4194240 (token, head) rows",
+                    (int)d->num_tokens, (int)d->num_heads);
   memset(g, 0, sizeof *g);
   g->mode = (int32_t)d->mode;
   g->batch_size = d->batch_size;
