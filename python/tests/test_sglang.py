@@ -287,6 +287,20 @@ def _graph_pair(ctx, **kw):
     return _backend(ctx, **args), _backend(ctx, **args)
 
 
+def _twin_request(eager, graph, m, L, n):
+    """A request of n cached tokens in both twins (same id, same slots), its latent rows written
+    to every layer of both. Returns (request id, n)."""
+    a = eager.alloc_req()
+    assert graph.alloc_req() == a
+    loc = eager.extend_req(a, n)
+    np.testing.assert_array_equal(graph.extend_req(a, n), loc)
+    for lid in range(L):
+        kv = m.latent(lid, loc)
+        eager.set_kv_buffer(Layer(lid), loc, kv)
+        graph.set_kv_buffer(Layer(lid), loc, kv)
+    return a, n
+
+
 def test_cuda_graph_lifecycle_matches_eager_decode_loop(ctx, rng):
     """sglang's CUDA-graph lifecycle on the CPU (graph steps run eagerly from the fixed host
     inputs): capture per bucket, then a decode loop with requests joining and leaving, padded
@@ -340,15 +354,7 @@ def test_cuda_graph_lifecycle_matches_eager_decode_loop(ctx, rng):
     steps = verifies = mismatches = 0
     for step in range(24):
         while len(order) < 3 or (len(order) < 6 and rng.uniform() < 0.3):
-            a, b = eager.alloc_req(), graph.alloc_req()
-            assert a == b
-            n = int(rng.integers(1, 120))
-            loc = eager.extend_req(a, n)
-            np.testing.assert_array_equal(graph.extend_req(b, n), loc)
-            for lid in range(L):
-                kv = m.latent(lid, loc)
-                eager.set_kv_buffer(Layer(lid), loc, kv)
-                graph.set_kv_buffer(Layer(lid), loc, kv)
+            a, n = _twin_request(eager, graph, m, L, int(rng.integers(1, 120)))
             live[a] = n
             order.append(a)
         if len(order) > 3 and rng.uniform() < 0.3:
@@ -519,15 +525,7 @@ def test_cuda_graph_extend_buckets_match_eager(ctx, rng):
     # requests with cached prompts, in both twins
     live = {}
     for _ in range(5):
-        a = eager.alloc_req()
-        assert graph.alloc_req() == a
-        n = int(rng.integers(1, 90))
-        loc = eager.extend_req(a, n)
-        np.testing.assert_array_equal(graph.extend_req(a, n), loc)
-        for lid in range(L):
-            kv = m.latent(lid, loc)
-            eager.set_kv_buffer(Layer(lid), loc, kv)
-            graph.set_kv_buffer(Layer(lid), loc, kv)
+        a, n = _twin_request(eager, graph, m, L, int(rng.integers(1, 90)))
         live[a] = n
     rounds = 0
     for rnd in range(8):
