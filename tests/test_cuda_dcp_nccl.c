@@ -574,6 +574,22 @@ static void check_vs_oracle(const char *name, const dcp_job *j, const uint16_t *
   free(gl);
 }
 
+/* Host buffers for every rank's output (bf16 o of no bytes, lse of nl
+ * bytes) and the single-GPU reference's, all poisoned (0xFF: NaN). */
+static void poisoned_outputs(int W, size_t no, size_t nl, uint16_t **got_o, float **got_l, uint16_t **single_o,
+                             float **single_l) {
+  for (int r = 0; r < W; r++) {
+    got_o[r] = malloc(no);
+    got_l[r] = malloc(nl);
+    tu_poison(got_o[r], no);
+    tu_poison(got_l[r], nl);
+  }
+  *single_o = malloc(no);
+  *single_l = malloc(nl);
+  tu_poison(*single_o, no);
+  tu_poison(*single_l, nl);
+}
+
 static void dcp_case(int Pg, int H) {
   const int W = 2;
   char name[64];
@@ -664,16 +680,7 @@ static void dcp_case(int Pg, int H) {
     j.seq[i] = rows[i] == MLA_REQ_PAD ? 1 : lens[rows[i]];
   }
   const size_t no = 2 * (size_t)BS * H * MLA_LATENT, nl = sizeof(float) * (size_t)BS * H;
-  for (int r = 0; r < W; r++) {
-    j.got_o[r] = malloc(no);
-    j.got_l[r] = malloc(nl);
-    tu_poison(j.got_o[r], no);
-    tu_poison(j.got_l[r], nl);
-  }
-  j.single_o = malloc(no);
-  j.single_l = malloc(nl);
-  tu_poison(j.single_o, no);
-  tu_poison(j.single_l, nl);
+  poisoned_outputs(W, no, nl, j.got_o, j.got_l, &j.single_o, &j.single_l);
 
   run_ranks(W, dcp_body, &j);
 
@@ -964,16 +971,7 @@ static void ext_case(int W, int Pg, int H, mla_dtype dt) {
   free(tmp);
   j.rb = dt == MLA_DTYPE_BF16 || dt == MLA_DTYPE_F16 ? 1152 : dt == MLA_DTYPE_FP8_E4M3 ? 576 : 656;
   const size_t no = 2 * (size_t)j.tq * H * MLA_LATENT, nl = sizeof(float) * (size_t)j.tq * H;
-  for (int r = 0; r < W; r++) {
-    j.got_o[r] = malloc(no);
-    j.got_l[r] = malloc(nl);
-    tu_poison(j.got_o[r], no);
-    tu_poison(j.got_l[r], nl);
-  }
-  j.single_o = malloc(no);
-  j.single_l = malloc(nl);
-  tu_poison(j.single_o, no);
-  tu_poison(j.single_l, nl);
+  poisoned_outputs(W, no, nl, j.got_o, j.got_l, &j.single_o, &j.single_l);
   j.gath_rows = malloc(j.rb * (size_t)(1 + W * j.m));
   j.whole_rows = malloc(j.rb * (size_t)j.pages * Pg);
   tu_poison(j.gath_rows, j.rb * (size_t)(1 + W * j.m));

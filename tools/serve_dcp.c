@@ -372,6 +372,21 @@ static int fit_workspace(rank *k, const mla_step_desc *sd, void **ws, size_t *by
   return 0;
 }
 
+/* This rank's DECODE step over its shard (prepare and every layer). */
+static mla_step_desc decode_desc(const rank *k) {
+  const sdcp *d = k->d;
+  mla_step_desc sd;
+  memset(&sd, 0, sizeof sd);
+  sd.mode = MLA_MODE_DECODE;
+  sd.batch_size = d->bs;
+  sd.max_kv_len = d->desc.max_ctx;
+  sd.num_heads = d->desc.heads;
+  sd.page_size = d->desc.page_size;
+  sd.dcp_world = d->N;
+  sd.dcp_rank = k->id;
+  return sd;
+}
+
 /* The batch's step metadata, once per batch (first layer). */
 static int prepare(rank *k) {
   sdcp *d = k->d;
@@ -381,15 +396,7 @@ static int prepare(rank *k) {
     R_MEM(k, !r_put(k, k->r2t, d->r2t, (size_t)s->max_reqs * s->max_ctx * i4) && !r_put(k, k->ids, d->ids, bs * i4) &&
                  !r_put(k, k->seq, d->kv, bs * i4),
           "decode inputs");
-    mla_step_desc sd;
-    memset(&sd, 0, sizeof sd);
-    sd.mode = MLA_MODE_DECODE;
-    sd.batch_size = d->bs;
-    sd.max_kv_len = s->max_ctx;
-    sd.num_heads = s->heads;
-    sd.page_size = s->page_size;
-    sd.dcp_world = d->N;
-    sd.dcp_rank = k->id;
+    const mla_step_desc sd = decode_desc(k);
     mla_step_inputs in = {k->r2t, s->max_ctx, s->max_reqs, k->ids, k->seq, NULL};
     if (fit_workspace(k, &sd, &k->wsd, &k->wsdb)) return -1;
     R_MLA(k, mla_step_prepare(k->ctx, &sd, k->shard, &in, k->wsd, k->wsdb));
@@ -443,15 +450,7 @@ static int layer_local(rank *k, const job *j) {
   a.lse = k->lse;
   if (d->kind == SDCP_DECODE) {
     R_MEM(k, !r_put(k, k->q, j->q, n * MLA_LATENT * es) && !r_put(k, k->qr, j->qr, n * MLA_ROPE * es), "q upload");
-    mla_step_desc sd;
-    memset(&sd, 0, sizeof sd);
-    sd.mode = MLA_MODE_DECODE;
-    sd.batch_size = d->bs;
-    sd.max_kv_len = s->max_ctx;
-    sd.num_heads = s->heads;
-    sd.page_size = s->page_size;
-    sd.dcp_world = d->N;
-    sd.dcp_rank = k->id;
+    const mla_step_desc sd = decode_desc(k);
     R_MLA(k, mla_step_attention(k->ctx, &sd, k->shard, j->layer, &a, k->wsd, k->wsdb));
   } else if (d->kind == SDCP_PREFILL && k->id == 0) { /* ragged MHA over the new tokens, q | k | v in one buffer */
     R_MEM(k, !r_put(k, k->q, j->q, n * (2 * (size_t)s->qk_dim + (size_t)s->v_dim) * es), "q|k|v upload");
