@@ -590,6 +590,45 @@ static void poisoned_outputs(int W, size_t no, size_t nl, uint16_t **got_o, floa
   tu_poison(*single_l, nl);
 }
 
+/* A global request table (page Pg, `pages` pages) on the CPU context with
+ * n requests of lens[i] positions, pages handed out interleaved (steps of
+ * 1 .. cap_pages pages) after `dummies` requests of 1, 2, ... pages were
+ * freed in a shuffled order, so each request's pages are scattered.
+ * Returns req_to_token's rows in request order, [n, MAX_CTX] (malloc), or
+ * NULL. */
+static int32_t *scattered_r2t(mla_ctx *cpu, int n, const int32_t *lens, int Pg, int pages, int dummies,
+                              int cap_pages) {
+  mla_req_table_desc rd = {n + (dummies > 2 ? dummies : 2), MAX_CTX, pages, Pg};
+  mla_req_table *rt = NULL;
+  TU_STATUS(mla_req_table_create(cpu, &rd, NULL, &rt), MLA_OK);
+  if (!rt) return NULL;
+  int32_t dummy[8], rid[16], have[16] = {0};
+  for (int k = 0; k < dummies; k++) {
+    TU_STATUS(mla_req_add(rt, &dummy[k]), MLA_OK);
+    TU_STATUS(mla_req_extend(rt, dummy[k], Pg * (k + 1), NULL), MLA_OK);
+  }
+  if (dummies) tu_shuffle_i32(&rng, dummy, dummies);
+  for (int k = 0; k < dummies; k++) TU_STATUS(mla_req_free(rt, dummy[k]), MLA_OK);
+  for (int i = 0; i < n; i++) TU_STATUS(mla_req_add(rt, &rid[i]), MLA_OK);
+  for (int left = 1; left;) {
+    left = 0;
+    for (int i = 0; i < n; i++) {
+      const int m = lens[i] - have[i];
+      if (m <= 0) continue;
+      const int step = tu_randint(&rng, 1, m < cap_pages * Pg ? m : cap_pages * Pg);
+      TU_STATUS(mla_req_extend(rt, rid[i], step, NULL), MLA_OK);
+      have[i] += step;
+      left |= have[i] < lens[i];
+    }
+  }
+  const int32_t *r2t = NULL;
+  mla_req_table_data(rt, &r2t);
+  int32_t *out = malloc(sizeof(int32_t) * (size_t)n * MAX_CTX);
+  for (int i = 0; i < n; i++) memcpy(out + (size_t)i * MAX_CTX, r2t + (size_t)rid[i] * MAX_CTX, sizeof(int32_t) * MAX_CTX);
+  mla_req_table_destroy(rt);
+  return out;
+}
+
 static void dcp_case(int Pg, int H) {
   const int W = 2;
   char name[64];
@@ -608,39 +647,9 @@ static void dcp_case(int Pg, int H) {
   j.pages = 8;
   for (int i = 0; i < NREQ; i++) j.pages += (lens[i] + Pg - 1) / Pg + 1;
   j.pages += 4 * (1 + 2 + 3 + 4);
-  mla_req_table_desc rd = {NREQ + 4, MAX_CTX, j.pages, Pg};
-  mla_req_table *rt = NULL;
-  TU_STATUS(mla_req_table_create(cpu, &rd, NULL, &rt), MLA_OK);
-  if (!rt) {
-    mla_ctx_destroy(cpu);
-    return;
-  }
-  int32_t dummy[4], rid[NREQ];
-  for (int k = 0; k < 4; k++) {
-    TU_STATUS(mla_req_add(rt, &dummy[k]), MLA_OK);
-    TU_STATUS(mla_req_extend(rt, dummy[k], Pg * (k + 1), NULL), MLA_OK);
-  }
-  tu_shuffle_i32(&rng, dummy, 4);
-  for (int k = 0; k < 4; k++) TU_STATUS(mla_req_free(rt, dummy[k]), MLA_OK);
-  for (int i = 0; i < NREQ; i++) TU_STATUS(mla_req_add(rt, &rid[i]), MLA_OK);
-  int have[NREQ] = {0}, left = 1;
-  while (left) {
-    left = 0;
-    for (int i = 0; i < NREQ; i++) {
-      const int n = lens[i] - have[i];
-      if (n <= 0) continue;
-      const int step = tu_randint(&rng, 1, n < 3 * Pg ? n : 3 * Pg);
-      TU_STATUS(mla_req_extend(rt, rid[i], step, NULL), MLA_OK);
-      have[i] += step;
-      left |= have[i] < lens[i];
-    }
-  }
-  const int32_t *r2t = NULL;
-  mla_req_table_data(rt, &r2t);
-  j.r2t = malloc(sizeof(int32_t) * NREQ * MAX_CTX);
-  for (int i = 0; i < NREQ; i++) memcpy(j.r2t + (size_t)i * MAX_CTX, r2t + (size_t)rid[i] * MAX_CTX, sizeof(int32_t) * MAX_CTX);
-  mla_req_table_destroy(rt);
+  j.r2t = scattered_r2t(cpu, NREQ, lens, Pg, j.pages, 4, 3);
   mla_ctx_destroy(cpu);
+  if (!j.r2t) return;
   /* the rows: request i's keys at offset key0[i] */
   int key0[NREQ + 1];
   j.tk = 0;
@@ -902,39 +911,18 @@ static void ext_case(int W, int Pg, int H, mla_dtype dt) {
   TU_STATUS(mla_ctx_create(&cd, &cpu), MLA_OK);
   j.pages = 8;
   for (int i = 0; i < EREQ; i++) j.pages += (prefix[i] + extl[i] + Pg - 1) / Pg + 1;
-  mla_req_table_desc rd = {EREQ + 2, MAX_CTX, j.pages, Pg};
-  mla_req_table *rt = NULL;
-  TU_STATUS(mla_req_table_create(cpu, &rd, NULL, &rt), MLA_OK);
-  if (!rt) {
-    mla_ctx_destroy(cpu);
-    return;
-  }
-  /* pages interleaved between requests: each request's pages are scattered */
-  int32_t rid[EREQ], have[EREQ] = {0};
   for (int i = 0; i < EREQ; i++) {
-    TU_STATUS(mla_req_add(rt, &rid[i]), MLA_OK);
     j.seq[i] = prefix[i] + extl[i];
     j.ext[i] = extl[i];
     j.ids[i] = i;
     j.tq += extl[i];
     j.tk += j.seq[i];
   }
-  for (int left = 1; left;) {
-    left = 0;
-    for (int i = 0; i < EREQ; i++) {
-      const int n = j.seq[i] - have[i];
-      if (n <= 0) continue;
-      const int step = tu_randint(&rng, 1, n < 2 * Pg ? n : 2 * Pg);
-      TU_STATUS(mla_req_extend(rt, rid[i], step, NULL), MLA_OK);
-      have[i] += step;
-      left |= have[i] < j.seq[i];
-    }
+  j.r2t = scattered_r2t(cpu, EREQ, j.seq, Pg, j.pages, 0, 2);
+  if (!j.r2t) {
+    mla_ctx_destroy(cpu);
+    return;
   }
-  const int32_t *r2t = NULL;
-  mla_req_table_data(rt, &r2t);
-  j.r2t = malloc(sizeof(int32_t) * EREQ * MAX_CTX);
-  for (int i = 0; i < EREQ; i++) memcpy(j.r2t + (size_t)i * MAX_CTX, r2t + (size_t)rid[i] * MAX_CTX, sizeof(int32_t) * MAX_CTX);
-  mla_req_table_destroy(rt);
   /* the rows, the global kv indices, each rank's plan and the gathered table */
   int32_t kv_indptr[EREQ + 1] = {0};
   for (int i = 0; i < EREQ; i++) kv_indptr[i + 1] = kv_indptr[i] + j.seq[i];

@@ -36,6 +36,27 @@ static mla_absorbed_args args_of(const sw_world *w, run_out *ro) {
   return a;
 }
 
+/* The step's attention into a and the host plan's (w->plan) into b; with
+ * ob / lb > 0, a and b are first allocated and poisoned (0xFF). */
+static void step_and_plan(sw_world *w, const mla_step_desc *d, void *ws, size_t wsb, size_t ob, size_t lb,
+                          run_out *a, run_out *b) {
+  if (ob) {
+    *a = (run_out){malloc(ob), malloc(lb)};
+    *b = (run_out){malloc(ob), malloc(lb)};
+    tu_poison(a->o, ob);
+    tu_poison(a->lse, lb);
+    tu_poison(b->o, ob);
+    tu_poison(b->lse, lb);
+  }
+  mla_absorbed_args aa = args_of(w, a), ab = args_of(w, b);
+  TU_STATUS(mla_step_attention(cpu, d, w->cache, 0, &aa, ws, wsb), MLA_OK);
+  size_t pwb = 0;
+  TU_STATUS(mla_attention_absorbed_workspace_size(cpu, &w->plan, w->H, &pwb), MLA_OK);
+  void *pw = malloc(pwb);
+  TU_STATUS(mla_attention_absorbed(cpu, w->cache, 0, &w->plan, &ab, pw, pwb), MLA_OK);
+  free(pw);
+}
+
 static void one_case(mla_mode mode, int ndt, int P, int H) {
   char name[96];
   snprintf(name, sizeof name, "mode=%d ndt=%d P=%d H=%d", (int)mode, ndt, P, H);
@@ -67,17 +88,8 @@ static void one_case(mla_mode mode, int ndt, int P, int H) {
 
     /* attention: step vs host plan, bit for bit */
     const size_t ob = 2 * (size_t)w.Tq * H * MLA_LATENT, lb = sizeof(float) * (size_t)w.Tq * H;
-    run_out a = {malloc(ob), malloc(lb)}, b = {malloc(ob), malloc(lb)};
-    tu_poison(a.o, ob);
-    tu_poison(a.lse, lb);
-    tu_poison(b.o, ob);
-    tu_poison(b.lse, lb);
-    mla_absorbed_args aa = args_of(&w, &a), ab = args_of(&w, &b);
-    TU_STATUS(mla_step_attention(cpu, &d, w.cache, 0, &aa, ws, wsb), MLA_OK);
-    size_t pwb = 0;
-    TU_STATUS(mla_attention_absorbed_workspace_size(cpu, &w.plan, H, &pwb), MLA_OK);
-    void *pw = malloc(pwb);
-    TU_STATUS(mla_attention_absorbed(cpu, w.cache, 0, &w.plan, &ab, pw, pwb), MLA_OK);
+    run_out a, b;
+    step_and_plan(&w, &d, ws, wsb, ob, lb, &a, &b);
     TU_CHECK(memcmp(a.o, b.o, ob) == 0 && memcmp(a.lse, b.lse, lb) == 0,
              "%s round %d: step attention differs from the host-plan attention", name, round);
     /* live rows are real results (not poison) */
@@ -131,7 +143,6 @@ static void one_case(mla_mode mode, int ndt, int P, int H) {
     free(a.lse);
     free(b.o);
     free(b.lse);
-    free(pw);
     free(ws);
   }
   sw_free(&w);
@@ -233,17 +244,8 @@ static void extend_case(int P, int H, int small) {
   tu_to_dtype(MLA_DTYPE_BF16, tmp, w.qr, nq * MLA_ROPE);
   free(tmp);
   const size_t ob = 2 * (size_t)nq * MLA_LATENT, lb = sizeof(float) * (size_t)nq;
-  run_out ra = {malloc(ob), malloc(lb)}, rb = {malloc(ob), malloc(lb)};
-  tu_poison(ra.o, ob);
-  tu_poison(ra.lse, lb);
-  tu_poison(rb.o, ob);
-  tu_poison(rb.lse, lb);
-  mla_absorbed_args aa = args_of(&w, &ra), ab = args_of(&w, &rb);
-  TU_STATUS(mla_step_attention(cpu, &d, w.cache, 0, &aa, ws, wsb), MLA_OK);
-  size_t pwb = 0;
-  TU_STATUS(mla_attention_absorbed_workspace_size(cpu, &w.plan, H, &pwb), MLA_OK);
-  void *pw = malloc(pwb);
-  TU_STATUS(mla_attention_absorbed(cpu, w.cache, 0, &w.plan, &ab, pw, pwb), MLA_OK);
+  run_out ra, rb;
+  step_and_plan(&w, &d, ws, wsb, ob, lb, &ra, &rb);
   const size_t used = 2 * (size_t)total * H * MLA_LATENT;
   TU_CHECK(memcmp(ra.o, rb.o, used) == 0 && memcmp(ra.lse, rb.lse, sizeof(float) * (size_t)total * H) == 0,
            "%s: step attention differs from the host-plan attention", name);
@@ -291,7 +293,7 @@ static void extend_case(int P, int H, int small) {
   dd.mode = MLA_MODE_DECODE;
   TU_STATUS(mla_step_workspace_size(cpu, &dd, &n), MLA_ERR_INVALID_ARGUMENT); /* num_tokens outside EXTEND */
   free(copy);
-  free(ra.o), free(ra.lse), free(rb.o), free(rb.lse), free(pw), free(ws);
+  free(ra.o), free(ra.lse), free(rb.o), free(rb.lse), free(ws);
   sw_free(&w);
 }
 
@@ -340,14 +342,8 @@ static void draft_case(int P, int H, int num_steps) {
     TU_STATUS(mla_step_get_metadata(cpu, &d, ws, wsb, &m), MLA_OK);
     const int bad = sw_compare_meta(&w, &m, m.qo_indptr, m.kv_lens, m.block_table, m.sched_meta, m.num_splits);
     TU_CHECK(bad == 0, "%s: step %d: %d metadata fields differ from the DECODE plan", name, k, bad);
-    mla_absorbed_args aa = args_of(&w, &a), ab = args_of(&w, &b);
-    TU_STATUS(mla_step_attention(cpu, &d, w.cache, 0, &aa, ws, wsb), MLA_OK);
-    size_t pwb = 0;
-    TU_STATUS(mla_attention_absorbed_workspace_size(cpu, &w.plan, H, &pwb), MLA_OK);
-    void *pw = malloc(pwb);
-    TU_STATUS(mla_attention_absorbed(cpu, w.cache, 0, &w.plan, &ab, pw, pwb), MLA_OK);
+    step_and_plan(&w, &d, ws, wsb, 0, 0, &a, &b);
     TU_CHECK(memcmp(a.o, b.o, ob) == 0, "%s: step %d attention differs from the plan path", name, k);
-    free(pw);
     free(pws);
   }
   /* refusals specific to draft steps */

@@ -387,6 +387,35 @@ static mla_step_desc decode_desc(const rank *k) {
   return sd;
 }
 
+/* Rank 0's EXTEND step over the pooled rows (page 1, the batch's token count). */
+static mla_step_desc extend_desc(const rank *k) {
+  const sdcp *d = k->d;
+  mla_step_desc sd;
+  memset(&sd, 0, sizeof sd);
+  sd.mode = MLA_MODE_EXTEND;
+  sd.batch_size = d->bs;
+  sd.max_kv_len = d->desc.max_ctx;
+  sd.num_heads = d->desc.heads;
+  sd.page_size = 1;
+  sd.num_tokens = d->T0;
+  return sd;
+}
+
+/* The absorbed attention's arguments over this rank's q / out buffers. */
+static mla_absorbed_args rank_args(const rank *k) {
+  const sdcp_desc *s = &k->d->desc;
+  mla_absorbed_args a;
+  memset(&a, 0, sizeof a);
+  a.num_heads = s->heads;
+  a.scale = s->scale;
+  a.act_dtype = s->act;
+  a.q_nope = k->q;
+  a.q_rope = k->qr;
+  a.out = k->o;
+  a.lse = k->lse;
+  return a;
+}
+
 /* The batch's step metadata, once per batch (first layer). */
 static int prepare(rank *k) {
   sdcp *d = k->d;
@@ -406,14 +435,7 @@ static int prepare(rank *k) {
       R_MEM(k, !r_put(k, k->table, d->table, bs * s->max_ctx * i4) && !r_put(k, k->ids, d->iota, bs * i4) &&
                    !r_put(k, k->seq, d->kv, bs * i4) && !r_put(k, k->ext, d->ext, bs * i4),
             "extend inputs");
-      mla_step_desc sd;
-      memset(&sd, 0, sizeof sd);
-      sd.mode = MLA_MODE_EXTEND;
-      sd.batch_size = d->bs;
-      sd.max_kv_len = s->max_ctx;
-      sd.num_heads = s->heads;
-      sd.page_size = 1;
-      sd.num_tokens = d->T0;
+      const mla_step_desc sd = extend_desc(k);
       mla_step_inputs in = {k->table, s->max_ctx, d->bs, k->ids, k->seq, k->ext};
       if (fit_workspace(k, &sd, &k->wse, &k->wseb)) return -1;
       R_MLA(k, mla_step_prepare(k->ctx, &sd, k->gath, &in, k->wse, k->wseb));
@@ -439,16 +461,8 @@ static int layer_local(rank *k, const job *j) {
         "row upload");
   R_MLA(k, mla_kv_cache_write_shard(k->shard, j->layer, j->T, k->slots, k->c, k->r, s->act, d->N, k->id));
   if (!d->prepared && prepare(k)) return -1;
-  mla_absorbed_args a;
-  memset(&a, 0, sizeof a);
-  a.num_heads = s->heads;
-  a.scale = s->scale;
-  a.act_dtype = s->act;
-  a.q_nope = k->q;
-  a.q_rope = k->qr;
-  a.out = k->o;
-  a.lse = k->lse;
   if (d->kind == SDCP_DECODE) {
+    const mla_absorbed_args a = rank_args(k);
     R_MEM(k, !r_put(k, k->q, j->q, n * MLA_LATENT * es) && !r_put(k, k->qr, j->qr, n * MLA_ROPE * es), "q upload");
     const mla_step_desc sd = decode_desc(k);
     R_MLA(k, mla_step_attention(k->ctx, &sd, k->shard, j->layer, &a, k->wsd, k->wsdb));
@@ -495,24 +509,9 @@ static int do_layer(rank *k, const job *j) {
   } else {
     if (exchange_gather(k, j->layer)) return -1;
     if (k->id == 0) {
-      mla_absorbed_args a;
-      memset(&a, 0, sizeof a);
-      a.num_heads = s->heads;
-      a.scale = s->scale;
-      a.act_dtype = s->act;
-      a.q_nope = k->q;
-      a.q_rope = k->qr;
-      a.out = k->o;
-      a.lse = k->lse;
+      const mla_absorbed_args a = rank_args(k);
       R_MEM(k, !r_put(k, k->q, j->q, n * MLA_LATENT * es) && !r_put(k, k->qr, j->qr, n * MLA_ROPE * es), "q upload");
-      mla_step_desc sd;
-      memset(&sd, 0, sizeof sd);
-      sd.mode = MLA_MODE_EXTEND;
-      sd.batch_size = d->bs;
-      sd.max_kv_len = s->max_ctx;
-      sd.num_heads = s->heads;
-      sd.page_size = 1;
-      sd.num_tokens = d->T0;
+      const mla_step_desc sd = extend_desc(k);
       R_MLA(k, mla_step_attention(k->ctx, &sd, k->gath, 0, &a, k->wse, k->wseb));
       R_MEM(k, !r_get(k, j->out, k->o, n * MLA_LATENT * es) && !r_get(k, j->lse, k->lse, n * sizeof(float)),
             "output download");

@@ -236,6 +236,19 @@ static void build_qt(const ab_job *J, const piece *pc, float *stage, float *QT /
 /* next: the piece this worker runs after this one (NULL: unknown), whose
  * first tile is prefetched during this piece's last tile; prefetched: this
  * piece's first tile was prefetched that way. */
+/* o [512] = acc [512] * inv, in the natural column order (acc is in the
+ * tile's pair-split order when split). */
+static void finish_row(int split, const float *acc, float inv, float *o) {
+  if (split)
+    for (int g = 0; g < MLA_LATENT; g += 32)
+      for (int i = 0; i < 16; i++) {
+        o[g + 2 * i] = acc[g + i] * inv;
+        o[g + 2 * i + 1] = acc[g + 16 + i] * inv;
+      }
+  else
+    for (int c = 0; c < MLA_LATENT; c++) o[c] = acc[c] * inv;
+}
+
 static void run_piece(const ab_job *J, const piece *pc, int worker, const piece *next,
                       int prefetched) {
   const mla_plan *P = J->plan;
@@ -375,15 +388,7 @@ static void run_piece(const ab_job *J, const piece *pc, int worker, const piece 
       memset(o, 0, MLA_LATENT * sizeof(float));
       lse2 = -INFINITY;
     } else {
-      const float inv = 1.0f / l[r];
-      if (J->split) /* back to the natural column order */
-        for (int g = 0; g < MLA_LATENT; g += 32)
-          for (int i = 0; i < 16; i++) {
-            o[g + 2 * i] = ar[g + i] * inv;
-            o[g + 2 * i + 1] = ar[g + 16 + i] * inv;
-          }
-      else
-        for (int e = 0; e < MLA_LATENT; e++) o[e] = ar[e] * inv;
+      finish_row(J->split, ar, 1.0f / l[r], o);
       lse2 = (double)m[r] + log2((double)l[r]);
     }
     write_row(J, tq0 + pc->q0 + r / pc->nh, pc->h0 + r % pc->nh, o, lse2);
@@ -499,15 +504,7 @@ static void merge_range(void *arg, int64_t b, int64_t e, int worker) {
       }
       memset(acc, 0, sizeof acc);
       J->k->pv(np, 1, w, 1, part, (int)pst, MLA_LATENT, NULL, acc, MLA_LATENT, NULL);
-      const float inv = (float)(1.0 / den);
-      if (J->split) /* back to the natural column order */
-        for (int g = 0; g < MLA_LATENT; g += 32)
-          for (int i = 0; i < 16; i++) {
-            o[g + 2 * i] = acc[g + i] * inv;
-            o[g + 2 * i + 1] = acc[g + 16 + i] * inv;
-          }
-      else
-        for (int c = 0; c < MLA_LATENT; c++) o[c] = acc[c] * inv;
+      finish_row(J->split, acc, (float)(1.0 / den), o);
       lse2 = (double)mx + log2(den);
     }
     write_row(J, J->plan->qo_indptr[pc->req] + pc->q0 + r / pc->nh, pc->h0 + r % pc->nh, o,

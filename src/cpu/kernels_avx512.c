@@ -21,6 +21,19 @@
 #define TGT __attribute__((target("avx512f")))
 #define INL static inline __attribute__((always_inline)) TGT
 
+/* 64 bf16 columns of a row to fp32 in pair-split order (cpu.h): per 32
+ * columns the even ones (low halves shifted up) then the odd ones (high
+ * halves masked). */
+INL void conv_row64(const uint16_t *src /* [64] */, float *d /* [64] */) {
+  const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+  const __m512i x0 = _mm512_loadu_si512((const void *)src);
+  const __m512i x1 = _mm512_loadu_si512((const void *)(src + 32));
+  _mm512_storeu_ps(d, _mm512_castsi512_ps(_mm512_slli_epi32(x0, 16)));
+  _mm512_storeu_ps(d + 16, _mm512_castsi512_ps(_mm512_and_si512(x0, hi)));
+  _mm512_storeu_ps(d + 32, _mm512_castsi512_ps(_mm512_slli_epi32(x1, 16)));
+  _mm512_storeu_ps(d + 48, _mm512_castsi512_ps(_mm512_and_si512(x1, hi)));
+}
+
 /* One step of a pipelined conversion (cpu.h), the general form working
  * on *cv: a line of the rows to prefetch, and the next row's 64 columns. */
 INL void conv_step_mem(mla_cpu_conv *cv) {
@@ -45,13 +58,7 @@ INL void conv_step_mem(mla_cpu_conv *cv) {
     const uint16_t *src =
         (const uint16_t *)(cv->base + (size_t)cv->slots[i] * cv->row_bytes) + cv->c0;
     float *d = cv->dst + (size_t)i * 64;
-    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
-    const __m512i x0 = _mm512_loadu_si512((const void *)src);
-    const __m512i x1 = _mm512_loadu_si512((const void *)(src + 32));
-    _mm512_storeu_ps(d, _mm512_castsi512_ps(_mm512_slli_epi32(x0, 16)));
-    _mm512_storeu_ps(d + 16, _mm512_castsi512_ps(_mm512_and_si512(x0, hi)));
-    _mm512_storeu_ps(d + 32, _mm512_castsi512_ps(_mm512_slli_epi32(x1, 16)));
-    _mm512_storeu_ps(d + 48, _mm512_castsi512_ps(_mm512_and_si512(x1, hi)));
+    conv_row64(src, d);
   }
 }
 
@@ -123,13 +130,7 @@ INL void conv_step_fast(conv_fast *s) {
     const uint16_t *src = (const uint16_t *)(*s->rp++ + s->c0b);
     float *d = s->d;
     s->d += 64;
-    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
-    const __m512i x0 = _mm512_loadu_si512((const void *)src);
-    const __m512i x1 = _mm512_loadu_si512((const void *)(src + 32));
-    _mm512_storeu_ps(d, _mm512_castsi512_ps(_mm512_slli_epi32(x0, 16)));
-    _mm512_storeu_ps(d + 16, _mm512_castsi512_ps(_mm512_and_si512(x0, hi)));
-    _mm512_storeu_ps(d + 32, _mm512_castsi512_ps(_mm512_slli_epi32(x1, 16)));
-    _mm512_storeu_ps(d + 48, _mm512_castsi512_ps(_mm512_and_si512(x1, hi)));
+    conv_row64(src, d);
   }
 }
 
