@@ -7,8 +7,11 @@
  * With the absorbed impl, EXTEND over the prefix runs the paged absorbed
  * prefill instead, and both flows end with a varlen DRAFT_EXTEND (host plans
  * on the GPU). Outputs agree within bf16 tolerance (per element |gpu - cpu|
- * <= 0.02 + 0.02 |cpu|, cosine distance < 1e-4) and LSEs within 2e-3. Skips
- * without CUDA or a GPU. */
+ * <= 0.02 + 0.02 |cpu|, cosine distance < 1e-4) and LSEs within 2e-3. Every
+ * absorbed step's last layer is also captured in a CUDA graph on the GPU
+ * backend: the capture holds kernel nodes only (the host plans are uploaded
+ * once by mla_backend_plan, not per layer) and its replay writes what the
+ * eager call wrote, bit for bit. Skips without CUDA or a GPU. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -68,6 +71,68 @@ static void rand_bf16(uint16_t *dst, int64_t n, double sigma) {
   free(f);
 }
 
+/* Kernel nodes and other nodes (memcpy, memset, host...) of a captured graph. */
+static void count_graph_nodes(cudaGraph_t graph, int *kernels, int *others) {
+  size_t n = 0;
+  CK(cudaGraphGetNodes(graph, NULL, &n));
+  cudaGraphNode_t *nodes = malloc(sizeof(cudaGraphNode_t) * (n ? n : 1));
+  CK(cudaGraphGetNodes(graph, nodes, &n));
+  *kernels = *others = 0;
+  for (size_t i = 0; i < n; i++) {
+    enum cudaGraphNodeType t;
+    CK(cudaGraphNodeGetType(nodes[i], &t));
+    if (t == cudaGraphNodeTypeKernel) ++*kernels;
+    else ++*others;
+  }
+  free(nodes);
+}
+
+/* The GPU backend's forward of a (already written) layer again, captured on
+ * a non-blocking stream with no new rows: kernels only, and the replay
+ * equals the eager output oe [no] / lse le [nl] bit for bit. */
+static void capture_forward(pair *p, mla_forward_args a, const uint16_t *oe, int64_t no, const float *le, int64_t nl,
+                            const char *what) {
+  CK(cudaDeviceSynchronize());
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  TU_STATUS(mla_ctx_set_stream(p->gc, s), MLA_OK);
+  a.num_new = 0;
+  a.new_slots = NULL;
+  a.new_c = a.new_r = NULL;
+  cudaGraph_t graph = NULL;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  const mla_status st = mla_backend_forward(p->gb, &a);
+  const cudaError_t ce = cudaStreamEndCapture(s, &graph);
+  TU_CHECK(st == MLA_OK && ce == cudaSuccess, "%s: forward under stream capture: %s (%s)", what,
+           cudaGetErrorString(ce), st == MLA_OK ? "ok" : mla_backend_last_error(p->gb));
+  if (st == MLA_OK && ce == cudaSuccess) {
+    int kernels = 0, others = 0;
+    count_graph_nodes(graph, &kernels, &others);
+    TU_CHECK(kernels >= 1 && others == 0, "%s: captured forward has %d kernel and %d other nodes (want kernels only)",
+             what, kernels, others);
+    cudaGraphExec_t exec;
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    CK(cudaMemset(a.out, 0xFF, 2 * (size_t)no));
+    CK(cudaMemset(a.lse, 0xFF, sizeof(float) * (size_t)nl));
+    CK(cudaDeviceSynchronize());
+    CK(cudaGraphLaunch(exec, s));
+    CK(cudaStreamSynchronize(s));
+    uint16_t *og = malloc(2 * (size_t)no);
+    float *lg = malloc(sizeof(float) * (size_t)nl);
+    CK(cudaMemcpy(og, a.out, 2 * (size_t)no, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(lg, a.lse, sizeof(float) * (size_t)nl, cudaMemcpyDeviceToHost));
+    TU_CHECK(memcmp(og, oe, 2 * (size_t)no) == 0 && memcmp(lg, le, sizeof(float) * (size_t)nl) == 0,
+             "%s: graph replay differs from the eager forward", what);
+    free(og);
+    free(lg);
+    CK(cudaGraphExecDestroy(exec));
+  }
+  if (graph) CK(cudaGraphDestroy(graph));
+  cudaGetLastError(); /* a failed capture leaves its error behind */
+  TU_STATUS(mla_ctx_set_stream(p->gc, NULL), MLA_OK);
+  CK(cudaStreamDestroy(s));
+}
+
 /* One forward step on both backends with the same host inputs; compares the
  * last layer's outputs. mha: q/k/v inputs, else q_nope/q_rope. */
 static void step_both(pair *p, const mla_batch *b, int T, int num_new, const int32_t *slots, int mha,
@@ -91,6 +156,8 @@ static void step_both(pair *p, const mla_batch *b, int T, int num_new, const int
   if (num_new) CK(cudaMemcpy(ds, slots, 4 * (size_t)num_new, cudaMemcpyHostToDevice));
   double dot = 0, n1 = 0, n2 = 0, worst = 0, lworst = 0;
   int far = 0;
+  mla_forward_args last; /* the GPU call of the last layer */
+  memset(&last, 0, sizeof last);
   for (int layer = 0; layer < LAYERS; layer++) {
     rand_bf16(q, nq, 1.0);
     rand_bf16(qr, nr, 1.0);
@@ -139,6 +206,7 @@ static void step_both(pair *p, const mla_batch *b, int T, int num_new, const int
     }
     a.out = dout_;
     a.lse = dl;
+    last = a;
     mla_status st = mla_backend_forward(p->gb, &a);
     TU_CHECK(st == MLA_OK, "%s: CUDA forward: %s", what, mla_backend_last_error(p->gb));
     TU_STATUS(mla_ctx_synchronize(p->gc), MLA_OK);
@@ -166,6 +234,7 @@ static void step_both(pair *p, const mla_batch *b, int T, int num_new, const int
   TU_CHECK(far == 0 && cosd < 1e-4 && lworst < 2e-3,
            "%s: GPU vs CPU backend: %d far elements (worst %.3g), cosine distance %.3g, lse err %.3g", what, far,
            worst, cosd, lworst);
+  if (!mha) capture_forward(p, last, og, no, lg, (int64_t)T * H, what);
   free(q);
   free(qr);
   free(k);

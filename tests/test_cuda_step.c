@@ -8,7 +8,9 @@
  * graph on a non-blocking stream, then replayed 100 times after rewriting the
  * fixed-address inputs (request ids, lengths, padding rows), matches the
  * eager calls bit for bit. The captured graph holds kernel nodes only (no
- * memcpy: nothing comes back to the host). Skips without CUDA or a GPU. */
+ * memcpy: nothing comes back to the host). Host pointers are refused
+ * (INVALID_ARGUMENT, nothing written) also after every device pointer of a
+ * step has been seen. Skips without CUDA or a GPU. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -581,6 +583,96 @@ static void extend_steps(int P, int H, int max_ext, int rounds) {
   sw_free(&w);
 }
 
+/* The host-pointer refusals once every device pointer of a step has been
+ * validated (the library remembers device ranges it has seen): each host
+ * pointer in turn still gives INVALID_ARGUMENT naming it, before anything is
+ * launched (out and lse keep their poison); a pointer inside a validated
+ * allocation (an offset q) is still taken; and the eager step afterwards
+ * gives what it gave before, bit for bit. */
+static void refusals_after_validation(int P, int H) {
+  char name[64];
+  snprintf(name, sizeof name, "refusals P=%d H=%d", P, H);
+  sw_world w;
+  if (sw_make(&w, cpu, &rng, MLA_MODE_DECODE, 0, P, H, 16) != 0 || sw_batch(&w, cpu, &rng, 8, 1) != 0) {
+    TU_CHECK(0, "%s: world: %s", name, mla_ctx_last_error(cpu));
+    return;
+  }
+  dev_step d;
+  if (dev_make(&d, &w, 8, w.Tq + 1) != 0) { /* one token more: the offset q below */
+    TU_CHECK(0, "%s: device setup", name);
+    return;
+  }
+  dev_load(&d, &w);
+  const mla_step_desc desc = sw_desc(&w);
+  TU_STATUS(mla_step_workspace_size(gpu, &desc, &d.ws_bytes), MLA_OK);
+  d.ws = tu_dev_alloc(d.ws_bytes);
+  const size_t ob = 2 * (size_t)w.Tq * H * MLA_LATENT, lb = sizeof(float) * (size_t)w.Tq * H;
+  uint16_t *o1 = malloc(ob), *o2 = malloc(ob), *op = malloc(ob);
+  float *l1 = malloc(lb), *l2 = malloc(lb), *lp = malloc(lb);
+  poison_out(&d);
+  TU_STATUS(eager_step(&w, &d, &desc, o1, l1), MLA_OK); /* every pointer validated once */
+
+  /* host stand-ins, aligned like the device buffers (only "host" is wrong) */
+  const size_t hb = d.ws_bytes > d.o_bytes ? d.ws_bytes : d.o_bytes;
+  void *host = aligned_alloc(256, (hb + 255) / 256 * 256);
+  memset(host, 0, hb);
+  mla_absorbed_args good = dev_args(&w, &d);
+  static const char *const names[5] = {"q_nope", "q_rope", "out", "lse", "workspace"};
+  poison_out(&d);
+  CK(cudaMemcpy(op, d.o, ob, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(lp, d.lse, lb, cudaMemcpyDeviceToHost));
+  for (int k = 0; k < 5; k++) {
+    mla_absorbed_args a = good;
+    void *ws = d.ws;
+    if (k == 0) a.q_nope = host;
+    if (k == 1) a.q_rope = host;
+    if (k == 2) a.out = host;
+    if (k == 3) a.lse = host;
+    if (k == 4) ws = host;
+    const mla_status st = mla_step_attention(gpu, &desc, d.dcache, 0, &a, ws, d.ws_bytes);
+    TU_CHECK(st == MLA_ERR_INVALID_ARGUMENT && strstr(mla_ctx_last_error(gpu), names[k]) != NULL,
+             "%s: host %s: status %d (%s)", name, names[k], (int)st, mla_ctx_last_error(gpu));
+  }
+  mla_step_inputs in = {d.r2t, w.max_context, w.max_reqs, d.ids, d.seq, NULL};
+  for (int k = 0; k < 4; k++) {
+    mla_step_inputs hin = in;
+    void *ws = d.ws;
+    if (k == 0) hin.req_to_token = host;
+    if (k == 1) hin.req_ids = host;
+    if (k == 2) hin.seq_lens = host;
+    if (k == 3) ws = host;
+    const mla_status st = mla_step_prepare(gpu, &desc, d.dcache, &hin, ws, d.ws_bytes);
+    TU_CHECK(st == MLA_ERR_INVALID_ARGUMENT, "%s: prepare with host input %d: status %d (%s)", name, k, (int)st,
+             mla_ctx_last_error(gpu));
+  }
+  TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
+  CK(cudaMemcpy(o2, d.o, ob, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(l2, d.lse, lb, cudaMemcpyDeviceToHost));
+  TU_CHECK(memcmp(o2, op, ob) == 0 && memcmp(l2, lp, lb) == 0, "%s: a refused call wrote out / lse", name);
+
+  /* a q inside the validated allocation, one token further: taken */
+  {
+    mla_absorbed_args a = good;
+    a.q_nope = (const uint16_t *)d.qn + (size_t)H * MLA_LATENT;
+    a.q_rope = (const uint16_t *)d.qr + (size_t)H * MLA_ROPE;
+    TU_STATUS(mla_step_prepare(gpu, &desc, d.dcache, &in, d.ws, d.ws_bytes), MLA_OK);
+    TU_STATUS(mla_step_attention(gpu, &desc, d.dcache, 0, &a, d.ws, d.ws_bytes), MLA_OK);
+    TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
+  }
+  poison_out(&d);
+  TU_STATUS(eager_step(&w, &d, &desc, o2, l2), MLA_OK);
+  TU_CHECK(memcmp(o1, o2, ob) == 0 && memcmp(l1, l2, lb) == 0, "%s: the step changed after the refusals", name);
+  free(host);
+  free(o1);
+  free(o2);
+  free(op);
+  free(l1);
+  free(l2);
+  free(lp);
+  dev_free(&d);
+  sw_free(&w);
+}
+
 /* Capture one step in a graph, replay with new inputs, compare with eager. */
 static void graph_replay(mla_mode mode, int ndt, int P, int H, int replays) {
   char name[96];
@@ -680,6 +772,8 @@ int main(void) {
   schedule_equality(400);
   draft_steps(64, 16, 3);
   draft_steps(16, 128, 5);
+  refusals_after_validation(64, 16);
+  refusals_after_validation(4, 128);
   graph_replay(MLA_MODE_DECODE, 0, 64, 16, 100);
   graph_replay(MLA_MODE_TARGET_VERIFY, 2, 64, 128, 20);
   extend_steps(64, 16, 120, 12);

@@ -13,6 +13,7 @@
 #include "../plan/plan.h"
 #include "mirror.h"
 #ifdef MLA_WITH_CUDA
+#include "../cuda/attention.h"
 #include "../cuda/runtime.h"
 #endif
 
@@ -33,6 +34,15 @@ struct mla_backend_s {
 
   void *attn_ws;
   size_t attn_ws_bytes;
+#ifdef MLA_WITH_CUDA
+  /* CUDA host plans run by absorbed attention (the paged absorbed prefill,
+   * varlen DRAFT_EXTEND): uploaded once per plan into attn_ws, then every
+   * layer launches from plan_meta (place_cuda_plan). */
+  int plan_on_device;
+  mla_cuda_step_meta plan_meta;
+  int32_t *plan_img;          /* host image of the uploaded arrays, grown to the largest plan seen */
+  size_t plan_img_bytes;
+#endif
 
   /* Chunked-prefix MHA (only when extend_impl == MLA_EXTEND_MHA_CHUNKED). */
   void *chunk_ws;
@@ -126,6 +136,9 @@ void mla_backend_destroy(mla_backend *be) {
   free(be->plan_ws);
   if (be->on_cuda) dev_free(be, be->attn_ws);
   else free(be->attn_ws); /* host: grown by realloc (size_attention_workspace) */
+#ifdef MLA_WITH_CUDA
+  free(be->plan_img);
+#endif
   free(be->chunk_ws);
   dev_free(be, be->chunk_c);
   dev_free(be, be->chunk_r);
@@ -439,12 +452,66 @@ static void plan_from_step(mla_backend *be, const mla_step_desc *d) {
   be->has_prefix = 0;
 }
 
+#ifdef MLA_WITH_CUDA
+/* A CUDA host plan that absorbed attention runs (EXTEND over a prefix with
+ * the absorbed impl, varlen DRAFT_EXTEND): checked once here against the
+ * cache and the device attention workspace, and its arrays uploaded once, in
+ * stream order, as one image through the mirror's page-locked staging (one
+ * staging flush: the host does not wait on the stream). Every layer's
+ * forward then launches from the device copy: no copy per layer, so a
+ * forward can be captured in a CUDA graph. */
+static mla_status place_cuda_plan(mla_backend *be, const mla_plan *plan) {
+  static const char *const fn = "mla_backend_plan";
+  mla_cuda_plan_dst dst;
+  mla_status st = mla_cuda_attention_plan_place(be->ctx, "mla_attention_absorbed", be->cache, plan,
+                                                be->desc.num_heads, be->attn_ws, be->attn_ws_bytes, &dst,
+                                                &be->plan_meta);
+  if (st != MLA_OK) return forward_fail(be, st, fn, mla_ctx_last_error(be->ctx));
+  const int64_t bs = plan->batch_size;
+  /* The five arrays as they lie in the workspace (carved in this order,
+   * qo_indptr first), each copied to its offset in the image. */
+  struct {
+    int32_t *dst;
+    const int32_t *src;
+    int64_t n;
+  } part[5] = {{dst.qo_indptr, plan->qo_indptr, bs + 1},
+               {dst.kv_lens, plan->kv_lens, bs},
+               {dst.block_table, plan->block_table, bs * plan->block_table_width},
+               {dst.sched_meta, plan->sched_meta, (int64_t)plan->num_sm_parts * MLA_SCHED_META_INTS},
+               {dst.num_splits, plan->num_splits, bs + 1}};
+  int64_t total = 0;
+  for (int k = 0; k < 5; k++) {
+    const int64_t end = (int64_t)(part[k].dst - dst.qo_indptr) + part[k].n;
+    if (part[k].dst < dst.qo_indptr)
+      return mla_fail(&be->err, MLA_ERR_INTERNAL, fn, "plan arrays out of workspace order");
+    if (end > total) total = end;
+  }
+  const size_t bytes = sizeof(int32_t) * (size_t)total;
+  if (bytes > be->plan_img_bytes) { /* grows to the largest plan seen (host memory, no stream involved) */
+    int32_t *img = realloc(be->plan_img, bytes);
+    if (!img) return mla_fail(&be->err, MLA_ERR_OUT_OF_MEMORY, fn, "plan image of %zu bytes", bytes);
+    be->plan_img = img;
+    be->plan_img_bytes = bytes;
+  }
+  for (int k = 0; k < 5; k++)
+    if (part[k].n > 0)
+      memcpy(be->plan_img + (part[k].dst - dst.qo_indptr), part[k].src, sizeof(int32_t) * (size_t)part[k].n);
+  st = mla_mirror_upload(&be->mirror, dst.qo_indptr, be->plan_img, total, be->ctx->stream, &be->err);
+  if (st != MLA_OK) return st;
+  be->plan_on_device = 1;
+  return MLA_OK;
+}
+#endif
+
 mla_status mla_backend_plan(mla_backend *be, const mla_batch *batch) {
   if (!be) return MLA_ERR_INVALID_ARGUMENT;
   MLA_REQUIRE_PTR(&be->err, batch);
   be->planned = 0;
   be->step_active = 0;
   be->graph_step = 0;
+#ifdef MLA_WITH_CUDA
+  be->plan_on_device = 0;
+#endif
   if (be->on_cuda && batch->mode != MLA_MODE_IDLE && batch->batch_size > 0 && is_step_mode(batch)) {
     mla_status st = plan_cuda_step(be, batch);
     if (st != MLA_OK) return st;
@@ -464,11 +531,16 @@ mla_status mla_backend_plan(mla_backend *be, const mla_batch *batch) {
   if (be->on_cuda && uses_mha && plan.batch_size > 0) {
     /* CUDA: decode-type steps went above. EXTEND through MHA needs qo_indptr
      * on the device; the paged absorbed prefill (EXTEND over a prefix,
-     * varlen DRAFT_EXTEND) uploads its host plan inside
-     * mla_attention_absorbed. */
+     * varlen DRAFT_EXTEND) uploads its host plan below (place_cuda_plan). */
     st = mla_mirror_upload(&be->mirror, be->d_qo, plan.qo_indptr, plan.batch_size + 1, be->ctx->stream, &be->err);
     if (st != MLA_OK) return st;
   }
+#ifdef MLA_WITH_CUDA
+  if (be->on_cuda && !uses_mha && plan.mode != MLA_MODE_IDLE && plan.batch_size > 0 && plan.num_q_tokens > 0) {
+    st = place_cuda_plan(be, &plan);
+    if (st != MLA_OK) return st;
+  }
+#endif
   if (has_prefix && be->desc.extend_impl == MLA_EXTEND_MHA_CHUNKED) {
     st = mla_chunk_plan_build(be->ctx, be->rt, batch->batch_size, batch->req_ids, batch->prefix_lens,
                               be->desc.chunk_capacity, be->chunk_ws, be->chunk_ws_bytes, &be->chunks);
@@ -776,6 +848,14 @@ static mla_status run_absorbed(mla_backend *be, const mla_forward_args *a) {
     void *ws = ws_of(be, be->graph_step, &bytes);
     st = mla_step_attention(be->ctx, &be->step, be->cache, a->layer, &aa, ws, bytes);
   } else {
+#ifdef MLA_WITH_CUDA
+    if (be->plan_on_device) { /* uploaded by mla_backend_plan: launch from the device copy */
+      mla_clear_error(&be->ctx->err);
+      st = mla_cuda_attention_meta(be->ctx, "mla_attention_absorbed", be->cache, a->layer, &aa, &be->plan_meta);
+      if (st != MLA_OK) return forward_fail(be, st, "mla_backend_forward", mla_ctx_last_error(be->ctx));
+      return MLA_OK;
+    }
+#endif
     st = mla_attention_absorbed(be->ctx, be->cache, a->layer, &be->plan, &aa, be->attn_ws, be->attn_ws_bytes);
   }
   if (st != MLA_OK) return forward_fail(be, st, "mla_backend_forward", mla_ctx_last_error(be->ctx));

@@ -1,8 +1,9 @@
 /* mla_attention_absorbed for CUDA contexts: validates like the CPU path (same
  * statuses), uploads the host plan's arrays into the device workspace on the
  * context's stream and launches the sm_90a decode kernels (decode_sm90.cu).
- * mla_cuda_step_attention (the device-built steps) shares the checks and the
- * launch, reading metadata already on the device.
+ * mla_cuda_attention_meta (the device-built steps, and the backend's host
+ * plans placed once per step by mla_cuda_attention_plan_place) shares the
+ * checks and the launch, reading metadata already on the device.
  *
  * Scope: what mla_cuda_decode_unsupported() accepts (bf16 activations with a
  * bf16 or fp8 cache, f16 with f16; page sizes 1..256), 1..128 heads, q
@@ -257,6 +258,51 @@ static mla_status launch(mla_errbuf *eb, const char *fn, mla_decode_params *p, c
   return MLA_OK;
 }
 
+/* The plan checks of mla_attention_absorbed for a plan with queries, the
+ * workspace's included, in that call's order; carves the workspace into *d. */
+static mla_status place(mla_errbuf *eb, const char *fn, const mla_kv_cache *cache, const mla_plan *plan, int H,
+                        void *workspace, size_t workspace_bytes, dev_ws *d) {
+  mla_status st = check_plan(eb, cache, plan);
+  if (st != MLA_OK) return st;
+  /* The kernels' grid has one row of blocks per 64 (query token, head) rows
+   * of the longest request, and CUDA caps a grid dimension at 65535. */
+  REQ(eb, (int64_t)plan->max_q_len * H <= 65535LL * 64, MLA_ERR_UNSUPPORTED,
+      "plan->max_q_len = %d with %d heads: the CUDA kernels take at most 4194240 (query token, head) rows "
+      "per request (%d tokens at this head count); split the request's extend",
+      (int)plan->max_q_len, H, (int)(65535LL * 64 / H));
+  size_t need;
+  {
+    mla_ws w = mla_ws_counter();
+    carve(&w, plan, H, d);
+    need = mla_ws_total(&w);
+  }
+  REQ(eb, workspace_bytes >= need, MLA_ERR_WORKSPACE_TOO_SMALL,
+      "workspace_bytes = %zu, need %zu (mla_attention_absorbed_workspace_size)", workspace_bytes, need);
+  REQ(eb, workspace, MLA_ERR_INVALID_ARGUMENT, "workspace is NULL");
+  if ((st = require_device(eb, fn, "workspace", workspace)) != MLA_OK) return st;
+  mla_ws w = mla_ws_over(workspace, workspace_bytes);
+  carve(&w, plan, H, d);
+  if (w.overflow) return mla_fail(eb, MLA_ERR_INTERNAL, fn, "workspace carve overflow");
+  return MLA_OK;
+}
+
+static mla_cuda_step_meta meta_of(const mla_plan *plan, int H, const dev_ws *d) {
+  const mla_cuda_step_meta m = {.batch_size = plan->batch_size,
+                                .q_len = plan->max_q_len,
+                                .causal = plan->causal,
+                                .block_table_width = plan->block_table_width,
+                                .num_sm_parts = plan->num_sm_parts,
+                                .num_heads = H,
+                                .qo_indptr = d->qo_indptr,
+                                .kv_lens = d->kv_lens,
+                                .block_table = d->block_table,
+                                .sched_meta = d->sched_meta,
+                                .num_splits = d->num_splits,
+                                .o_accum = d->o_accum,
+                                .lse_accum = d->lse_accum};
+  return m;
+}
+
 mla_status mla_cuda_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, int layer,
                                        const mla_plan *plan, const mla_absorbed_args *args,
                                        void *workspace, size_t workspace_bytes) {
@@ -272,35 +318,14 @@ mla_status mla_cuda_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, 
       "plan->batch_size = %d / num_q_tokens = %d is negative", (int)plan->batch_size, (int)plan->num_q_tokens);
   if (plan->mode == MLA_MODE_IDLE || plan->batch_size == 0 || plan->num_q_tokens == 0)
     return MLA_OK; /* nothing to compute, nothing written */
-  st = check_plan(eb, cache, plan);
-  if (st != MLA_OK) return st;
-  /* The kernels' grid has one row of blocks per 64 (query token, head) rows
-   * of the longest request, and CUDA caps a grid dimension at 65535. */
-  REQ(eb, (int64_t)plan->max_q_len * H <= 65535LL * 64, MLA_ERR_UNSUPPORTED,
-      "plan->max_q_len = %d with %d heads: the CUDA kernels take at most 4194240 (query token, head) rows "
-      "per request (%d tokens at this head count); split the request's extend",
-      (int)plan->max_q_len, H, (int)(65535LL * 64 / H));
-  size_t need;
-  {
-    mla_ws w = mla_ws_counter();
-    dev_ws d;
-    carve(&w, plan, H, &d);
-    need = mla_ws_total(&w);
-  }
-  REQ(eb, workspace_bytes >= need, MLA_ERR_WORKSPACE_TOO_SMALL,
-      "workspace_bytes = %zu, need %zu (mla_attention_absorbed_workspace_size)", workspace_bytes, need);
-  REQ(eb, workspace, MLA_ERR_INVALID_ARGUMENT, "workspace is NULL");
-  if ((st = require_device(eb, FN, "workspace", workspace)) != MLA_OK) return st;
-
-  mla_ws w = mla_ws_over(workspace, workspace_bytes);
   dev_ws d;
-  carve(&w, plan, H, &d);
-  if (w.overflow) return mla_fail(eb, MLA_ERR_INTERNAL, FN, "workspace carve overflow");
+  if ((st = place(eb, FN, cache, plan, H, workspace, workspace_bytes, &d)) != MLA_OK) return st;
   const size_t bs = (size_t)plan->batch_size;
   void *stream = ctx->stream;
   /* Pageable host sources: each copy has read its source when it returns, so
    * the plan may change right after this call. (The device-built step,
-   * mla_step_*, needs no upload at all.) */
+   * mla_step_*, needs no upload at all, and the backend uploads its host
+   * plans once per step: mla_cuda_attention_plan_place.) */
   int e = mla_cuda_memcpy_async(d.qo_indptr, plan->qo_indptr, sizeof(int32_t) * (bs + 1), stream);
   if (!e) e = mla_cuda_memcpy_async(d.kv_lens, plan->kv_lens, sizeof(int32_t) * bs, stream);
   if (!e && plan->block_table_width > 0)
@@ -311,28 +336,41 @@ mla_status mla_cuda_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, 
                               sizeof(int32_t) * (size_t)plan->num_sm_parts * MLA_SCHED_META_INTS, stream);
   if (!e) e = mla_cuda_memcpy_async(d.num_splits, plan->num_splits, sizeof(int32_t) * (bs + 1), stream);
   if (e) return mla_cuda_fail(eb, FN, "plan upload", e);
-
-  const mla_cuda_step_meta m = {.batch_size = plan->batch_size,
-                                .q_len = plan->max_q_len,
-                                .causal = plan->causal,
-                                .block_table_width = plan->block_table_width,
-                                .num_sm_parts = plan->num_sm_parts,
-                                .qo_indptr = d.qo_indptr,
-                                .kv_lens = d.kv_lens,
-                                .block_table = d.block_table,
-                                .sched_meta = d.sched_meta,
-                                .num_splits = d.num_splits,
-                                .o_accum = d.o_accum,
-                                .lse_accum = d.lse_accum};
+  const mla_cuda_step_meta m = meta_of(plan, H, &d);
   return launch(eb, FN, &p, &m, stream);
 }
 
-mla_status mla_cuda_step_attention(mla_ctx *ctx, const mla_kv_cache *cache, int layer,
+mla_status mla_cuda_attention_plan_place(mla_ctx *ctx, const char *fn, const mla_kv_cache *cache,
+                                         const mla_plan *plan, int num_heads, void *workspace,
+                                         size_t workspace_bytes, mla_cuda_plan_dst *dst, mla_cuda_step_meta *m) {
+  mla_errbuf *eb = &ctx->err;
+  mla_clear_error(eb);
+  REQ(eb, cache && plan && dst && m, MLA_ERR_INVALID_ARGUMENT, "cache, plan, dst and m must be non-NULL");
+  REQ(eb, num_heads >= 1 && num_heads <= MLA_MAX_HEADS, MLA_ERR_INVALID_ARGUMENT, "num_heads = %d, expected 1..%d",
+      num_heads, MLA_MAX_HEADS);
+  REQ(eb, plan->mode != MLA_MODE_IDLE && plan->batch_size > 0 && plan->num_q_tokens > 0, MLA_ERR_INVALID_ARGUMENT,
+      "plan has no queries (mode %d, batch_size %d, num_q_tokens %d): nothing to place", (int)plan->mode,
+      (int)plan->batch_size, (int)plan->num_q_tokens);
+  dev_ws d;
+  mla_status st = place(eb, fn, cache, plan, num_heads, workspace, workspace_bytes, &d);
+  if (st != MLA_OK) return st;
+  dst->qo_indptr = d.qo_indptr;
+  dst->kv_lens = d.kv_lens;
+  dst->block_table = d.block_table;
+  dst->sched_meta = d.sched_meta;
+  dst->num_splits = d.num_splits;
+  *m = meta_of(plan, num_heads, &d);
+  return MLA_OK;
+}
+
+mla_status mla_cuda_attention_meta(mla_ctx *ctx, const char *fn, const mla_kv_cache *cache, int layer,
                                    const mla_absorbed_args *args, const mla_cuda_step_meta *m) {
-  static const char *const fn = "mla_step_attention";
   mla_errbuf *eb = &ctx->err;
   mla_decode_params p;
   mla_status st = check_args(eb, fn, cache, layer, args, &p);
   if (st != MLA_OK) return st;
+  REQ(eb, m, MLA_ERR_INVALID_ARGUMENT, "no device metadata");
+  REQ(eb, m->num_heads == 0 || args->num_heads == m->num_heads, MLA_ERR_INVALID_ARGUMENT,
+      "args->num_heads = %d differs from the %d heads the metadata was built for", args->num_heads, m->num_heads);
   return launch(eb, fn, &p, m, ctx->stream);
 }

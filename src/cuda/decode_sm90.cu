@@ -11,6 +11,7 @@
 //    bf16 tile by the warpgroup that owns it; decode_seesaw.cuh LOAD_*);
 //  - bf16 or f16 operands (f16 cache with f16 activations, kF16);
 //  - then the split-KV combine as a programmatic dependent.
+#include <pthread.h>
 #include <string.h>
 
 #include "decode_seesaw.cuh"
@@ -30,23 +31,26 @@ typedef CUresult (*EncodeTiledFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t
                                   const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
-// The driver's tensor-map encoder through the runtime (no -lcuda needed).
+EncodeTiledFn lookup_encode_fn(void) {
+  void *f = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+      q == cudaDriverEntryPointSuccess)
+    return (EncodeTiledFn)f;
+  cudaGetLastError();
+  return nullptr;
+}
+
+// The driver's tensor-map encoder through the runtime (no -lcuda needed);
+// looked up once (thread-safe static initialization).
 EncodeTiledFn encode_fn() {
-  static EncodeTiledFn fn = nullptr;
-  if (!fn) {
-    void *f = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) ==
-            cudaSuccess &&
-        q == cudaDriverEntryPointSuccess)
-      fn = (EncodeTiledFn)f;
-  }
+  static const EncodeTiledFn fn = lookup_encode_fn();
   return fn;
 }
 
 // Paged cache [num_pages][P][576] bf16 viewed as a 3-D tensor {576, P, pages};
 // the box is 64 columns (128 B, one 128B-swizzle row) by min(P, 64) rows.
-// Built on the host per call (a few microseconds; caching it is a later step).
+// Encoded on the host (kv_maps_cached below keeps them across calls).
 cudaError_t make_kv_tmap(const mla_decode_params *p, CUtensorMap *map) {
   memset(map, 0, sizeof(*map));
   EncodeTiledFn fn = encode_fn();
@@ -782,11 +786,38 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 
+// ---- host-side state kept across calls --------------------------------------
+// Per-device facts found once, as bits of a mask (device ordinals 0..63; a
+// larger ordinal is checked on every call). A bit is set only after the
+// fact was established on that device, with release ordering: a thread that
+// sees it set may skip the work; two threads racing both do it (it is
+// idempotent), so no lock is needed.
+constexpr int kMaskDevices = 64;
+
+bool device_bit_set(const uint64_t *mask, int dev) {
+  return dev >= 0 && dev < kMaskDevices && ((__atomic_load_n(mask, __ATOMIC_ACQUIRE) >> dev) & 1u);
+}
+void device_bit_mark(uint64_t *mask, int dev) {
+  if (dev >= 0 && dev < kMaskDevices) __atomic_fetch_or(mask, (uint64_t)1 << dev, __ATOMIC_RELEASE);
+}
+
+// Opts a kernel into its dynamic shared memory once per device: the
+// attribute belongs to the function as loaded on the current device, so a
+// process-wide "done" flag would be wrong with several devices.
+template <typename Kernel>
+cudaError_t set_smem_once(Kernel kernel, int bytes, uint64_t *done) {
+  int dev = -1;
+  DEV_CUDA_OK(cudaGetDevice(&dev));
+  if (device_bit_set(done, dev)) return cudaSuccess;
+  DEV_CUDA_OK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  device_bit_mark(done, dev);
+  return cudaSuccess;
+}
+
 template <int LM, bool kF16>
 cudaError_t launch_wide(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
-  // Set on every call (cheap): a static "done" flag would be wrong per device.
-  DEV_CUDA_OK(cudaFuncSetAttribute(decode_wide_kernel<LM, kF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   (int)kSmemBytes));
+  static uint64_t smem_set;  // per instantiation and device
+  DEV_CUDA_OK(set_smem_once(decode_wide_kernel<LM, kF16>, (int)kSmemBytes, &smem_set));
   dim3 grid(p->num_sm_parts, mla_decode_m_blocks(p));
   decode_wide_kernel<LM, kF16><<<grid, kThreads, kSmemBytes, stream>>>(*p, map, kVtLbo, kVtSbo);
   return cudaGetLastError();
@@ -794,8 +825,8 @@ cudaError_t launch_wide(const mla_decode_params *p, const KvMaps &map, cudaStrea
 
 template <int N, int LM, bool kF16>
 cudaError_t launch_narrow(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
-  DEV_CUDA_OK(cudaFuncSetAttribute(decode_narrow_kernel<N, LM, kF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   (int)Lay<N>::kSmem));
+  static uint64_t smem_set;
+  DEV_CUDA_OK(set_smem_once(decode_narrow_kernel<N, LM, kF16>, (int)Lay<N>::kSmem, &smem_set));
   dim3 grid(p->num_sm_parts, mla_decode_m_blocks(p));
   decode_narrow_kernel<N, LM, kF16><<<grid, kThreads, Lay<N>::kSmem, stream>>>(*p, map, kVtLbo, kVtSbo);
   return cudaGetLastError();
@@ -808,6 +839,79 @@ cudaError_t launch_mode(const mla_decode_params *p, const KvMaps &map, cudaStrea
   if (rows <= 16) return launch_narrow<16, LM, kF16>(p, map, stream);
   if (rows <= 32) return launch_narrow<32, LM, kF16>(p, map, stream);
   return launch_wide<LM, kF16>(p, map, stream);
+}
+
+// Tensor maps of a cache layer, kept across calls: a map is a pure function
+// of the layer's base address, its dtype and geometry (the key), so an entry
+// found under an equal key holds exactly the bits encoding would produce,
+// whatever was freed or allocated in between; nothing needs invalidating.
+// One slot per hash of the address (a model's layers spread over the slots;
+// a collision just encodes again). Shared by all threads under a mutex held
+// only for the lookup or the store.
+struct KvMapKey {
+  const void *kv;
+  int64_t num_pages, row_bytes;
+  int page_size, kv_dtype;
+};
+struct KvMapEntry {
+  KvMapKey key;
+  int valid;
+  KvMaps maps;
+};
+constexpr int kMapSlotsLog2 = 7;
+KvMapEntry g_kv_maps[1 << kMapSlotsLog2];
+pthread_mutex_t g_kv_maps_mu = PTHREAD_MUTEX_INITIALIZER;
+
+bool same_key(const KvMapKey &a, const KvMapKey &b) {
+  return a.kv == b.kv && a.num_pages == b.num_pages && a.row_bytes == b.row_bytes && a.page_size == b.page_size &&
+         a.kv_dtype == b.kv_dtype;
+}
+
+// The maps the TMA load modes read (page size >= 8): fp8 caches as bytes
+// (latent pairs and the per-tensor rope; block scales and the bf16 rope of
+// the block format), 16-bit caches as one bf16 / f16 view.
+cudaError_t encode_kv_maps(const mla_decode_params *p, KvMaps *map) {
+  memset(map, 0, sizeof *map);
+  const bool fp8 = p->kv_dtype == MLA_DTYPE_FP8_E4M3, fp8b = p->kv_dtype == MLA_DTYPE_FP8_E4M3_BLOCK;
+  if (!fp8 && !fp8b) return make_kv_tmap(p, &map->m[0]);
+  cudaError_t e = make_kv_tmap_bytes(p, &map->m[0], 128, false);  // latent pairs (and the per-tensor rope)
+  if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map->m[1], 16, false);  // block scales
+  if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map->m[2], 128, true);  // bf16 rope, swizzled
+  return e;
+}
+
+cudaError_t kv_maps_cached(const mla_decode_params *p, KvMaps *map) {
+  const KvMapKey key = {p->kv, p->num_pages, p->row_bytes, p->page_size, p->kv_dtype};
+  const uint64_t h = ((uint64_t)(uintptr_t)p->kv >> 8) * 0x9E3779B97F4A7C15ull;
+  KvMapEntry &slot = g_kv_maps[h >> (64 - kMapSlotsLog2)];
+  pthread_mutex_lock(&g_kv_maps_mu);
+  const bool hit = slot.valid && same_key(slot.key, key);
+  if (hit) *map = slot.maps;
+  pthread_mutex_unlock(&g_kv_maps_mu);
+  if (hit) return cudaSuccess;
+  const cudaError_t e = encode_kv_maps(p, map);
+  if (e != cudaSuccess) return e;
+  pthread_mutex_lock(&g_kv_maps_mu);
+  slot.key = key;
+  slot.maps = *map;
+  slot.valid = 1;
+  pthread_mutex_unlock(&g_kv_maps_mu);
+  return cudaSuccess;
+}
+
+// Whether this build holds sm_90a code for the current device (without it
+// the kernel bodies are compiled out), found once per device.
+uint64_t g_arch_ok;
+
+cudaError_t check_arch(void) {
+  int dev = -1;
+  DEV_CUDA_OK(cudaGetDevice(&dev));
+  if (device_bit_set(&g_arch_ok, dev)) return cudaSuccess;
+  cudaFuncAttributes fa;
+  DEV_CUDA_OK(cudaFuncGetAttributes(&fa, decode_wide_kernel<LOAD_TMA_BIG, false>));
+  if (fa.binaryVersion < 90) return cudaErrorNotSupported;
+  device_bit_mark(&g_arch_ok, dev);
+  return cudaSuccess;
 }
 
 }  // namespace
@@ -847,24 +951,16 @@ extern "C" int mla_cuda_decode(const mla_decode_params *p, void *stream_) {
   if (p->num_sm_parts >= 2 && (!p->o_accum || !p->lse_accum)) return (int)cudaErrorInvalidValue;
   // Built without sm_90a code (CMAKE_CUDA_ARCHITECTURES without 90a) the
   // kernel bodies are compiled out: refuse instead of returning garbage.
-  cudaFuncAttributes fa;
-  cudaError_t e = cudaFuncGetAttributes(&fa, decode_wide_kernel<LOAD_TMA_BIG, false>);
+  cudaError_t e = check_arch();
   if (e != cudaSuccess) return (int)e;
-  if (fa.binaryVersion < 90) return (int)cudaErrorNotSupported;
-  // Page size >= 8 loads through TMA (tensor maps built per call), smaller
-  // pages through a cp.async row gather.
+  // Page size >= 8 loads through TMA (tensor maps, kept across calls),
+  // smaller pages through a cp.async row gather.
   KvMaps map;  // passed by value (kernel parameter)
   memset(&map, 0, sizeof map);
   const bool f16 = p->kv_dtype == MLA_DTYPE_F16, fp8 = p->kv_dtype == MLA_DTYPE_FP8_E4M3;
   const bool fp8b = p->kv_dtype == MLA_DTYPE_FP8_E4M3_BLOCK;
   const bool tma = p->page_size >= 8;
-  if (tma && (fp8 || fp8b)) {
-    e = make_kv_tmap_bytes(p, &map.m[0], 128, false);  // latent pairs (and the per-tensor rope)
-    if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map.m[1], 16, false);  // block scales
-    if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map.m[2], 128, true);  // bf16 rope, swizzled
-  } else if (tma) {
-    e = make_kv_tmap(p, &map.m[0]);
-  }
+  if (tma) e = kv_maps_cached(p, &map);
   if (e != cudaSuccess) return (int)e;
   const bool big = p->page_size >= 64;
   if (fp8) e = tma ? launch_mode<LOAD_FP8_TMA, false>(p, map, stream) : launch_mode<LOAD_FP8, false>(p, map, stream);

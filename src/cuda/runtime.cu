@@ -1,5 +1,7 @@
 // Thin wrappers over the CUDA runtime for the C host code (see runtime.h).
+#include <cuda.h>  // CUdeviceptr, CUresult: the driver's cuMemGetAddressRange through the runtime
 #include <cuda_runtime.h>
+#include <stdint.h>
 
 #include "../core/convert.h"
 #include "mla.h"
@@ -36,13 +38,80 @@ extern "C" int mla_cuda_memcpy_async(void *dst, const void *src, size_t bytes, v
 
 extern "C" int mla_cuda_stream_sync(void *stream) { return (int)cudaStreamSynchronize((cudaStream_t)stream); }
 
+// ---- device-pointer checks ------------------------------------------------
+// Every call on a CUDA context refuses host pointers where it needs device
+// memory, and a decode step (prepare + attention) checks about ten of them
+// per layer; a driver query (cudaPointerGetAttributes) for each was the
+// larger part of the step's host time.
+// So the "device" answers are remembered, per thread (no locking), as the
+// whole allocation the pointer lies in (cuMemGetAddressRange: activation
+// buffers of one caching-allocator segment then share one entry).
+//
+// Why a remembered "device" answer stays right: with unified addressing a
+// device (or managed) allocation occupies virtual addresses the CUDA driver
+// reserved for device memory. Freeing it (cudaFree, cudaFreeAsync, a pool
+// trim) gives the range back to the driver, which places later device
+// allocations there; host allocators (malloc, mmap) do not get those
+// addresses while the driver holds them (this is how unified addressing
+// keeps host and device addresses apart; NVIDIA's documentation does not
+// spell it out for freed ranges). So an address once found to be
+// device memory is device memory again or not mapped at all, never the host
+// memory this check exists to refuse; unlike host memory, where free + malloc
+// at the same address can change the answer (host answers are therefore never
+// cached: every refusal still comes from the driver's query, as before).
+// Two differences remain, both outside the contract: a freed pointer passed
+// again (a use-after-free, which the query caught only while nothing else had
+// been allocated there) now passes, as it already did whenever cudaMalloc had
+// reused the address; and a program that releases a range it reserved itself
+// (cuMemAddressFree) and then maps host memory at that address with
+// mmap(MAP_FIXED) would defeat the cache.
+namespace {
+typedef CUresult (*AddressRangeFn)(CUdeviceptr *, size_t *, CUdeviceptr);
+
+AddressRangeFn lookup_address_range(void) {
+  void *f = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+      q == cudaDriverEntryPointSuccess)
+    return (AddressRangeFn)f;
+  cudaGetLastError();
+  return nullptr;
+}
+
+struct DevRange {
+  uintptr_t base, size;  // size 0: empty entry
+};
+constexpr int kDevRanges = 16;
+thread_local DevRange t_dev_range[kDevRanges];
+thread_local unsigned t_dev_next;  // round-robin replacement
+
+void remember_device(uintptr_t a) {
+  static const AddressRangeFn range_fn = lookup_address_range();
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  if (!range_fn || range_fn(&base, &size, (CUdeviceptr)a) != CUDA_SUCCESS || size == 0 || a - base >= size) {
+    base = (CUdeviceptr)a;  // no range known: remember the pointer itself
+    size = 1;
+  }
+  DevRange &r = t_dev_range[t_dev_next++ % kDevRanges];
+  r.base = (uintptr_t)base;
+  r.size = (uintptr_t)size;
+}
+}  // namespace
+
 extern "C" int mla_cuda_is_device_ptr(const void *p) {
-  cudaPointerAttributes a;
-  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+  const uintptr_t a = (uintptr_t)p;
+  if (p)
+    for (int i = 0; i < kDevRanges; i++)
+      if (a - t_dev_range[i].base < t_dev_range[i].size) return 1;
+  cudaPointerAttributes at;
+  if (cudaPointerGetAttributes(&at, p) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
-  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
+  const int dev = at.type == cudaMemoryTypeDevice || at.type == cudaMemoryTypeManaged;
+  if (dev && p) remember_device(a);
+  return dev;
 }
 
 extern "C" int mla_cuda_host_alloc(void **p, size_t bytes) {

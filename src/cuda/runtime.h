@@ -37,7 +37,10 @@ int mla_cuda_scatter_segments(int32_t *dst, const int64_t *dst_offsets, const in
                               const int32_t *counts, const int32_t *src, int n, void *stream);
 /* dst [n] (mla_dtype F32, BF16 or F16) = src [n] * scale, on the device. */
 int mla_cuda_f32_to(const float *src, void *dst, int dst_dtype, int64_t n, float scale, void *stream);
-/* 1 when p is device (or managed) memory, 0 for host memory. */
+/* 1 when p is device (or managed) memory, 0 for host memory. Answers from
+ * a small per-thread cache of allocation ranges already found to be device
+ * memory when it can (runtime.cu says why that is sound), so the per-call
+ * argument checks cost a few compares instead of a driver query. */
 int mla_cuda_is_device_ptr(const void *p);
 
 /* KV cache kernels (kv_cache.cu). Rows are MLA_ROW wide; slots [T] are device

@@ -5,6 +5,7 @@
 // mla_plan_build, so the three agree by construction (tests/test_step.c and
 // tests/test_cuda_step.c check it anyway).
 #include <cuda_runtime.h>
+#include <pthread.h>
 
 #include "step.h"
 
@@ -264,6 +265,28 @@ size_t schedule_smem(const mla_step_geom *g) {
   return sizeof(int64_t) * (bs + 1) + sizeof(int32_t) * (2 * bs + 2 * cap);
 }
 
+// The schedule kernel's dynamic shared memory opt-in, per device: raised
+// when a batch needs more than the device was last opted into, never
+// lowered (so a concurrent smaller batch cannot undo a larger one's), under
+// a lock taken only by batches past the 48 KiB default (thousands of rows).
+pthread_mutex_t g_sched_smem_mu = PTHREAD_MUTEX_INITIALIZER;
+int g_sched_smem[64];  // bytes opted into on device d (0..63; larger ordinals set it every time)
+
+cudaError_t raise_schedule_smem(int bytes) {
+  int dev = -1;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const bool tracked = dev >= 0 && dev < 64;
+  if (!tracked) return cudaFuncSetAttribute(step_schedule_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  pthread_mutex_lock(&g_sched_smem_mu);
+  if (g_sched_smem[dev] < bytes) {
+    e = cudaFuncSetAttribute(step_schedule_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e == cudaSuccess) g_sched_smem[dev] = bytes;
+  }
+  pthread_mutex_unlock(&g_sched_smem_mu);
+  return e;
+}
+
 }  // namespace
 
 extern "C" int mla_cuda_step_build(const mla_step_geom *g, const int32_t *req_to_token, const int32_t *req_ids,
@@ -280,7 +303,7 @@ extern "C" int mla_cuda_step_build(const mla_step_geom *g, const int32_t *req_to
   if (e != cudaSuccess) return (int)e;
   const size_t smem = schedule_smem(g);
   if (smem > 48 * 1024) {
-    e = cudaFuncSetAttribute(step_schedule_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    e = raise_schedule_smem((int)smem);
     if (e != cudaSuccess) return (int)e;
   }
   step_schedule_kernel<<<1, kSchedThreads, smem, stream>>>(*g, qo_indptr, kv_lens, sched_meta, num_splits, bad);

@@ -361,6 +361,7 @@ mla_status mla_step_attention(mla_ctx *ctx, const mla_step_desc *desc, const mla
     m.causal = g.mode != MLA_MODE_DECODE;
     m.block_table_width = g.width;
     m.num_sm_parts = g.num_parts;
+    m.num_heads = desc->num_heads;
     m.qo_indptr = L.qo_indptr;
     m.kv_lens = L.kv_lens;
     m.block_table = L.block_table;
@@ -368,7 +369,7 @@ mla_status mla_step_attention(mla_ctx *ctx, const mla_step_desc *desc, const mla
     m.num_splits = L.num_splits;
     m.o_accum = L.o_accum;
     m.lse_accum = L.lse_accum;
-    return mla_cuda_step_attention(ctx, cache, layer, args, &m);
+    return mla_cuda_attention_meta(ctx, fn, cache, layer, args, &m);
 #else
     return mla_fail(eb, MLA_ERR_UNSUPPORTED, fn, "built without CUDA");
 #endif
