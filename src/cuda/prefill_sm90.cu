@@ -3,22 +3,29 @@
 //
 // Ragged MHA, one persistent kernel (grid = SM count, 384 threads):
 //  - warpgroup 0 is the producer: it loads Q (128 query rows x qk_dim of one
-//    head), then K and V tiles of 128 keys into a 2-stage ring with 16-byte
-//    cp.async into 128B-swizzled shared memory, each thread arriving on the
-//    stage's mbarrier when its copies land (cp.async.mbarrier.arrive.noinc).
-//    cp.async rather than TMA because the host never sees the lengths (the
-//    index arrays are device memory): a TMA map needs the tensor's row count,
-//    cp.async needs nothing, zero-fills rows past a request's end and never
-//    reads another request's rows.
+//    head), then K and V tiles of 128 keys into two 2-stage rings (K runs a
+//    tile ahead of V: K_j+1 is issued before V_j) with 16-byte cp.async into
+//    128B-swizzled shared memory, each thread arriving on the stage's
+//    mbarrier when its copies land (cp.async.mbarrier.arrive.noinc).
+//    cp.async rather than TMA by default because the host never sees the
+//    lengths (the index arrays are device memory): a TMA map needs the
+//    tensor's row count, cp.async needs nothing, zero-fills rows past a
+//    request's end and never reads another request's rows. MODE | 8 is a TMA
+//    producer instead, its maps bounded by the allocation holding each
+//    tensor (cuMemGetAddressRange on the host): faster, not yet the default
+//    (docs/prefill-kernel.md section 6).
 //  - warpgroups 1 and 2 are consumers, 64 query rows each: S = Q K^T with
 //    wgmma (both operands from shared memory), online softmax in registers
 //    (base 2), P packed to 16-bit as the register A operand of O += P V with V
 //    the MN-major (transposed) B operand. The default (MODE 0) runs scores,
 //    softmax and P V in sequence and lets the two warpgroups overlap each
-//    other; MODE 2 ("pingpong") issues the next tile's Q K^T with this tile's
-//    P V, runs the softmax while P V runs and makes the warpgroups take turns
-//    at the tensor cores. MODE 2 is correct but measured slower on the H200
-//    (docs/prefill-kernel.md), so it stays selectable for tuning only.
+//    other; MODE 1 ("overlap", FA3's intra-warpgroup overlap) issues the next
+//    tile's Q K^T with this tile's P V and runs the softmax while P V runs;
+//    MODE 2 ("pingpong") adds turns at the tensor cores between the two
+//    warpgroups; MODE 3 ("overlap232") is MODE 1 with a 40 / 232 register
+//    split instead of 24 / 240. With the cp.async producer none beat MODE 0
+//    on the H200 (docs/prefill-kernel.md), so they stay selectable
+//    (MLA_PREFILL_VARIANT) for tuning.
 //  - work items are (request, 128-row m-block, head); every CTA builds the
 //    prefix table of the requests' m-block counts in shared memory from the
 //    device index arrays, then walks items blockIdx.x, +gridDim.x, ...; the
@@ -49,7 +56,12 @@ constexpr int kSub = 16384;    // one [128 rows x 64 cols] 16-bit sub-tile, 128B
 constexpr uint32_t kVtLbo = 16384, kVtSbo = 1024;  // V as MN-major B: 64-col blocks, 8-key groups
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-constexpr int kProducerRegs = 56, kConsumerRegs = 224;  // 56 + 2 * 224 = 504 <= 65536 / 128
+// Registers per thread (setmaxnreg) by consumer loop, producer + 2 x consumer
+// = 504 <= 65536 / 128. The overlapped loops hold S, P and O at once: with
+// fewer than 240 ptxas moves most of the softmax below the P V wait (SASS),
+// which undoes the overlap; the producer then spills a few words.
+__host__ __device__ constexpr int producer_regs(int mode) { return mode == 0 ? 56 : mode == 3 ? 40 : 24; }
+__host__ __device__ constexpr int consumer_regs(int mode) { return mode == 0 ? 224 : mode == 3 ? 232 : 240; }
 
 // Shared memory: Q, K[2], V[2] (each a run of 16 KiB sub-tiles, 1024-aligned),
 // 8 mbarriers, the request prefix table.
@@ -65,7 +77,16 @@ struct Lay {
   static constexpr int kSmem = kTab + 4 * (MLA_CUDA_PREFILL_MAX_BATCH + 1) + 1024;  // + alignment slack
 };
 static_assert(Lay<192, 128>::kSmem <= 232448, "192/128 tiles exceed the shared memory of an SM");
-enum { BAR_QFULL = 0, BAR_QEMPTY = 1, BAR_KFULL = 2, BAR_VFULL = 4, BAR_EMPTY = 6 };
+// Separate K and V rings (2 stages each): K is released as soon as the
+// scores are done, so the producer can run a K tile ahead of V.
+// Tensor maps of q, k, v as {dim, heads, rows} with the row count bounded by
+// the allocation holding the tensor (host side: cuMemGetAddressRange), so a
+// box never reads outside it; rows past a request's end inside it are masked
+// (K, Q) or loaded by cp.async with zero fill (the partial V tile).
+struct TmaMaps {
+  CUtensorMap q, k, v;
+};
+enum { BAR_QFULL = 0, BAR_QEMPTY = 1, BAR_KFULL = 2, BAR_VFULL = 4, BAR_KEMPTY = 6, BAR_VEMPTY = 8 };
 
 // ---------------------------------------------------------------------------
 // PTX wrappers
@@ -88,6 +109,24 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Arrive on bar once this thread's cp.asyncs landed, counting itself into the
+// phase first (no .noinc): net zero arrivals, so a barrier of count 1 can mix
+// these with one ordinary arrive (the TMA producer's partial V tiles).
+__device__ __forceinline__ void cp_async_arrive_inc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// One TMA box {64 columns, 1 head, 128 rows} = one 16 KiB swizzled sub-tile.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap *map, uint32_t bar, int c0, int c1,
+                                            int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(dst),
+      "l"((uint64_t)map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
 }
 // A phase bug would hang: after ~2^24 polls the trap turns it into a launch
 // error. One asm block (a C loop between wgmmas makes ptxas serialise them).
@@ -357,14 +396,22 @@ __device__ __forceinline__ void ovl_step(float (&o)[64], float (&s)[64], uint32_
   if (PP) named_bar_arrive(2 - cw, 256);  // the other warpgroup's turn
   wgmma_wait<1>();
   reg_fence(s);
+  mbar_arrive(bar + 8 * (BAR_KEMPTY + st));  // the scores are done with K_n
+  if (n == 0) mbar_arrive(bar + 8 * BAR_QEMPTY);
   // Only s, m, l and alpha are written while P V runs: its A registers (pa)
   // and O stay untouched until the wait (else ptxas serialises, C7520).
   float alpha[2];
   softmax_tile<CAP>(s, m, l, alpha, sf, MASK, kt, lim_lo, lim_hi, lane);
+  // Pin the softmax before the wait: its arithmetic touches no memory, so
+  // without these the compiler sinks it below wgmma.wait_group (measured in
+  // the SASS: only the row max stayed above), and P V no longer overlaps it.
+  reg_fence(s);
+  reg_fence(m);
+  reg_fence(l);
+  reg_fence(alpha);
   wgmma_wait<0>();
   reg_fence(o);
-  mbar_arrive(bar + 8 * (BAR_EMPTY + cur));
-  if (n == 0) mbar_arrive(bar + 8 * BAR_QEMPTY);
+  mbar_arrive(bar + 8 * (BAR_VEMPTY + cur));
 #pragma unroll
   for (int i = 0; i < 64; i++) o[i] *= alpha[(i >> 1) & 1];
   pack_p<F16>(s, pa);
@@ -380,10 +427,15 @@ __device__ __forceinline__ void ovl_step(float (&o)[64], float (&s)[64], uint32_
 // tile's scores and this tile's P V issued together, softmax while P V
 // runs); 2: overlapped with the two consumer warpgroups taking turns at the
 // tensor cores (named barriers), so one's softmax runs under the other's
-// matrix work.
+// matrix work; 3: MODE 1 with registers 40 / 232 (producer_regs /
+// consumer_regs).
+// MODE & 7 is the consumer loop, MODE & 8 the TMA producer.
 template <int DQK, int DV, bool F16, bool CAP, int MODE>
-__global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const mla_prefill_params p) {
+__global__ void __launch_bounds__(kThreads, 1)
+    prefill_kernel(const mla_prefill_params p, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int LOOP = MODE & 7;
+  constexpr bool TMA = (MODE & 8) != 0;
   static_assert(DV == 128, "the consumers hold one 64 x 128 O tile");
   using L = Lay<DQK, DV>;
   extern __shared__ uint8_t smem_raw[];
@@ -408,12 +460,13 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const mla_prefill_
     }
     part[tid] = sum;
     if (tid == 0) {
-      mbar_init(bar + 8 * BAR_QFULL, 128);
+      mbar_init(bar + 8 * BAR_QFULL, TMA ? 1 : 128);
       mbar_init(bar + 8 * BAR_QEMPTY, 256);
       for (int s = 0; s < 2; s++) {
-        mbar_init(bar + 8 * (BAR_KFULL + s), 128);
-        mbar_init(bar + 8 * (BAR_VFULL + s), 128);
-        mbar_init(bar + 8 * (BAR_EMPTY + s), 256);
+        mbar_init(bar + 8 * (BAR_KFULL + s), TMA ? 1 : 128);
+        mbar_init(bar + 8 * (BAR_VFULL + s), TMA ? 1 : 128);
+        mbar_init(bar + 8 * (BAR_KEMPTY + s), 256);
+        mbar_init(bar + 8 * (BAR_VEMPTY + s), 256);
       }
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
       // Count the requests the kernel skips (once per launch).
@@ -452,7 +505,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const mla_prefill_
 
   if (wg == 0) {
     // ---------------- producer ----------------
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(producer_regs(LOOP)));
     const int t = tid;
     const int64_t q_stride = (int64_t)p.num_heads * DQK * 2;
     const int64_t k_stride = (int64_t)p.num_kv_heads * DQK * 2;
@@ -463,29 +516,81 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const mla_prefill_
       if (it.ntiles == 0) continue;
       mbar_wait(bar + 8 * BAR_QEMPTY, (q_it & 1) ^ 1);
       const int row0 = it.mb * kBM;
-      load_tile<DQK>(sQ, (const char *)p.q + ((int64_t)(it.q0 + row0) * p.num_heads + it.h) * DQK * 2, q_stride,
-                     it.Q - row0, t, p.q);
-      cp_async_arrive(bar + 8 * BAR_QFULL);
+      if (TMA) {
+        // rows past the request (another request's or the allocation's
+        // tail, zero past it) only feed output rows that are never written
+        if (t == 0) {
+          mbar_expect_tx(bar + 8 * BAR_QFULL, DQK / 64 * kSub);
+          for (int c = 0; c < DQK / 64; c++)
+            tma_load_3d(sQ + c * kSub, &maps.q, bar + 8 * BAR_QFULL, 64 * c, it.h, it.q0 + row0);
+        }
+      } else {
+        load_tile<DQK>(sQ, (const char *)p.q + ((int64_t)(it.q0 + row0) * p.num_heads + it.h) * DQK * 2, q_stride,
+                       it.Q - row0, t, p.q);
+        cp_async_arrive(bar + 8 * BAR_QFULL);
+      }
       q_it++;
       const int kvh = it.h / G;
-      for (int n = it.ntiles - 1; n >= 0; n--) {
-        const int s = kv_it & 1;
-        const uint32_t ph = (kv_it >> 1) & 1;
-        mbar_wait(bar + 8 * (BAR_EMPTY + s), ph ^ 1);
-        const int kt = n * kBN;
-        const int64_t row = (int64_t)(it.k0 + kt) * p.num_kv_heads + kvh;
-        load_tile<DQK>(sbase + L::kK + s * L::kKBytes, (const char *)p.k + row * DQK * 2, k_stride, it.K - kt, t,
-                       p.k);
-        cp_async_arrive(bar + 8 * (BAR_KFULL + s));
-        load_tile<DV>(sbase + L::kV + s * L::kVBytes, (const char *)p.v + row * DV * 2, v_stride, it.K - kt, t, p.v);
-        cp_async_arrive(bar + 8 * (BAR_VFULL + s));
-        kv_it++;
+      // K runs one tile ahead of V: K_{j}, then V_{j-1} (j-th tile in walk
+      // order, from the last key tile down), so the next scores' K can land
+      // while the consumers still hold the V of the tile before.
+      for (int j = 0; j <= it.ntiles; j++) {
+        if (j < it.ntiles) {
+          const uint32_t x = kv_it + j;
+          const int s = x & 1;
+          mbar_wait(bar + 8 * (BAR_KEMPTY + s), ((x >> 1) & 1) ^ 1);
+          const int kt = (it.ntiles - 1 - j) * kBN;
+          if (TMA) {
+            // keys past the request are masked by the consumers (the tile
+            // that holds them is always a masked one)
+            if (t == 0) {
+              mbar_expect_tx(bar + 8 * (BAR_KFULL + s), DQK / 64 * kSub);
+              for (int c = 0; c < DQK / 64; c++)
+                tma_load_3d(sbase + L::kK + s * L::kKBytes + c * kSub, &maps.k, bar + 8 * (BAR_KFULL + s), 64 * c, kvh,
+                            it.k0 + kt);
+            }
+          } else {
+            const int64_t row = (int64_t)(it.k0 + kt) * p.num_kv_heads + kvh;
+            load_tile<DQK>(sbase + L::kK + s * L::kKBytes, (const char *)p.k + row * DQK * 2, k_stride, it.K - kt, t,
+                           p.k);
+            cp_async_arrive(bar + 8 * (BAR_KFULL + s));
+          }
+        }
+        if (j >= 1) {
+          const uint32_t x = kv_it + j - 1;
+          const int s = x & 1;
+          mbar_wait(bar + 8 * (BAR_VEMPTY + s), ((x >> 1) & 1) ^ 1);
+          const int kt = (it.ntiles - j) * kBN;
+          const int64_t row = (int64_t)(it.k0 + kt) * p.num_kv_heads + kvh;
+          if (TMA && kt + kBN <= it.K) {
+            if (t == 0) {
+              mbar_expect_tx(bar + 8 * (BAR_VFULL + s), DV / 64 * kSub);
+              for (int c = 0; c < DV / 64; c++)
+                tma_load_3d(sbase + L::kV + s * L::kVBytes + c * kSub, &maps.v, bar + 8 * (BAR_VFULL + s), 64 * c, kvh,
+                            it.k0 + kt);
+            }
+          } else if (TMA) {
+            // The partial tile: rows past the request must be zeros, not
+            // whatever follows (0 * NaN), so cp.async with zero fill; the
+            // 128 async arrivals count themselves in, then one plain arrive.
+            load_tile<DV>(sbase + L::kV + s * L::kVBytes, (const char *)p.v + row * DV * 2, v_stride, it.K - kt, t,
+                          p.v);
+            cp_async_arrive_inc(bar + 8 * (BAR_VFULL + s));
+            named_bar_sync(3, 128);
+            if (t == 0) mbar_arrive(bar + 8 * (BAR_VFULL + s));
+          } else {
+            load_tile<DV>(sbase + L::kV + s * L::kVBytes, (const char *)p.v + row * DV * 2, v_stride, it.K - kt, t,
+                          p.v);
+            cp_async_arrive(bar + 8 * (BAR_VFULL + s));
+          }
+        }
       }
+      kv_it += it.ntiles;
     }
     cp_async_wait_all();
   } else {
     // ---------------- consumers ----------------
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(consumer_regs(LOOP)));
     const int cw = wg - 1;
     const int lane = tid & 31, warp = (tid >> 5) & 3;
     const int r_lo = 64 * cw + 16 * warp + (lane >> 2);  // this thread's rows in the m-block: r_lo, r_lo + 8
@@ -502,7 +607,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const mla_prefill_
     uint32_t kv_it = 0, q_it = 0;
     // Turns alternate (warpgroup 0 first): every item gives both warpgroups
     // the same ntiles + 1 turns, so the sequence stays in step.
-    if (MODE == 2 && cw == 1) named_bar_arrive(1, 256);
+    if (LOOP == 2 && cw == 1) named_bar_arrive(1, 256);
     for (long long id = blockIdx.x; id < items; id += gridDim.x) {
       const Item it = decode_item(p, pre, total_mb, id);
       const int t_lo = it.mb * kBM + r_lo, t_hi = t_lo + 8;
@@ -521,7 +626,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const mla_prefill_
         uint32_t pa[8][4];
         float alpha[2];
         float s[64];
-        if (MODE == 0) {
+        if (LOOP == 0) {
           for (int n = it.ntiles - 1; n >= 0; n--) {
             const int st = kv_it & 1;
             const uint32_t ph = (kv_it >> 1) & 1;
@@ -537,6 +642,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const mla_prefill_
             wgmma_commit();
             wgmma_wait<0>();
             reg_fence(s);
+            mbar_arrive(bar + 8 * (BAR_KEMPTY + st));
             if (n == 0) mbar_arrive(bar + 8 * BAR_QEMPTY);
             softmax_tile<CAP>(s, m, l, alpha, sf, kt + kBN - 1 > wg_lim, kt, lim_lo, lim_hi, lane);
             pack_p<F16>(s, pa);
@@ -551,7 +657,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const mla_prefill_
             wgmma_commit();
             wgmma_wait<0>();
             reg_fence(o);
-            mbar_arrive(bar + 8 * (BAR_EMPTY + st));
+            mbar_arrive(bar + 8 * (BAR_VEMPTY + st));
             kv_it++;
           }
         } else {
@@ -563,16 +669,17 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const mla_prefill_
             const uint32_t sK = sbase + L::kK + cur * L::kKBytes;
             mbar_wait(bar + 8 * (BAR_KFULL + cur), cur_ph);
             fence_proxy_async();
-            if (MODE == 2) named_bar_sync(1 + cw, 256);
+            if (LOOP == 2) named_bar_sync(1 + cw, 256);
             wgmma_fence();
 #pragma unroll
             for (int k = 0; k < DQK / 16; k++)
               mma_qk<F16>(s, desc_sw128(qa + (k >> 2) * kSub + (k & 3) * 32, 16, 1024),
                           desc_sw128(sK + (k >> 2) * kSub + (k & 3) * 32, 16, 1024), k > 0);
             wgmma_commit();
-            if (MODE == 2) named_bar_arrive(2 - cw, 256);
+            if (LOOP == 2) named_bar_arrive(2 - cw, 256);
             wgmma_wait<0>();
             reg_fence(s);
+            mbar_arrive(bar + 8 * (BAR_KEMPTY + cur));
             if (it.ntiles == 1) mbar_arrive(bar + 8 * BAR_QEMPTY);
             softmax_tile<CAP>(s, m, l, alpha, sf, kt + kBN - 1 > wg_lim, kt, lim_lo, lim_hi, lane);
             pack_p<F16>(s, pa);
@@ -584,25 +691,25 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const mla_prefill_
           const int nu = (wg_lim + 1) / kBN - 1;  // highest tile no row masks
           int n = it.ntiles - 2;
           for (; n >= 0 && n > nu; n--)
-            ovl_step<DQK, DV, F16, CAP, true, MODE == 2>(o, s, pa, m, l, sf, sbase, bar, qa, kv_it, cur, cur_ph, n,
+            ovl_step<DQK, DV, F16, CAP, true, LOOP == 2>(o, s, pa, m, l, sf, sbase, bar, qa, kv_it, cur, cur_ph, n,
                                                          lim_lo, lim_hi, lane, cw);
           for (; n >= 0; n--)
-            ovl_step<DQK, DV, F16, CAP, false, MODE == 2>(o, s, pa, m, l, sf, sbase, bar, qa, kv_it, cur, cur_ph,
+            ovl_step<DQK, DV, F16, CAP, false, LOOP == 2>(o, s, pa, m, l, sf, sbase, bar, qa, kv_it, cur, cur_ph,
                                                           n, lim_lo, lim_hi, lane, cw);
           {
             const uint32_t sVc = sbase + L::kV + cur * L::kVBytes;
             mbar_wait(bar + 8 * (BAR_VFULL + cur), cur_ph);
             fence_proxy_async();
-            if (MODE == 2) named_bar_sync(1 + cw, 256);
+            if (LOOP == 2) named_bar_sync(1 + cw, 256);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < 8; kk++)
               mma_pv<F16>(o, pa[kk], desc_sw128(sVc + kk * 2048, kVtLbo, kVtSbo), 1);
             wgmma_commit();
-            if (MODE == 2) named_bar_arrive(2 - cw, 256);
+            if (LOOP == 2) named_bar_arrive(2 - cw, 256);
             wgmma_wait<0>();
             reg_fence(o);
-            mbar_arrive(bar + 8 * (BAR_EMPTY + cur));
+            mbar_arrive(bar + 8 * (BAR_VEMPTY + cur));
           }
         }
       }
@@ -708,25 +815,84 @@ static int head_group() {
   return v >= 1 ? v : kHeadGroup;
 }
 
+typedef CUresult (*EncodeTiledFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                                  const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+typedef CUresult (*AddressRangeFn)(CUdeviceptr *, size_t *, CUdeviceptr);
+
+// Driver entry points through the runtime (no -lcuda); NULL when missing.
+static void *driver_fn(const char *name) {
+  void *f = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  if (cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess)
+    return nullptr;
+  return f;
+}
+
+// Rows of row_bytes from ptr to the end of the allocation holding it: the
+// host-side bound a tensor map needs and mla_ragged_args does not carry. 0
+// when the driver cannot tell (then the cp.async producer runs).
+static uint64_t rows_to_end(const void *ptr, uint64_t row_bytes) {
+  static AddressRangeFn fn = (AddressRangeFn)driver_fn("cuMemGetAddressRange");
+  if (!fn) return 0;
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  if (fn(&base, &size, (CUdeviceptr)(uintptr_t)ptr) != CUDA_SUCCESS) return 0;
+  const uint64_t end = (uint64_t)base + size, at = (uint64_t)(uintptr_t)ptr;
+  if (at < (uint64_t)base || at >= end) return 0;
+  const uint64_t rows = (end - at) / row_bytes;
+  return rows < (1ull << 31) ? rows : (1ull << 31) - 1;  // box coordinates are int32
+}
+
+// [rows, heads, dim] 16-bit tensor as {dim, heads, rows}; box {64, 1, 128} =
+// one 128B-swizzled [128 x 64] sub-tile; zeros past `rows`.
+static bool make_map(CUtensorMap *map, const void *ptr, int dim, int heads, bool f16) {
+  static EncodeTiledFn fn = (EncodeTiledFn)driver_fn("cuTensorMapEncodeTiled");
+  if (!fn) return false;
+  const uint64_t row_bytes = (uint64_t)heads * dim * 2;
+  const uint64_t rows = rows_to_end(ptr, row_bytes);
+  if (rows == 0) return false;
+  cuuint64_t dims[3] = {(cuuint64_t)dim, (cuuint64_t)heads, (cuuint64_t)rows};
+  cuuint64_t strides[2] = {(cuuint64_t)dim * 2, (cuuint64_t)row_bytes};
+  cuuint32_t box[3] = {64, 1, (cuuint32_t)kBM}, one[3] = {1, 1, 1};
+  return fn(map, f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void *>(ptr),
+            dims, strides, box, one, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 template <int DQK, bool F16, bool CAP, int MODE>
-cudaError_t launch(const mla_prefill_params *p, int grid, cudaStream_t stream) {
+cudaError_t launch(const mla_prefill_params *p, int grid, cudaStream_t stream, const TmaMaps &maps) {
   auto kern = prefill_kernel<DQK, 128, F16, CAP, MODE>;
   const int smem = Lay<DQK, 128>::kSmem;
   cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   mla_prefill_params q = *p;
   q.head_group = head_group();
-  kern<<<grid, kThreads, smem, stream>>>(q);
+  kern<<<grid, kThreads, smem, stream>>>(q, maps);
   return cudaGetLastError();
 }
 
 template <int DQK, bool F16>
 cudaError_t launch_dims(const mla_prefill_params *p, int grid, cudaStream_t stream, int mode) {
   const bool cap = p->softcap > 0.0f;
-  // MODE 1 (overlap without turns) is not instantiated: it measured slower
-  // than both others (docs/prefill-kernel.md).
-  if (mode == 2) return cap ? launch<DQK, F16, true, 2>(p, grid, stream) : launch<DQK, F16, false, 2>(p, grid, stream);
-  return cap ? launch<DQK, F16, true, 0>(p, grid, stream) : launch<DQK, F16, false, 0>(p, grid, stream);
+  TmaMaps maps;
+  memset(&maps, 0, sizeof maps);
+  // The TMA producer when every tensor's allocation bound is known, else
+  // the same consumer loop with the cp.async producer.
+  if ((mode & 8) && !(make_map(&maps.q, p->q, DQK, p->num_heads, F16) &&
+                      make_map(&maps.k, p->k, DQK, p->num_kv_heads, F16) &&
+                      make_map(&maps.v, p->v, 128, p->num_kv_heads, F16)))
+    mode &= 7;
+#define PF_LAUNCH(M) \
+  return cap ? launch<DQK, F16, true, M>(p, grid, stream, maps) : launch<DQK, F16, false, M>(p, grid, stream, maps)
+  if (mode == 8) PF_LAUNCH(8);
+  if (mode == 11) PF_LAUNCH(11);
+  if (mode == 1) PF_LAUNCH(1);
+  if (mode == 3) PF_LAUNCH(3);
+  if (mode == 2) PF_LAUNCH(2);
+  PF_LAUNCH(0);
+#undef PF_LAUNCH
 }
 
 }  // namespace
@@ -739,14 +905,28 @@ extern "C" const char *mla_cuda_prefill_unsupported(int qk_dim, int v_dim, int a
   return NULL;
 }
 
-// The consumer loop (MODE of prefill_kernel). MLA_PREFILL_VARIANT = plain or
-// pingpong overrides the default (the harness in dev/cuda/prefill and the GPU
-// test run every variant; read at every launch).
+// The consumer loop and producer (MODE of prefill_kernel) by name:
+// MLA_PREFILL_VARIANT = plain, overlap, pingpong, overlap232, plain-tma or
+// overlap232-tma overrides the default (the harness in
+// dev/cuda/prefill and the GPU test use it; read at every launch). MODE 9
+// (the TMA producer under the 24 / 240 split) is not offered: it failed with
+// a launch error on large inputs (docs/prefill-kernel.md section 6).
+static int mode_named(const char *e) {
+  static const struct {
+    const char *name;
+    int mode;
+  } names[] = {{"plain", 0},    {"overlap", 1},    {"pingpong", 2},
+               {"overlap232", 3}, {"plain-tma", 8}, {"overlap232-tma", 11}};
+  for (size_t i = 0; e && i < sizeof names / sizeof names[0]; i++)
+    if (!strcmp(e, names[i].name)) return names[i].mode;
+  return -1;
+}
+// MLA_PREFILL_DEFAULT replaces the built-in default (so the GPU test's
+// "default" pass can run any variant).
 static int kernel_mode() {
-  const char *e = getenv("MLA_PREFILL_VARIANT");
-  if (e && !strcmp(e, "plain")) return 0;
-  if (e && !strcmp(e, "pingpong")) return 2;
-  return kDefaultMode;
+  int m = mode_named(getenv("MLA_PREFILL_VARIANT"));
+  if (m < 0) m = mode_named(getenv("MLA_PREFILL_DEFAULT"));
+  return m >= 0 ? m : kDefaultMode;
 }
 
 extern "C" int mla_cuda_prefill_launch(const mla_prefill_params *p, int grid, void *stream_) {

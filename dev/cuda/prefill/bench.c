@@ -7,7 +7,7 @@
  *
  *   make -C dev/cuda/prefill BUILD=<cmake build dir with libmla.a>
  *   dev/cuda/prefill/bench [--runs N] [--noncausal] [shape ...]
- * MLA_PREFILL_VARIANT=plain|overlap|pingpong selects the consumer loop and
+ * MLA_PREFILL_VARIANT=plain|overlap|pingpong|overlap232|plain-tma|overlap232-tma selects the kernel and
  * MLA_PREFILL_HEAD_GROUP the heads per group of the work order. */
 #include <cuda_runtime.h>
 #include <stdint.h>
