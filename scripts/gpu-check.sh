@@ -27,7 +27,9 @@
 #             library's GPU tests in their small modes
 #   ncu       (not in all) Nsight Compute sections for one launch per version (NCU_VERSIONS, NCU_HS="128 16")
 #   full      all + lib
-# Environment: VERSIONS (default 1,...,10), OUT (log folder; the device tool sets it), QUICK=1 (bench s_k 8192 only),
+# Environment: PREBUILT=DIR (libgpu, libsan: no cmake; run the binaries of a CUDA build made elsewhere and
+#   carried, DIR holding mla, libmla.so* and tests/test_*; the tests run one by one instead of through ctest),
+#   LIBBENCH_ARGS (more options for libgpu's `mla bench --device cuda`), VERSIONS (default 1,...,10), OUT (log folder; the device tool sets it), QUICK=1 (bench s_k 8192 only),
 #   SKIP_BUILD=1 (use a dev/cuda/build carried from a machine with nvcc 13: no make; its ptxas reports are still listed),
 #   CHECK_VERSIONS, SANITIZE_VERSIONS (default VERSIONS: the versions the check / sanitize stages run),
 #   SANITIZE_TOOLS (default "memcheck racecheck").
@@ -46,6 +48,9 @@ SANITIZE_TOOLS=${SANITIZE_TOOLS:-memcheck racecheck}
 QUICK=${QUICK:-0}
 H=$ROOT/dev/cuda/build/decode_harness
 JOBS=$(nproc 2>/dev/null || echo 4)
+PREBUILT=${PREBUILT:-}
+LIB=${PREBUILT:-$ROOT/build-gpu}
+[ -n "$PREBUILT" ] && LIB=$(cd "$PREBUILT" && pwd)
 export PATH=$PATH:/usr/local/cuda/bin
 status=0
 
@@ -207,20 +212,35 @@ fi
 
 if want libgpu; then
   gpu_tests=${LIBGPU_TESTS:-$(cd "$ROOT/tests" && ls test_cuda_*.c test_backend_graph.c | sed 's/\.c$//' | paste -sd' ')}
-  {
-    cmake -S "$ROOT" -B "$ROOT/build-gpu" -DMLA_CUDA=ON -DCMAKE_BUILD_TYPE=Release > /dev/null \
-      && cmake --build "$ROOT/build-gpu" -j"$JOBS" --target mla_cli \
-        $gpu_tests \
-      && ctest --test-dir "$ROOT/build-gpu" -R "^(${gpu_tests// /|})\$" -V
-  } > "$OUT/libgpu.txt" 2>&1 || status=1
+  if [ -n "$PREBUILT" ]; then
+    # A carried build: each test binary in turn, in ctest's words so the summary below reads it.
+    {
+      n=0; nf=0
+      for t in $gpu_tests; do
+        n=$((n + 1))
+        echo "== $t"
+        if MLA_GOLDEN_DIR="$ROOT/tests/golden" timeout 900 "$LIB/tests/$t"; then echo "$t: Passed"
+        else echo "$t: ***Failed (exit $?)"; nf=$((nf + 1)); fi
+      done
+      echo "$(( (n - nf) * 100 / n ))% tests passed, $nf tests failed out of $n"
+      [ "$nf" = 0 ]
+    } > "$OUT/libgpu.txt" 2>&1 || status=1
+  else
+    {
+      cmake -S "$ROOT" -B "$LIB" -DMLA_CUDA=ON -DCMAKE_BUILD_TYPE=Release > /dev/null \
+        && cmake --build "$LIB" -j"$JOBS" --target mla_cli \
+          $gpu_tests \
+        && ctest --test-dir "$LIB" -R "^(${gpu_tests// /|})\$" -V
+    } > "$OUT/libgpu.txt" 2>&1 || status=1
+    cmake --build "$LIB" -j"$JOBS" --target mla > /dev/null 2>&1
+  fi
   # The Python binding's GPU tests (torch on the device) against this build.
-  cmake --build "$ROOT/build-gpu" -j"$JOBS" --target mla > /dev/null 2>&1
-  ( cd "$ROOT" && MLA_LIBRARY="$ROOT/build-gpu/libmla.so" PYTHONPATH="$ROOT/python" timeout 300 \
+  ( cd "$ROOT" && MLA_LIBRARY="$LIB/libmla.so" PYTHONPATH="$ROOT/python" timeout 300 \
       python3 -m pytest -q -rs python/tests/test_gpu.py python/tests/test_torch.py python/tests/test_sglang_gpu.py \
       python/tests/test_overhead.py::test_gpu_step_call_overhead ) \
     > "$OUT/pygpu.txt" 2>&1 || status=1
   q=""; [ "$QUICK" = 1 ] && q="--quick"
-  timeout 400 "$ROOT/build-gpu/mla" bench --device cuda $q > "$OUT/libbench.txt" 2>&1 || status=1
+  timeout 400 "$LIB/mla" bench --device cuda $q ${LIBBENCH_ARGS:-} > "$OUT/libbench.txt" 2>&1 || status=1
 fi
 
 if want dcp; then
@@ -238,17 +258,17 @@ if want libsan; then
   # memcheck must be clean; racecheck hazards are reported (the wgmma/TMA kernels order
   # shared memory through mbarriers, which racecheck models only in part).
   {
-    cmake -S "$ROOT" -B "$ROOT/build-gpu" -DMLA_CUDA=ON -DCMAKE_BUILD_TYPE=Release > /dev/null \
-      && cmake --build "$ROOT/build-gpu" -j"$JOBS" --target test_cuda_prefill_paged test_cuda_ragged test_cuda_cache \
-        test_cuda_step > /dev/null
+    [ -n "$PREBUILT" ] || { cmake -S "$ROOT" -B "$LIB" -DMLA_CUDA=ON -DCMAKE_BUILD_TYPE=Release > /dev/null \
+      && cmake --build "$LIB" -j"$JOBS" --target test_cuda_prefill_paged test_cuda_ragged test_cuda_cache \
+        test_cuda_step > /dev/null; }
     for t in "test_cuda_prefill_paged small" "test_cuda_ragged small" "test_cuda_cache" "test_cuda_step"; do
       echo "== memcheck $t"
-      timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 "$ROOT/build-gpu/tests/"$t 2>&1 | tail -3
+      timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 "$LIB/tests/"$t 2>&1 | tail -3
       echo "exit ${PIPESTATUS[0]}"
     done
     for t in "test_cuda_prefill_paged small" "test_cuda_ragged small"; do
       echo "== racecheck $t"
-      timeout 300 compute-sanitizer --tool racecheck --print-limit 6 "$ROOT/build-gpu/tests/"$t 2>&1 \
+      timeout 300 compute-sanitizer --tool racecheck --print-limit 6 "$LIB/tests/"$t 2>&1 \
         | grep -v "^  [a-z]" | head -60
     done
   } > "$OUT/libsan.txt" 2>&1
