@@ -44,6 +44,21 @@
 #include <stdatomic.h>
 
 #include "cpu.h"
+#ifdef MLA_CPU_PROF
+#include <stdio.h>
+#include <x86intrin.h>
+static unsigned long long prof_t[8], prof_n;
+static void prof_dump(void) {
+  fprintf(stderr, "PROF tiles %llu: qk %.0f sm %.0f pv %.0f piece %.0f (cycles/tile)\n", prof_n,
+          (double)prof_t[0] / prof_n, (double)prof_t[1] / prof_n, (double)prof_t[2] / prof_n,
+          (double)prof_t[3] / prof_n);
+}
+#define PROF_T(v) unsigned long long v = __rdtsc()
+#define PROF_ADD(i, a, b) prof_t[i] += (b) - (a)
+#else
+#define PROF_T(v)
+#define PROF_ADD(i, a, b)
+#endif
 
 #define SPLIT_MIN_ITEMS 16
 #define SPLIT_MAX_PIECES 32
@@ -334,6 +349,7 @@ static void run_piece(const ab_job *J, const piece *pc, int worker, const piece 
       mla_cpu_conv_finish(k, &cv);
       have = 1;
     }
+    PROF_T(t0);
     for (int b = 0; b < NBLK; b++) {
       const int c0 = b * COLS;
       if (have < NBLK)
@@ -352,7 +368,9 @@ static void run_piece(const ab_job *J, const piece *pc, int worker, const piece 
       for (int j = 0; j < n; j++)
         for (int r = 0; r < rows; r++)
           if (kt + j > lim[r]) S[(size_t)j * rb + r] = -INFINITY;
+    PROF_T(t1);
     k->softmax(n, rb, S, m, l, alpha);
+    PROF_T(t2);
     int nhave = 0;
     for (int b = 0; b < MLA_LATENT / COLS; b++) {
       if (b >= 1 && nn > 0) {
@@ -365,6 +383,14 @@ static void run_piece(const ab_job *J, const piece *pc, int worker, const piece 
       mla_cpu_conv_finish(k, &cv);
     }
     have = nhave;
+    PROF_T(t3);
+    PROF_ADD(0, t0, t1);
+    PROF_ADD(1, t1, t2);
+    PROF_ADD(2, t2, t3);
+#ifdef MLA_CPU_PROF
+    if (n == 64 && rb == 16) prof_n++;
+    { static int once; if (!once) { once = 1; atexit(prof_dump); } }
+#endif
     const unsigned char **t = rp_cur;
     rp_cur = rp_next;
     rp_next = t;
