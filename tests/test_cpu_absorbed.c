@@ -25,6 +25,7 @@
 #include "cpu/cpu.h" /* white box: mla_cpu_set_isa */
 #include "mla.h"
 #include "ref.h"
+#include "paged_world.h"
 #include "test_util.h"
 
 #define O_ATOL 8e-4
@@ -135,59 +136,11 @@ static int world_build(world *w, const acase *c) {
   }
   tu_poison_cache(w->cache);
 
-  /* Scatter the free list. */
-  int32_t pad[NPAD];
-  for (int p = 0; p < NPAD; p++) {
-    mla_req_add(w->rt, &pad[p]);
-    mla_req_extend(w->rt, pad[p], c->P, NULL);
-  }
-  tu_shuffle_i32(&rng, pad, NPAD);
-  for (int p = 0; p < NPAD; p++) mla_req_free(w->rt, pad[p]);
-
-  /* Requests grow in random steps, interleaved, so their pages interleave. */
-  int have[MAXB] = {0}, left = 1;
-  for (int i = 0; i < c->bs; i++) TU_STATUS(mla_req_add(w->rt, &w->req_ids[i]), MLA_OK);
-  while (left) {
-    left = 0;
-    for (int i = 0; i < c->bs; i++) {
-      int n = w->kv_len[i] - have[i];
-      if (n <= 0) continue;
-      int step = tu_randint(&rng, 1, n < 2 * c->P ? n : 2 * c->P);
-      mla_status st = mla_req_extend(w->rt, w->req_ids[i], step, NULL);
-      if (st != MLA_OK) {
-        TU_CHECK(0, "mla_req_extend: %s", mla_req_table_last_error(w->rt));
-        return -1;
-      }
-      have[i] += step;
-      left |= have[i] < w->kv_len[i];
-    }
-  }
-
-  /* Only the rows requests own get data (c, r ~ N(0,1) in f32: the cache
-   * quantizes them). */
-  const int32_t *r2t;
-  mla_req_table_data(w->rt, &r2t);
-  int32_t *slots = malloc(sizeof(int32_t) * (size_t)(w->Tk + 1));
-  int k = 0;
-  for (int i = 0; i < c->bs; i++)
-    for (int j = 0; j < w->kv_len[i]; j++) slots[k++] = r2t[(size_t)w->req_ids[i] * maxkv + j];
-  float *cf = malloc(sizeof(float) * (size_t)(w->Tk + 1) * MLA_LATENT);
-  float *rf = malloc(sizeof(float) * (size_t)(w->Tk + 1) * MLA_ROPE);
-  for (int64_t i = 0; i < (int64_t)w->Tk * MLA_LATENT; i++) cf[i] = (float)tu_normal(&rng);
-  for (int64_t i = 0; i < (int64_t)w->Tk * MLA_ROPE; i++) rf[i] = (float)tu_normal(&rng);
-  if (w->Tk)
-    TU_STATUS(mla_kv_cache_write(w->cache, 0, w->Tk, slots, cf, rf, MLA_DTYPE_F32), MLA_OK);
-  /* the oracle sees what the cache holds */
-  w->c_d = malloc(sizeof(double) * (size_t)(w->Tk + 1) * MLA_LATENT);
-  w->r_d = malloc(sizeof(double) * (size_t)(w->Tk + 1) * MLA_ROPE);
-  if (w->Tk) {
-    TU_STATUS(mla_kv_cache_read(w->cache, 0, w->Tk, slots, cf, rf, MLA_DTYPE_F32), MLA_OK);
-    for (int64_t i = 0; i < (int64_t)w->Tk * MLA_LATENT; i++) w->c_d[i] = cf[i];
-    for (int64_t i = 0; i < (int64_t)w->Tk * MLA_ROPE; i++) w->r_d[i] = rf[i];
-  }
-  free(slots);
-  free(cf);
-  free(rf);
+  /* Scattered free list, interleaved growth, random rows (c, r ~ N(0,1) in
+   * f32: the cache quantizes them; the oracle sees what the cache holds). */
+  if (tu_grow_requests(&rng, w->rt, c->bs, w->kv_len, NPAD, c->P, 2 * c->P, w->req_ids) ||
+      tu_fill_owned_rows(&rng, w->cache, w->rt, c->bs, w->req_ids, w->kv_len, maxkv, MLA_DTYPE_F32, &w->c_d, &w->r_d))
+    return -1;
 
   /* plan */
   mla_batch *b = &w->batch;
@@ -210,25 +163,9 @@ static int world_build(world *w, const acase *c) {
   TU_CHECK(st == MLA_OK, "mla_plan_build: %s", mla_ctx_last_error(ctx2));
   if (st != MLA_OK) return -1;
   /* The kernel must never read block-table entries past a request. */
-  int32_t *bt = (int32_t *)w->plan.block_table;
-  for (int i = 0; i < c->bs; i++)
-    for (int j = (w->kv_len[i] + c->P - 1) / c->P; j < w->plan.block_table_width; j++)
-      bt[(size_t)i * w->plan.block_table_width + j] = TU_SENTINEL;
-
+  tu_guard_block_table(&w->plan, c->bs, w->kv_len, c->P);
   /* q: bf16-representable, in the activation dtype; the oracle reads it back */
-  const int64_t nq = (int64_t)w->Tq * c->H;
-  float *tmp = malloc(sizeof(float) * (size_t)(nq + 1) * MLA_LATENT);
-  w->qn = malloc(tu_act_size(c->act) * (size_t)(nq + 1) * MLA_LATENT);
-  w->qr = malloc(tu_act_size(c->act) * (size_t)(nq + 1) * MLA_ROPE);
-  w->qn_d = malloc(sizeof(double) * (size_t)(nq + 1) * MLA_LATENT);
-  w->qr_d = malloc(sizeof(double) * (size_t)(nq + 1) * MLA_ROPE);
-  tu_fill_bf16_normal(&rng, tmp, nq * MLA_LATENT, 1.0);
-  tu_to_dtype(c->act, tmp, w->qn, nq * MLA_LATENT);
-  tu_from_dtype(c->act, w->qn, w->qn_d, nq * MLA_LATENT);
-  tu_fill_bf16_normal(&rng, tmp, nq * MLA_ROPE, 1.0);
-  tu_to_dtype(c->act, tmp, w->qr, nq * MLA_ROPE);
-  tu_from_dtype(c->act, w->qr, w->qr_d, nq * MLA_ROPE);
-  free(tmp);
+  tu_make_q(&rng, c->act, (int64_t)w->Tq * c->H, 1, &w->qn, &w->qr, &w->qn_d, &w->qr_d);
   return 0;
 }
 

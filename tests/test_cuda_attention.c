@@ -25,6 +25,7 @@
 
 #include "mla.h"
 #include "ref.h"
+#include "paged_world.h"
 #include "test_util.h"
 
 #ifndef MLA_TEST_CUDA
@@ -59,7 +60,7 @@ typedef struct world {
   int Tq, Tk;
   void *pws;
   mla_plan plan;
-  uint16_t *qn, *qr; /* bf16 [Tq, H, 512], [Tq, H, 64] */
+  void *qn, *qr; /* bf16 [Tq, H, 512], [Tq, H, 64] */
   double *qn_d, *qr_d, *c_d, *r_d, *o_ref, *lse_ref, *pbound;
 } world;
 
@@ -98,58 +99,13 @@ static int world_build(world *w) {
     return -1;
   }
   tu_poison_cache(w->cache);
-  int32_t pad[NPAD];
-  for (int p = 0; p < NPAD; p++) {
-    mla_req_add(w->rt, &pad[p]);
-    mla_req_extend(w->rt, pad[p], w->P, NULL);
-  }
-  tu_shuffle_i32(&rng, pad, NPAD);
-  for (int p = 0; p < NPAD; p++) mla_req_free(w->rt, pad[p]);
-  int have[MAXB] = {0}, left = 1;
-  for (int i = 0; i < w->bs; i++) TU_STATUS(mla_req_add(w->rt, &w->req_ids[i]), MLA_OK);
-  while (left) {
-    left = 0;
-    for (int i = 0; i < w->bs; i++) {
-      int n = w->kv_len[i] - have[i];
-      if (n <= 0) continue;
-      int step = tu_randint(&rng, 1, n < 2 * w->P ? n : 2 * w->P);
-      if (mla_req_extend(w->rt, w->req_ids[i], step, NULL) != MLA_OK) {
-        TU_CHECK(0, "mla_req_extend: %s", mla_req_table_last_error(w->rt));
-        return -1;
-      }
-      have[i] += step;
-      left |= have[i] < w->kv_len[i];
-    }
-  }
-  /* rows the requests own: c, r ~ N(0, 1), stored as bf16 */
-  const int32_t *r2t;
-  mla_req_table_data(w->rt, &r2t);
-  int32_t *slots = malloc(sizeof(int32_t) * (size_t)(w->Tk + 1));
-  int k = 0;
-  for (int i = 0; i < w->bs; i++)
-    for (int j = 0; j < w->kv_len[i]; j++) slots[k++] = r2t[(size_t)w->req_ids[i] * maxkv + j];
-  float *cf = malloc(sizeof(float) * (size_t)(w->Tk + 1) * MLA_LATENT);
-  float *rf = malloc(sizeof(float) * (size_t)(w->Tk + 1) * MLA_ROPE);
-  for (int64_t i = 0; i < (int64_t)w->Tk * MLA_LATENT; i++) cf[i] = (float)tu_normal(&rng);
-  for (int64_t i = 0; i < (int64_t)w->Tk * MLA_ROPE; i++) rf[i] = (float)tu_normal(&rng);
-  TU_STATUS(mla_kv_cache_write(w->cache, 0, w->Tk, slots, cf, rf, MLA_DTYPE_F32), MLA_OK);
-  w->c_d = malloc(sizeof(double) * (size_t)(w->Tk + 1) * MLA_LATENT);
-  w->r_d = malloc(sizeof(double) * (size_t)(w->Tk + 1) * MLA_ROPE);
-  TU_STATUS(mla_kv_cache_read(w->cache, 0, w->Tk, slots, cf, rf, MLA_DTYPE_F32), MLA_OK);
-  for (int64_t i = 0; i < (int64_t)w->Tk * MLA_LATENT; i++) w->c_d[i] = cf[i];
-  for (int64_t i = 0; i < (int64_t)w->Tk * MLA_ROPE; i++) w->r_d[i] = rf[i];
-  free(slots);
-  free(cf);
-  free(rf);
+  /* scattered free list, interleaved growth; the rows the requests own:
+   * c, r ~ N(0, 1), stored as bf16 */
+  if (tu_grow_requests(&rng, w->rt, w->bs, w->kv_len, NPAD, w->P, 2 * w->P, w->req_ids) ||
+      tu_fill_owned_rows(&rng, w->cache, w->rt, w->bs, w->req_ids, w->kv_len, maxkv, MLA_DTYPE_F32, &w->c_d, &w->r_d))
+    return -1;
   /* the GPU cache: the CPU cache's bytes (owned rows and NaN rows alike) */
-  {
-    void *hp = NULL, *dp = NULL;
-    size_t rb = 0;
-    mla_kv_cache_layer_data(w->cache, 0, &hp);
-    mla_kv_cache_layer_data(w->dcache, 0, &dp);
-    mla_kv_cache_row_bytes(w->cache, &rb);
-    CK(cudaMemcpy(dp, hp, rb * (size_t)pages * w->P, cudaMemcpyHostToDevice));
-  }
+  tu_cache_to_device(w->cache, w->dcache, (size_t)pages * w->P);
   mla_batch *b = calloc(1, sizeof *b);
   b->mode = w->mode;
   b->batch_size = w->bs;
@@ -164,24 +120,9 @@ static int world_build(world *w) {
   free(b);
   TU_CHECK(st == MLA_OK, "mla_plan_build: %s", mla_ctx_last_error(cpu));
   if (st != MLA_OK) return -1;
-  int32_t *bt = (int32_t *)w->plan.block_table;
-  for (int i = 0; i < w->bs; i++)
-    for (int j = (w->kv_len[i] + w->P - 1) / w->P; j < w->plan.block_table_width; j++)
-      bt[(size_t)i * w->plan.block_table_width + j] = TU_SENTINEL;
+  tu_guard_block_table(&w->plan, w->bs, w->kv_len, w->P);
   /* q: bf16 */
-  const int64_t nq = (int64_t)w->Tq * w->H;
-  float *tmp = malloc(sizeof(float) * (size_t)(nq + 1) * MLA_LATENT);
-  w->qn = malloc(2 * (size_t)(nq + 1) * MLA_LATENT);
-  w->qr = malloc(2 * (size_t)(nq + 1) * MLA_ROPE);
-  w->qn_d = malloc(sizeof(double) * (size_t)(nq + 1) * MLA_LATENT);
-  w->qr_d = malloc(sizeof(double) * (size_t)(nq + 1) * MLA_ROPE);
-  tu_fill_bf16_normal(&rng, tmp, nq * MLA_LATENT, 1.0);
-  tu_to_dtype(MLA_DTYPE_BF16, tmp, w->qn, nq * MLA_LATENT);
-  tu_from_dtype(MLA_DTYPE_BF16, w->qn, w->qn_d, nq * MLA_LATENT);
-  tu_fill_bf16_normal(&rng, tmp, nq * MLA_ROPE, 1.0);
-  tu_to_dtype(MLA_DTYPE_BF16, tmp, w->qr, nq * MLA_ROPE);
-  tu_from_dtype(MLA_DTYPE_BF16, w->qr, w->qr_d, nq * MLA_ROPE);
-  free(tmp);
+  tu_make_q(&rng, MLA_DTYPE_BF16, (int64_t)w->Tq * w->H, 1, &w->qn, &w->qr, &w->qn_d, &w->qr_d);
   return 0;
 }
 

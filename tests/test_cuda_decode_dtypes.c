@@ -35,6 +35,7 @@
 
 #include "mla.h"
 #include "ref.h"
+#include "paged_world.h"
 #include "test_util.h"
 
 #ifndef MLA_TEST_CUDA
@@ -72,7 +73,7 @@ typedef struct world {
   int Tq, Tk;
   void *pws;
   mla_plan plan;
-  uint16_t *qn, *qr; /* act dtype [Tq, H, 512], [Tq, H, 64] */
+  void *qn, *qr; /* act dtype [Tq, H, 512], [Tq, H, 64] */
   double *qn_d, *qr_d, *c_d, *r_d, *o_ref, *lse_ref, *pbound;
   double p_unit; /* unit roundoff of P: 2^-8 (bf16) or 2^-11 (f16) */
 } world;
@@ -126,62 +127,16 @@ static int world_build(world *w) {
     return -1;
   }
   tu_poison_cache(w->cache);
-  /* pages handed out shuffled: padding requests take some first */
-  int32_t pad[NPAD];
-  for (int p = 0; p < NPAD; p++) {
-    mla_req_add(w->rt, &pad[p]);
-    mla_req_extend(w->rt, pad[p], w->P, NULL);
-  }
-  tu_shuffle_i32(&rng, pad, NPAD);
-  for (int p = 0; p < NPAD; p++) mla_req_free(w->rt, pad[p]);
-  int have[MAXB] = {0}, left = 1;
-  for (int i = 0; i < w->bs; i++) TU_STATUS(mla_req_add(w->rt, &w->req_ids[i]), MLA_OK);
-  while (left) {
-    left = 0;
-    for (int i = 0; i < w->bs; i++) {
-      int n = w->kv_len[i] - have[i];
-      if (n <= 0) continue;
-      int cap = 2 * w->P < 64 ? 64 : 2 * w->P;
-      int step = tu_randint(&rng, 1, n < cap ? n : cap);
-      if (mla_req_extend(w->rt, w->req_ids[i], step, NULL) != MLA_OK) {
-        TU_CHECK(0, "mla_req_extend: %s", mla_req_table_last_error(w->rt));
-        return -1;
-      }
-      have[i] += step;
-      left |= have[i] < w->kv_len[i];
-    }
-  }
-  /* rows the requests own: c, r ~ N(0, 1), quantized by the CPU cache */
-  const int32_t *r2t;
-  mla_req_table_data(w->rt, &r2t);
-  int32_t *slots = malloc(sizeof(int32_t) * (size_t)(w->Tk + 1));
-  int k = 0;
-  for (int i = 0; i < w->bs; i++)
-    for (int j = 0; j < w->kv_len[i]; j++) slots[k++] = r2t[(size_t)w->req_ids[i] * maxkv + j];
-  float *cf = malloc(sizeof(float) * (size_t)(w->Tk + 1) * MLA_LATENT);
-  float *rf = malloc(sizeof(float) * (size_t)(w->Tk + 1) * MLA_ROPE);
-  for (int64_t i = 0; i < (int64_t)w->Tk * MLA_LATENT; i++) cf[i] = (float)tu_normal(&rng);
-  for (int64_t i = 0; i < (int64_t)w->Tk * MLA_ROPE; i++) rf[i] = (float)tu_normal(&rng);
-  TU_STATUS(mla_kv_cache_write(w->cache, 0, w->Tk, slots, cf, rf, MLA_DTYPE_F32), MLA_OK);
-  /* the CPU's dequantization, rounded to the kernel's operand type */
-  const mla_dtype od = operand_dtype(w->kv);
-  w->c_d = malloc(sizeof(double) * (size_t)(w->Tk + 1) * MLA_LATENT);
-  w->r_d = malloc(sizeof(double) * (size_t)(w->Tk + 1) * MLA_ROPE);
-  TU_STATUS(mla_kv_cache_read(w->cache, 0, w->Tk, slots, cf, rf, MLA_DTYPE_F32), MLA_OK);
-  for (int64_t i = 0; i < (int64_t)w->Tk * MLA_LATENT; i++) w->c_d[i] = tu_round_to(od, cf[i]);
-  for (int64_t i = 0; i < (int64_t)w->Tk * MLA_ROPE; i++) w->r_d[i] = tu_round_to(od, rf[i]);
-  free(slots);
-  free(cf);
-  free(rf);
+  /* pages handed out shuffled, requests grown interleaved; their rows:
+   * c, r ~ N(0, 1), quantized by the CPU cache; the oracle reads the CPU's
+   * dequantization rounded to the kernel's operand type */
+  const int cap = 2 * w->P < 64 ? 64 : 2 * w->P;
+  if (tu_grow_requests(&rng, w->rt, w->bs, w->kv_len, NPAD, w->P, cap, w->req_ids) ||
+      tu_fill_owned_rows(&rng, w->cache, w->rt, w->bs, w->req_ids, w->kv_len, maxkv, operand_dtype(w->kv), &w->c_d,
+                         &w->r_d))
+    return -1;
   /* the GPU cache: the CPU cache's bytes (owned rows and NaN rows alike) */
-  {
-    void *hp = NULL, *dp = NULL;
-    size_t rb = 0;
-    mla_kv_cache_layer_data(w->cache, 0, &hp);
-    mla_kv_cache_layer_data(w->dcache, 0, &dp);
-    mla_kv_cache_row_bytes(w->cache, &rb);
-    CK(cudaMemcpy(dp, hp, rb * (size_t)pages * w->P, cudaMemcpyHostToDevice));
-  }
+  tu_cache_to_device(w->cache, w->dcache, (size_t)pages * w->P);
   mla_batch *b = calloc(1, sizeof *b);
   b->mode = w->mode;
   b->batch_size = w->bs;
@@ -196,24 +151,9 @@ static int world_build(world *w) {
   free(b);
   TU_CHECK(st == MLA_OK, "mla_plan_build: %s", mla_ctx_last_error(cpu));
   if (st != MLA_OK) return -1;
-  int32_t *bt = (int32_t *)w->plan.block_table;
-  for (int i = 0; i < w->bs; i++)
-    for (int j = (w->kv_len[i] + w->P - 1) / w->P; j < w->plan.block_table_width; j++)
-      bt[(size_t)i * w->plan.block_table_width + j] = TU_SENTINEL;
+  tu_guard_block_table(&w->plan, w->bs, w->kv_len, w->P);
   /* q in the activation dtype */
-  const int64_t nq = (int64_t)w->Tq * w->H;
-  float *tmp = malloc(sizeof(float) * (size_t)(nq + 1) * MLA_LATENT);
-  w->qn = malloc(2 * (size_t)(nq + 1) * MLA_LATENT);
-  w->qr = malloc(2 * (size_t)(nq + 1) * MLA_ROPE);
-  w->qn_d = malloc(sizeof(double) * (size_t)(nq + 1) * MLA_LATENT);
-  w->qr_d = malloc(sizeof(double) * (size_t)(nq + 1) * MLA_ROPE);
-  for (int64_t i = 0; i < nq * MLA_LATENT; i++) tmp[i] = (float)tu_normal(&rng);
-  tu_to_dtype(w->act, tmp, w->qn, nq * MLA_LATENT);
-  tu_from_dtype(w->act, w->qn, w->qn_d, nq * MLA_LATENT);
-  for (int64_t i = 0; i < nq * MLA_ROPE; i++) tmp[i] = (float)tu_normal(&rng);
-  tu_to_dtype(w->act, tmp, w->qr, nq * MLA_ROPE);
-  tu_from_dtype(w->act, w->qr, w->qr_d, nq * MLA_ROPE);
-  free(tmp);
+  tu_make_q(&rng, w->act, (int64_t)w->Tq * w->H, 0, &w->qn, &w->qr, &w->qn_d, &w->qr_d);
   w->p_unit = w->act == MLA_DTYPE_F16 ? 1.0 / 2048.0 : 1.0 / 256.0;
   return 0;
 }

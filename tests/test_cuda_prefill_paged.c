@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "mla.h"
+#include "paged_world.h"
 #include "test_util.h"
 
 #ifndef MLA_TEST_CUDA
@@ -104,59 +105,13 @@ static int world_build(world *w, const pcase *c, int with_q) {
     return -1;
   }
   tu_poison_cache(w->cache);
-  /* free pages handed out in a shuffled order */
-  int32_t pad[NPAD];
-  for (int p = 0; p < NPAD; p++) {
-    mla_req_add(w->rt, &pad[p]);
-    mla_req_extend(w->rt, pad[p], c->P, NULL);
-  }
-  tu_shuffle_i32(&rng, pad, NPAD);
-  for (int p = 0; p < NPAD; p++) mla_req_free(w->rt, pad[p]);
-  int have[MAXB] = {0}, left = 1;
-  for (int i = 0; i < c->bs; i++) TU_STATUS(mla_req_add(w->rt, &w->req_ids[i]), MLA_OK);
-  while (left) { /* interleaved growth: the requests' pages alternate */
-    left = 0;
-    for (int i = 0; i < c->bs; i++) {
-      int n = w->kv_len[i] - have[i];
-      if (n <= 0) continue;
-      int step = tu_randint(&rng, 1, n < 3 * c->P + 40 ? n : 3 * c->P + 40);
-      if (mla_req_extend(w->rt, w->req_ids[i], step, NULL) != MLA_OK) {
-        TU_CHECK(0, "%s: mla_req_extend: %s", c->name, mla_req_table_last_error(w->rt));
-        return -1;
-      }
-      have[i] += step;
-      left |= have[i] < w->kv_len[i];
-    }
-  }
-  /* the rows the requests own: c, r ~ N(0, 1), quantized by the CPU cache */
-  const int32_t *r2t;
-  mla_req_table_data(w->rt, &r2t);
-  int32_t *slots = malloc(sizeof(int32_t) * (size_t)(w->Tk + 1));
-  int64_t k = 0;
-  for (int i = 0; i < c->bs; i++)
-    for (int j = 0; j < w->kv_len[i]; j++) slots[k++] = r2t[(size_t)w->req_ids[i] * maxkv + j];
-  float *cf = malloc(sizeof(float) * (size_t)(w->Tk + 1) * MLA_LATENT);
-  float *rf = malloc(sizeof(float) * (size_t)(w->Tk + 1) * MLA_ROPE);
-  for (int64_t i = 0; i < w->Tk * MLA_LATENT; i++) cf[i] = (float)tu_normal(&rng);
-  for (int64_t i = 0; i < w->Tk * MLA_ROPE; i++) rf[i] = (float)tu_normal(&rng);
-  TU_STATUS(mla_kv_cache_write(w->cache, 0, (int)w->Tk, slots, cf, rf, MLA_DTYPE_F32), MLA_OK);
-  TU_STATUS(mla_kv_cache_read(w->cache, 0, (int)w->Tk, slots, cf, rf, MLA_DTYPE_F32), MLA_OK);
-  const mla_dtype op = operand_of(c->kv);
-  w->c_d = malloc(sizeof(double) * (size_t)(w->Tk + 1) * MLA_LATENT);
-  w->r_d = malloc(sizeof(double) * (size_t)(w->Tk + 1) * MLA_ROPE);
-  for (int64_t i = 0; i < w->Tk * MLA_LATENT; i++) w->c_d[i] = tu_round_to(op, cf[i]);
-  for (int64_t i = 0; i < w->Tk * MLA_ROPE; i++) w->r_d[i] = tu_round_to(op, rf[i]);
-  free(slots);
-  free(cf);
-  free(rf);
-  {
-    void *hp = NULL, *dp = NULL;
-    size_t rb = 0;
-    mla_kv_cache_layer_data(w->cache, 0, &hp);
-    mla_kv_cache_layer_data(w->dcache, 0, &dp);
-    mla_kv_cache_row_bytes(w->cache, &rb);
-    CK(cudaMemcpy(dp, hp, rb * (size_t)pages * c->P, cudaMemcpyHostToDevice));
-  }
+  /* free pages handed out in a shuffled order, requests grown interleaved;
+   * the rows they own: c, r ~ N(0, 1), quantized by the CPU cache */
+  if (tu_grow_requests(&rng, w->rt, c->bs, w->kv_len, NPAD, c->P, 3 * c->P + 40, w->req_ids) ||
+      tu_fill_owned_rows(&rng, w->cache, w->rt, c->bs, w->req_ids, w->kv_len, maxkv, operand_of(c->kv), &w->c_d,
+                         &w->r_d))
+    return -1;
+  tu_cache_to_device(w->cache, w->dcache, (size_t)pages * c->P);
   mla_batch b;
   memset(&b, 0, sizeof b);
   b.mode = c->mode;
@@ -173,25 +128,9 @@ static int world_build(world *w, const pcase *c, int with_q) {
   mla_status st = mla_plan_build(cpu, w->rt, &b, &lim, c->H, w->pws, pb, &w->plan);
   TU_CHECK(st == MLA_OK, "%s: mla_plan_build: %s", c->name, mla_ctx_last_error(cpu));
   if (st != MLA_OK) return -1;
-  int32_t *bt = (int32_t *)w->plan.block_table;
-  for (int i = 0; i < c->bs; i++)
-    for (int j = (w->kv_len[i] + c->P - 1) / c->P; j < w->plan.block_table_width; j++)
-      bt[(size_t)i * w->plan.block_table_width + j] = TU_SENTINEL;
+  tu_guard_block_table(&w->plan, c->bs, w->kv_len, c->P);
   if (!with_q) return 0;
-  const int64_t nq = w->Tq * c->H;
-  float *tmp = malloc(sizeof(float) * (size_t)(nq + 1) * MLA_LATENT);
-  const size_t es = tu_act_size(c->act);
-  w->qn = malloc(es * (size_t)(nq + 1) * MLA_LATENT);
-  w->qr = malloc(es * (size_t)(nq + 1) * MLA_ROPE);
-  w->qn_d = malloc(sizeof(double) * (size_t)(nq + 1) * MLA_LATENT);
-  w->qr_d = malloc(sizeof(double) * (size_t)(nq + 1) * MLA_ROPE);
-  tu_fill_bf16_normal(&rng, tmp, nq * MLA_LATENT, 1.0);
-  tu_to_dtype(c->act, tmp, w->qn, nq * MLA_LATENT);
-  tu_from_dtype(c->act, w->qn, w->qn_d, nq * MLA_LATENT);
-  tu_fill_bf16_normal(&rng, tmp, nq * MLA_ROPE, 1.0);
-  tu_to_dtype(c->act, tmp, w->qr, nq * MLA_ROPE);
-  tu_from_dtype(c->act, w->qr, w->qr_d, nq * MLA_ROPE);
-  free(tmp);
+  tu_make_q(&rng, c->act, w->Tq * c->H, 1, &w->qn, &w->qr, &w->qn_d, &w->qr_d);
   return 0;
 }
 

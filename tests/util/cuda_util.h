@@ -8,6 +8,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "mla.h"
+
 #define CK(x)                                                                                   \
   do {                                                                                          \
     cudaError_t e_ = (x);                                                                       \
@@ -30,5 +32,16 @@ static inline void *tu_dev_copy(const void *host, size_t n) {
   void *d = tu_dev_alloc(n);
   if (n) CK(cudaMemcpy(d, host, n, cudaMemcpyHostToDevice));
   return d;
+}
+
+/* Copies layer 0 of a host cache (rows owned and unowned alike) into a device
+ * cache of the same shape: `rows` = pages * page size. */
+static inline void tu_cache_to_device(mla_kv_cache *host, mla_kv_cache *dev, size_t rows) {
+  void *hp = NULL, *dp = NULL;
+  size_t rb = 0;
+  mla_kv_cache_layer_data(host, 0, &hp);
+  mla_kv_cache_layer_data(dev, 0, &dp);
+  mla_kv_cache_row_bytes(host, &rb);
+  CK(cudaMemcpy(dp, hp, rb * rows, cudaMemcpyHostToDevice));
 }
 #endif
