@@ -48,3 +48,20 @@ def ctx():
     yield c
     c.close()
 
+
+
+@pytest.fixture(scope="module")
+def cctx():
+    """A libmla CUDA context for the GPU tests (they skip when there is none),
+    with TF32 off in torch so that torch references are plain fp32."""
+    try:
+        c = libmla.Context("cuda")
+    except libmla.MLAError as e:
+        pytest.skip("skipped: libmla has no CUDA context here (%s)" % e)
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield c
+    torch.cuda.synchronize()
+    c.close()

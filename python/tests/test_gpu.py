@@ -26,19 +26,6 @@ SCALE = 0.0722
 NUM_SM = 48  # split-schedule target shared by the step and the host plan
 
 
-@pytest.fixture(scope="module")
-def cctx():
-    try:
-        c = libmla.Context("cuda")
-    except libmla.MLAError as e:
-        pytest.skip("skipped: libmla has no CUDA context here (%s)" % e)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield c
-    torch.cuda.synchronize()
-    c.close()
-
-
 def _xfail_unsupported(e, what):
     if isinstance(e, libmla.MLAError) and e.status == libmla.Status.ERR_UNSUPPORTED:
         pytest.xfail("%s: the library answers UNSUPPORTED on CUDA contexts: %s" % (what, e))

@@ -29,19 +29,6 @@ SCALE = 0.0722
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(scope="module")
-def cctx():
-    try:
-        c = libmla.Context("cuda")
-    except libmla.MLAError as e:
-        pytest.skip("skipped: libmla has no CUDA context here (%s)" % e)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield c
-    torch.cuda.synchronize()
-    c.close()
-
-
 class Layer:
     """The attributes of sglang's RadixAttention the backend reads."""
 
@@ -140,6 +127,33 @@ def ragged_causal_reference(q, k, v, lens):
 
 def dev_i32(a):
     return torch.as_tensor(np.asarray(a, np.int32), device="cuda")
+
+
+def churn(g, gen, eager, graph, shadow, num_layers, live, order, max_reqs, first_min):
+    """Continuous batching between two steps: requests join (the first with a
+    prompt of first_min..999 tokens, later ones 1..899) until at least 3 are
+    live, more at random up to max_reqs, and one may finish. The eager and the
+    graph backend must hand out the same slots; both caches and the shadow get
+    the same random rows. live: req id -> length; order: the live ids."""
+    while len(order) < 3 or (len(order) < max_reqs and g.uniform() < 0.3):
+        a = eager.alloc_req()
+        assert graph.alloc_req() == a
+        n = int(g.integers(first_min, 1000)) if not order else int(g.integers(1, 900))
+        loc = eager.extend_req(a, n)
+        assert np.array_equal(graph.extend_req(a, n), loc)
+        loc_d = dev_i32(loc)
+        for lid in range(num_layers):
+            kv = torch.randn(n, 576, generator=gen, device="cuda").to(BF16)
+            eager.set_kv_buffer(Layer(lid), loc_d, kv)
+            graph.set_kv_buffer(Layer(lid), loc_d, kv)
+            shadow.write(lid, loc, kv)
+        live[a] = n
+        order.append(a)
+    if len(order) > 3 and g.uniform() < 0.3:
+        rid = order.pop(int(g.integers(0, len(order))))
+        eager.free_req(rid)
+        graph.free_req(rid)
+        del live[rid]
 
 
 @pytest.mark.parametrize("H,P", [(16, 64), (128, 64), (16, 16)])
@@ -338,25 +352,7 @@ def test_sglang_cuda_graph_decode_and_verify(cctx):
     STEPS = 24
     for step in range(STEPS):
         # continuous batching: requests join with a prompt, and finish
-        while len(order) < 3 or (len(order) < MAXB and g.uniform() < 0.3):
-            a = eager.alloc_req()
-            assert graph.alloc_req() == a
-            n = int(g.integers(700, 1000)) if not order else int(g.integers(1, 900))
-            loc = eager.extend_req(a, n)
-            assert np.array_equal(graph.extend_req(a, n), loc)
-            loc_d = dev_i32(loc)
-            for lid in range(L):
-                kv = torch.randn(n, 576, generator=gen, device="cuda").to(BF16)
-                eager.set_kv_buffer(Layer(lid), loc_d, kv)
-                graph.set_kv_buffer(Layer(lid), loc_d, kv)
-                sh.write(lid, loc, kv)
-            live[a] = n
-            order.append(a)
-        if len(order) > 3 and g.uniform() < 0.3:
-            rid = order.pop(int(g.integers(0, len(order))))
-            eager.free_req(rid)
-            graph.free_req(rid)
-            del live[rid]
+        churn(g, gen, eager, graph, sh, L, live, order, MAXB, 700)
         nreal = len(order)
         bs = min(b for b in BUCKETS if b >= nreal)
         verify = step % 5 == 4
@@ -477,25 +473,7 @@ def test_sglang_cuda_multi_step_draft_eager_and_graph(cctx):
     live, order = {}, []
 
     def join_leave():
-        while len(order) < 3 or (len(order) < MAXB and g.uniform() < 0.3):
-            a = eager.alloc_req()
-            assert graph.alloc_req() == a
-            n = int(g.integers(600, 1000)) if not order else int(g.integers(1, 900))
-            loc = eager.extend_req(a, n)
-            assert np.array_equal(graph.extend_req(a, n), loc)
-            loc_d = dev_i32(loc)
-            for lid in range(L):
-                kv = torch.randn(n, 576, generator=gen, device="cuda").to(BF16)
-                eager.set_kv_buffer(Layer(lid), loc_d, kv)
-                graph.set_kv_buffer(Layer(lid), loc_d, kv)
-                sh.write(lid, loc, kv)
-            live[a] = n
-            order.append(a)
-        if len(order) > 3 and g.uniform() < 0.3:
-            rid = order.pop(int(g.integers(0, len(order))))
-            eager.free_req(rid)
-            graph.free_req(rid)
-            del live[rid]
+        churn(g, gen, eager, graph, sh, L, live, order, MAXB, 600)
 
     def round_inputs(bs):
         """The drafts' positions (allocated up front), each step's q / k / slots."""
