@@ -146,21 +146,9 @@ static void oracle(world *w) {
         const int64_t row = (t0 + t) * H + h;
         const int vis = w->plan.causal ? K - Q + t + 1 : K;
         if (vis <= 0) continue;
-        double mx = -INFINITY, sum = 0;
-        for (int j = 0; j < vis; j++) {
-          double a = 0;
-          for (int d = 0; d < MLA_LATENT; d++) a += w->qn_d[row * MLA_LATENT + d] * w->c_d[(k0 + j) * MLA_LATENT + d];
-          for (int d = 0; d < MLA_ROPE; d++) a += w->qr_d[row * MLA_ROPE + d] * w->r_d[(k0 + j) * MLA_ROPE + d];
-          s[j] = a * sc;
-          if (s[j] > mx) mx = s[j];
-        }
-        for (int j = 0; j < vis; j++) sum += (s[j] = exp(s[j] - mx));
-        double *pb = w->pbound + row * MLA_LATENT;
-        for (int j = 0; j < vis; j++) {
-          const double p = s[j] / sum * 0.00390625;
-          const double *c = w->c_d + (k0 + j) * MLA_LATENT;
-          for (int d = 0; d < MLA_LATENT; d++) pb[d] += p * fabs(c[d]);
-        }
+        tu_row_softmax(w->qn_d + row * MLA_LATENT, w->qr_d + row * MLA_ROPE, w->c_d + k0 * MLA_LATENT,
+                       w->r_d + k0 * MLA_ROPE, vis, sc, s);
+        tu_p_round_bound(s, w->c_d + k0 * MLA_LATENT, vis, 0.00390625, w->pbound + row * MLA_LATENT);
       }
     t0 += Q;
     k0 += K;

@@ -195,23 +195,9 @@ static void oracle_item(world *w, int req, int h0) {
       w->lse_ref[row] = lse[(size_t)t * nh + h];
       const int vis = w->plan.causal ? K - Q + t + 1 : K;
       if (vis <= 0) continue;
-      const double *qnr = qn + ((size_t)t * nh + h) * MLA_LATENT, *qrr = qr + ((size_t)t * nh + h) * MLA_ROPE;
-      double mx = -INFINITY, sum = 0;
-      for (int j = 0; j < vis; j++) {
-        double a = 0;
-        const double *c = w->c_d + (k0 + j) * MLA_LATENT, *r = w->r_d + (k0 + j) * MLA_ROPE;
-        for (int d = 0; d < MLA_LATENT; d++) a += qnr[d] * c[d];
-        for (int d = 0; d < MLA_ROPE; d++) a += qrr[d] * r[d];
-        s[j] = a * sc;
-        if (s[j] > mx) mx = s[j];
-      }
-      for (int j = 0; j < vis; j++) sum += (s[j] = exp(s[j] - mx));
-      double *pb = w->pbound + row * MLA_LATENT;
-      for (int j = 0; j < vis; j++) {
-        const double p = s[j] / sum * w->p_unit;
-        const double *c = w->c_d + (k0 + j) * MLA_LATENT;
-        for (int d = 0; d < MLA_LATENT; d++) pb[d] += p * fabs(c[d]);
-      }
+      tu_row_softmax(qn + ((size_t)t * nh + h) * MLA_LATENT, qr + ((size_t)t * nh + h) * MLA_ROPE,
+                     w->c_d + k0 * MLA_LATENT, w->r_d + k0 * MLA_ROPE, vis, sc, s);
+      tu_p_round_bound(s, w->c_d + k0 * MLA_LATENT, vis, w->p_unit, w->pbound + row * MLA_LATENT);
     }
   free(qn);
   free(qr);

@@ -154,27 +154,12 @@ static int oracle_row(const world *w, int64_t k0, int K, int Q, int t, int64_t r
   const double sc = (double)(float)SCALE;
   const double u = operand_of(w->c->kv) == MLA_DTYPE_F16 ? 1.0 / 2048 : 1.0 / 256;
   const int vis = K - Q + t + 1; /* causal, bottom-right */
-  const double *qn = w->qn_d + row * MLA_LATENT, *qr = w->qr_d + row * MLA_ROPE;
-  double mx = -INFINITY, sum = 0;
-  for (int j = 0; j < vis; j++) {
-    const double *c = w->c_d + (k0 + j) * MLA_LATENT, *r = w->r_d + (k0 + j) * MLA_ROPE;
-    double a = 0;
-    for (int d = 0; d < MLA_LATENT; d++) a += qn[d] * c[d];
-    for (int d = 0; d < MLA_ROPE; d++) a += qr[d] * r[d];
-    s[j] = a * sc;
-    if (s[j] > mx) mx = s[j];
-  }
-  for (int j = 0; j < vis; j++) sum += (s[j] = exp(s[j] - mx));
+  const double *c = w->c_d + k0 * MLA_LATENT;
+  *lse = tu_row_softmax(w->qn_d + row * MLA_LATENT, w->qr_d + row * MLA_ROPE, c, w->r_d + k0 * MLA_ROPE, vis, sc, s);
   for (int d = 0; d < MLA_LATENT; d++) o[d] = bound[d] = 0;
-  for (int j = 0; j < vis; j++) {
-    const double p = s[j] / sum;
-    const double *c = w->c_d + (k0 + j) * MLA_LATENT;
-    for (int d = 0; d < MLA_LATENT; d++) {
-      o[d] += p * c[d];
-      bound[d] += u * p * fabs(c[d]);
-    }
-  }
-  *lse = mx + log(sum);
+  for (int j = 0; j < vis; j++)
+    for (int d = 0; d < MLA_LATENT; d++) o[d] += s[j] * c[(size_t)j * MLA_LATENT + d];
+  tu_p_round_bound(s, c, vis, u, bound);
   return vis;
 }
 

@@ -1,6 +1,7 @@
 /* Building blocks of the tests' paged worlds (paged_world.h). */
 #include "paged_world.h"
 
+#include <math.h>
 #include <stdlib.h>
 
 int tu_grow_requests(tu_rng *r, mla_req_table *rt, int bs, const int *kv_len, int npad, int page_size,
@@ -95,4 +96,27 @@ void tu_make_q(tu_rng *r, mla_dtype act, int64_t nq, int bf16_values, void **qn,
     tu_from_dtype(act, dst[part], dst_d[part], n[part]);
   }
   free(tmp);
+}
+
+double tu_row_softmax(const double *qn, const double *qr, const double *c, const double *r, int vis, double scale,
+                      double *p) {
+  double mx = -INFINITY, sum = 0;
+  for (int j = 0; j < vis; j++) {
+    double a = 0;
+    for (int d = 0; d < MLA_LATENT; d++) a += qn[d] * c[(size_t)j * MLA_LATENT + d];
+    for (int d = 0; d < MLA_ROPE; d++) a += qr[d] * r[(size_t)j * MLA_ROPE + d];
+    p[j] = a * scale;
+    if (p[j] > mx) mx = p[j];
+  }
+  if (vis <= 0) return -INFINITY;
+  for (int j = 0; j < vis; j++) sum += (p[j] = exp(p[j] - mx));
+  for (int j = 0; j < vis; j++) p[j] /= sum;
+  return mx + log(sum);
+}
+
+void tu_p_round_bound(const double *p, const double *c, int vis, double unit, double *bound) {
+  for (int j = 0; j < vis; j++) {
+    const double w = unit * p[j];
+    for (int d = 0; d < MLA_LATENT; d++) bound[d] += w * fabs(c[(size_t)j * MLA_LATENT + d]);
+  }
 }

@@ -36,4 +36,16 @@ void tu_guard_block_table(mla_plan *plan, int bs, const int *kv_len, int page_si
 void tu_make_q(tu_rng *r, mla_dtype act, int64_t nq, int bf16_values, void **qn, void **qr, double **qn_d,
                double **qr_d);
 
+/* Softmax of one (query, head) row over its vis visible keys in float64:
+ * p[j] = exp(s_j - max) / sum with s_j = scale (qn . c_j + qr . r_j).
+ * qn [512], qr [64]; c [vis, 512], r [vis, 64] (the row's keys in order);
+ * p [vis] out. Returns the natural-log lse (-inf when vis <= 0). */
+double tu_row_softmax(const double *qn, const double *qr, const double *c, const double *r, int vis, double scale,
+                      double *p);
+
+/* bound[d] += unit * sum_j p[j] |c_j[d]|: how far rounding P to a type of unit
+ * roundoff `unit` (2^-8 bf16, 2^-11 f16) before P.V can move each output
+ * element. p [vis] (tu_row_softmax), c [vis, 512], bound [512]. */
+void tu_p_round_bound(const double *p, const double *c, int vis, double unit, double *bound);
+
 #endif
