@@ -44,6 +44,7 @@ typedef struct mla_prefill_params {
   float *lse;                /* [Tq, H] or NULL */
   int *bad;                  /* device counter of skipped requests */
   int head_group;            /* set by the launcher: heads per group of the item order */
+  int order_snake;           /* set by the launcher: odd rounds of items run backwards (default) */
 } mla_prefill_params;
 
 /* NULL when the kernels take these dims and dtype, else what they take. */

@@ -2,37 +2,37 @@
 // behind mla_prefill_params (prefill.h). Design notes: docs/prefill-kernel.md.
 //
 // Ragged MHA, one persistent kernel (grid = SM count, 384 threads):
-//  - warpgroup 0 is the producer: it loads Q (128 query rows x qk_dim of one
-//    head), then K and V tiles of 128 keys into two 2-stage rings (K runs a
-//    tile ahead of V: K_j+1 is issued before V_j) with 16-byte cp.async into
-//    128B-swizzled shared memory, each thread arriving on the stage's
-//    mbarrier when its copies land (cp.async.mbarrier.arrive.noinc).
-//    cp.async rather than TMA by default because the host never sees the
-//    lengths (the index arrays are device memory): a TMA map needs the
-//    tensor's row count, cp.async needs nothing, zero-fills rows past a
-//    request's end and never reads another request's rows. MODE | 8 is a TMA
-//    producer instead, its maps bounded by the allocation holding each
-//    tensor (cuMemGetAddressRange on the host): faster, not yet the default
-//    (docs/prefill-kernel.md section 6).
+//  - warpgroup 0 is the producer: Q (128 query rows x qk_dim of one head),
+//    then K and V tiles of 128 keys into two 2-stage rings (K runs a tile
+//    ahead of V). MODE | 8 (the default, overlap232-tma) loads full tiles
+//    with TMA, its maps bounded by the allocation holding each tensor
+//    (cuMemGetAddressRange on the host: the host never sees the lengths,
+//    the index arrays are device memory), and a request's partial V tile
+//    with cp.async and zero fill. Without MODE | 8 (or when the driver
+//    cannot bound a pointer) every tile is 16-byte cp.async into
+//    128B-swizzled shared memory, zero-filling rows past a request's end;
+//    each thread arrives on the stage's mbarrier when its copies land.
 //  - warpgroups 1 and 2 are consumers, 64 query rows each: S = Q K^T with
 //    wgmma (both operands from shared memory), online softmax in registers
 //    (base 2), P packed to 16-bit as the register A operand of O += P V with V
-//    the MN-major (transposed) B operand. The default (MODE 0) runs scores,
+//    the MN-major (transposed) B operand. MODE 0 ("plain") runs scores,
 //    softmax and P V in sequence and lets the two warpgroups overlap each
 //    other; MODE 1 ("overlap", FA3's intra-warpgroup overlap) issues the next
 //    tile's Q K^T with this tile's P V and runs the softmax while P V runs;
 //    MODE 2 ("pingpong") adds turns at the tensor cores between the two
 //    warpgroups; MODE 3 ("overlap232") is MODE 1 with a 40 / 232 register
-//    split instead of 24 / 240. With the cp.async producer none beat MODE 0
-//    on the H200 (docs/prefill-kernel.md), so they stay selectable
-//    (MLA_PREFILL_VARIANT) for tuning.
+//    split instead of 24 / 240. MODE 11 = 3 | TMA is the measured fastest
+//    on the H200 and the default; the others (and the PIN / ES refinements
+//    of 11, slower when measured) stay selectable (MLA_PREFILL_VARIANT).
 //  - work items are (request, 128-row m-block, head); every CTA builds the
 //    prefix table of the requests' m-block counts in shared memory from the
-//    device index arrays, then walks items blockIdx.x, +gridDim.x, ...; the
-//    item order is head group (8 heads: their K/V stay in L2) > request >
-//    m-block, last (heaviest, causal) first > head. Key tiles are walked
-//    from the last (the masked diagonal ones) down; fully masked tiles are
-//    never loaded.
+//    device index arrays, then walks items in rounds of gridDim.x (snake
+//    order by default: odd rounds backwards, item_of); the item order is
+//    head group (8 heads: their K/V stay in L2) > request > m-block, last
+//    (heaviest, causal) first > head. Key tiles are walked from the last
+//    (the masked diagonal ones) down; fully masked tiles are never loaded.
+//    (docs/prefill-kernel.md: design, variants, measurements.)
+//
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -51,7 +51,7 @@ constexpr int kBM = 128;       // query rows per item (64 per consumer warpgroup
 constexpr int kBN = 128;       // keys per tile
 constexpr int kThreads = 384;  // producer + 2 consumer warpgroups
 constexpr int kHeadGroup = 8;  // default heads walked together (their K/V share L2)
-constexpr int kDefaultMode = 0;  // plain: measured fastest (prefill_kernel MODE; docs/prefill-kernel.md)
+constexpr int kDefaultMode = 11;  // overlap232-tma: measured fastest (prefill_kernel MODE; docs/prefill-kernel.md)
 constexpr int kSub = 16384;    // one [128 rows x 64 cols] 16-bit sub-tile, 128B swizzle
 constexpr uint32_t kVtLbo = 16384, kVtSbo = 1024;  // V as MN-major B: 64-col blocks, 8-key groups
 constexpr float kLog2e = 1.4426950408889634f;
@@ -87,6 +87,8 @@ struct TmaMaps {
   CUtensorMap q, k, v;
 };
 enum { BAR_QFULL = 0, BAR_QEMPTY = 1, BAR_KFULL = 2, BAR_VFULL = 4, BAR_KEMPTY = 6, BAR_VEMPTY = 8 };
+// A scratch word after the 10 mbarriers (written by PIN loops, never read).
+constexpr uint32_t kPinWord = 96;
 
 // ---------------------------------------------------------------------------
 // PTX wrappers
@@ -275,6 +277,17 @@ __device__ __forceinline__ Item decode_item(const mla_prefill_params &p, const i
   return it;
 }
 
+// This CTA's item of round r (items r * grid .. r * grid + grid - 1), or -1
+// past the last. With p.order_snake the odd rounds run backwards (CTA b
+// takes item grid - 1 - b), which evens out the per-CTA sums of the
+// decreasing causal item sizes (simulated max / mean 1.023 -> 1.015 on
+// 1 x 8K, H = 128; no change on 16 x 1K).
+__device__ __forceinline__ long long item_of(const mla_prefill_params &p, long long r, long long items) {
+  const long long g = gridDim.x;
+  const long long id = r * g + ((p.order_snake && (r & 1)) ? g - 1 - blockIdx.x : blockIdx.x);
+  return id < items ? id : -1;
+}
+
 // ---------------------------------------------------------------------------
 // Producer: rows [0, 128) of a [128, D] tile (row r at src + r * stride
 // bytes, valid while r < nvalid) into D / 64 swizzled sub-tiles at dst.
@@ -313,6 +326,20 @@ __device__ __forceinline__ float tanh_acc(float x) {
   return 1.0f - __fdividef(2.0f, 1.0f + ex2(2.0f * kLog2e * x));
 }
 
+// Max (MAX) or sum of 16 values as a tree; constant trip counts so that t
+// stays in registers (a loop bound computed from the outer index left t in
+// local memory).
+template <bool MAX>
+__device__ __forceinline__ float tree16(float (&t)[16]) {
+#pragma unroll
+  for (int j = 0; j < 8; j++) t[j] = MAX ? fmaxf(t[j], t[j + 8]) : t[j] + t[j + 8];
+#pragma unroll
+  for (int j = 0; j < 4; j++) t[j] = MAX ? fmaxf(t[j], t[j + 4]) : t[j] + t[j + 4];
+#pragma unroll
+  for (int j = 0; j < 2; j++) t[j] = MAX ? fmaxf(t[j], t[j + 2]) : t[j] + t[j + 2];
+  return MAX ? fmaxf(t[0], t[1]) : t[0] + t[1];
+}
+
 // One tile's online-softmax step: s [64] holds raw q.k; on return s holds P
 // (fp32; pack_p makes the A fragments), m / l the running max (log2 units)
 // and the thread's partial row sums, alpha the rescale of the old O.
@@ -325,15 +352,24 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], float (&m)[2], floa
     for (int i = 0; i < 64; i++) s[i] = sf.cap_out * tanh_acc(s[i] * sf.cap_in);
   }
   if (need_mask) {
+    // key = kt + 8 (i >> 2) + 2 (lane % 4) + (i & 1) > lim, with the
+    // register-dependent part folded into one threshold per row: the test
+    // is then a compare against a constant (no per-element index math).
+    const int th_lo = lim_lo - kt - 2 * (lane & 3), th_hi = lim_hi - kt - 2 * (lane & 3);
 #pragma unroll
-    for (int i = 0; i < 64; i++) {
-      const int key = kt + 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-      if (key > ((i & 2) ? lim_hi : lim_lo)) s[i] = -INFINITY;
-    }
+    for (int i = 0; i < 64; i++)
+      if (8 * (i >> 2) + (i & 1) > ((i & 2) ? th_hi : th_lo)) s[i] = -INFINITY;
   }
-  float mx[2] = {-INFINITY, -INFINITY};
+  // Row max and row sum as trees (depth 5, not a 32-long dependent chain):
+  // the same instruction count, less latency for the warp.
+  float mx[2];
 #pragma unroll
-  for (int i = 0; i < 64; i++) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+  for (int r = 0; r < 2; r++) {
+    float t[16];
+#pragma unroll
+    for (int j = 0; j < 16; j++) t[j] = fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]);
+    mx[r] = tree16<true>(t);
+  }
   float mu[2];
 #pragma unroll
   for (int r = 0; r < 2; r++) {
@@ -344,12 +380,15 @@ __device__ __forceinline__ void softmax_tile(float (&s)[64], float (&m)[2], floa
     alpha[r] = ex2(m[r] - mu[r]);
     m[r] = m_new;
   }
-  float rs[2] = {0.0f, 0.0f};
 #pragma unroll
-  for (int i = 0; i < 64; i++) {
-    const int r = (i >> 1) & 1;
-    s[i] = ex2(fmaf(s[i], sf.sl, -mu[r]));
-    rs[r] += s[i];
+  for (int i = 0; i < 64; i++) s[i] = ex2(fmaf(s[i], sf.sl, -mu[(i >> 1) & 1]));
+  float rs[2];
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    float t[16];
+#pragma unroll
+    for (int j = 0; j < 16; j++) t[j] = s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
+    rs[r] = tree16<false>(t);
   }
   l[0] = l[0] * alpha[0] + rs[0];
   l[1] = l[1] * alpha[1] + rs[1];
@@ -368,9 +407,14 @@ __device__ __forceinline__ void pack_p(const float (&s)[64], uint32_t (&pa)[8][4
 // One tile of the overlapped consumer loop: issue S = Q K_n^T and O += P V
 // of the previous tile, run the softmax of S while P V runs, then rescale O.
 // Branch-free between the issues and the last wait (MASK is compile-time).
-template <int DQK, int DV, bool F16, bool CAP, bool MASK, bool PP>
+// ES ("early scale"): O is rescaled by the previous tile's alpha (carried in
+// alpha_c) between the two issues, while the tensor cores run Q K^T, rather
+// than after the P V wait; only the P packing is then left between that
+// wait and the next issue.
+template <int DQK, int DV, bool F16, bool CAP, bool MASK, bool PP, bool PIN, bool ES>
 __device__ __forceinline__ void ovl_step(float (&o)[64], float (&s)[64], uint32_t (&pa)[8][4], float (&m)[2],
-                                         float (&l)[2], const Soft &sf, uint32_t sbase, uint32_t bar, uint32_t qa,
+                                         float (&l)[2], float (&alpha_c)[2], const Soft &sf, uint32_t sbase,
+                                         uint32_t bar, uint32_t qa,
                                          uint32_t &kv_it, int &cur, uint32_t &cur_ph, int n, int lim_lo, int lim_hi,
                                          int lane, int cw) {
   using L = Lay<DQK, DV>;
@@ -390,6 +434,11 @@ __device__ __forceinline__ void ovl_step(float (&o)[64], float (&s)[64], uint32_
     mma_qk<F16>(s, desc_sw128(qa + (k >> 2) * kSub + (k & 3) * 32, 16, 1024),
                 desc_sw128(sK + (k >> 2) * kSub + (k & 3) * 32, 16, 1024), k > 0);
   wgmma_commit();
+  if (ES) {
+#pragma unroll
+    for (int i = 0; i < 64; i++) o[i] *= alpha_c[(i >> 1) & 1];
+    wgmma_fence();  // O was written by these multiplies
+  }
 #pragma unroll
   for (int kk = 0; kk < 8; kk++) mma_pv<F16>(o, pa[kk], desc_sw128(sVc + kk * 2048, kVtLbo, kVtSbo), 1);
   wgmma_commit();
@@ -409,11 +458,23 @@ __device__ __forceinline__ void ovl_step(float (&o)[64], float (&s)[64], uint32_
   reg_fence(m);
   reg_fence(l);
   reg_fence(alpha);
+  // The fences above order nothing in ptxas (an empty asm emits no PTX):
+  // its scheduler still hoists the wait over most of the softmax (SASS:
+  // 0 of 64 MUFU.EX2 above it in masked tiles, ~20 in unmasked ones). PIN
+  // stores l[0] + l[1], which depends on every exponential of the tile, to
+  // a scratch word before the wait; ptxas keeps shared stores and the wait
+  // in order, so the whole softmax now runs while P V does (SASS: 64 of 64).
+  if (PIN) asm volatile("st.shared.f32 [%0], %1;" ::"r"(bar + kPinWord), "f"(l[0] + l[1]) : "memory");
   wgmma_wait<0>();
   reg_fence(o);
   mbar_arrive(bar + 8 * (BAR_VEMPTY + cur));
+  if (ES) {
+    alpha_c[0] = alpha[0];
+    alpha_c[1] = alpha[1];
+  } else {
 #pragma unroll
-  for (int i = 0; i < 64; i++) o[i] *= alpha[(i >> 1) & 1];
+    for (int i = 0; i < 64; i++) o[i] *= alpha[(i >> 1) & 1];
+  }
   pack_p<F16>(s, pa);
   cur = st;
   cur_ph = ph;
@@ -429,13 +490,17 @@ __device__ __forceinline__ void ovl_step(float (&o)[64], float (&s)[64], uint32_
 // tensor cores (named barriers), so one's softmax runs under the other's
 // matrix work; 3: MODE 1 with registers 40 / 232 (producer_regs /
 // consumer_regs).
-// MODE & 7 is the consumer loop, MODE & 8 the TMA producer.
+// MODE & 7 is the consumer loop, MODE & 8 the TMA producer, MODE & 16 the
+// softmax pinned above the P V wait, MODE & 32 O rescaled before the P V
+// issue (PIN and ES: ovl_step; overlapped loops only).
 template <int DQK, int DV, bool F16, bool CAP, int MODE>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_kernel(const mla_prefill_params p, const __grid_constant__ TmaMaps maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int LOOP = MODE & 7;
   constexpr bool TMA = (MODE & 8) != 0;
+  constexpr bool PIN = (MODE & 16) != 0;
+  constexpr bool ES = (MODE & 32) != 0;
   static_assert(DV == 128, "the consumers hold one 64 x 128 O tile");
   using L = Lay<DQK, DV>;
   extern __shared__ uint8_t smem_raw[];
@@ -511,7 +576,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t k_stride = (int64_t)p.num_kv_heads * DQK * 2;
     const int64_t v_stride = (int64_t)p.num_kv_heads * DV * 2;
     uint32_t kv_it = 0, q_it = 0;
-    for (long long id = blockIdx.x; id < items; id += gridDim.x) {
+    for (long long round = 0;; round++) {
+      const long long id = item_of(p, round, items);
+      if (id < 0) break;
       const Item it = decode_item(p, pre, total_mb, id);
       if (it.ntiles == 0) continue;
       mbar_wait(bar + 8 * BAR_QEMPTY, (q_it & 1) ^ 1);
@@ -608,7 +675,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Turns alternate (warpgroup 0 first): every item gives both warpgroups
     // the same ntiles + 1 turns, so the sequence stays in step.
     if (LOOP == 2 && cw == 1) named_bar_arrive(1, 256);
-    for (long long id = blockIdx.x; id < items; id += gridDim.x) {
+    for (long long round = 0;; round++) {
+      const long long id = item_of(p, round, items);
+      if (id < 0) break;
       const Item it = decode_item(p, pre, total_mb, id);
       const int t_lo = it.mb * kBM + r_lo, t_hi = t_lo + 8;
       float o[64];
@@ -691,13 +760,17 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int nu = (wg_lim + 1) / kBN - 1;  // highest tile no row masks
           int n = it.ntiles - 2;
           for (; n >= 0 && n > nu; n--)
-            ovl_step<DQK, DV, F16, CAP, true, LOOP == 2>(o, s, pa, m, l, sf, sbase, bar, qa, kv_it, cur, cur_ph, n,
+            ovl_step<DQK, DV, F16, CAP, true, LOOP == 2, PIN, ES>(o, s, pa, m, l, alpha, sf, sbase, bar, qa, kv_it, cur, cur_ph, n,
                                                          lim_lo, lim_hi, lane, cw);
           for (; n >= 0; n--)
-            ovl_step<DQK, DV, F16, CAP, false, LOOP == 2>(o, s, pa, m, l, sf, sbase, bar, qa, kv_it, cur, cur_ph,
+            ovl_step<DQK, DV, F16, CAP, false, LOOP == 2, PIN, ES>(o, s, pa, m, l, alpha, sf, sbase, bar, qa, kv_it, cur, cur_ph,
                                                           n, lim_lo, lim_hi, lane, cw);
           {
             const uint32_t sVc = sbase + L::kV + cur * L::kVBytes;
+            if (ES) {
+#pragma unroll
+              for (int i = 0; i < 64; i++) o[i] *= alpha[(i >> 1) & 1];
+            }
             mbar_wait(bar + 8 * (BAR_VFULL + cur), cur_ph);
             fence_proxy_async();
             if (LOOP == 2) named_bar_sync(1 + cw, 256);
@@ -869,6 +942,11 @@ cudaError_t launch(const mla_prefill_params *p, int grid, cudaStream_t stream, c
   if (e != cudaSuccess) return e;
   mla_prefill_params q = *p;
   q.head_group = head_group();
+  // Snake order unless MLA_PREFILL_ORDER=rr (plain round robin): +3-5 % on
+  // 1 x 16K in five of five paired runs, neutral on 16 x 1K
+  // (docs/prefill-kernel.md section 5).
+  const char *ord = getenv("MLA_PREFILL_ORDER");
+  q.order_snake = !(ord && !strcmp(ord, "rr"));
   kern<<<grid, kThreads, smem, stream>>>(q, maps);
   return cudaGetLastError();
 }
@@ -879,7 +957,7 @@ cudaError_t launch_dims(const mla_prefill_params *p, int grid, cudaStream_t stre
   TmaMaps maps;
   memset(&maps, 0, sizeof maps);
   // The TMA producer when every tensor's allocation bound is known, else
-  // the same consumer loop with the cp.async producer.
+  // the same consumer loop (less PIN / ES) with the cp.async producer.
   if ((mode & 8) && !(make_map(&maps.q, p->q, DQK, p->num_heads, F16) &&
                       make_map(&maps.k, p->k, DQK, p->num_kv_heads, F16) &&
                       make_map(&maps.v, p->v, 128, p->num_kv_heads, F16)))
@@ -888,6 +966,9 @@ cudaError_t launch_dims(const mla_prefill_params *p, int grid, cudaStream_t stre
   return cap ? launch<DQK, F16, true, M>(p, grid, stream, maps) : launch<DQK, F16, false, M>(p, grid, stream, maps)
   if (mode == 8) PF_LAUNCH(8);
   if (mode == 11) PF_LAUNCH(11);
+  if (mode == 27) PF_LAUNCH(27);
+  if (mode == 43) PF_LAUNCH(43);
+  if (mode == 59) PF_LAUNCH(59);
   if (mode == 1) PF_LAUNCH(1);
   if (mode == 3) PF_LAUNCH(3);
   if (mode == 2) PF_LAUNCH(2);
@@ -916,7 +997,8 @@ static int mode_named(const char *e) {
     const char *name;
     int mode;
   } names[] = {{"plain", 0},    {"overlap", 1},    {"pingpong", 2},
-               {"overlap232", 3}, {"plain-tma", 8}, {"overlap232-tma", 11}};
+               {"overlap232", 3}, {"plain-tma", 8}, {"overlap232-tma", 11},
+               {"overlap232-tma-pin", 27}, {"overlap232-tma-es", 43}, {"overlap232-tma-pin-es", 59}};
   for (size_t i = 0; e && i < sizeof names / sizeof names[0]; i++)
     if (!strcmp(e, names[i].name)) return names[i].mode;
   return -1;

@@ -7,8 +7,10 @@
  *
  *   make -C dev/cuda/prefill BUILD=<cmake build dir with libmla.a>
  *   dev/cuda/prefill/bench [--runs N] [--noncausal] [shape ...]
- * MLA_PREFILL_VARIANT=plain|overlap|pingpong|overlap232|plain-tma|overlap232-tma selects the kernel and
- * MLA_PREFILL_HEAD_GROUP the heads per group of the work order. */
+ * MLA_PREFILL_VARIANT=plain|overlap|pingpong|overlap232|plain-tma|overlap232-tma|overlap232-pin|
+ * overlap232-tma-pin selects the kernel, MLA_PREFILL_HEAD_GROUP the heads per group of the work order and
+ * MLA_PREFILL_ORDER=rr the plain round-robin item order instead of the snake one (prefill_sm90.cu,
+ * item_of). */
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -98,9 +100,10 @@ static int bench_shape(mla_ctx *ctx, int bs, int len, int causal, int runs) {
     const double pairs = causal ? (double)len * (len + 1) / 2.0 : (double)len * len;
     const double flops = 2.0 * pairs * (DQK + DV) * H * bs;
     const char *var = getenv("MLA_PREFILL_VARIANT"), *hg = getenv("MLA_PREFILL_HEAD_GROUP");
-    printf("libmla %-8s hg=%-2s causal=%d bs=%d len=%d H=%d 192/128 bf16: median %.3f ms (min %.3f, max %.3f) "
+    const char *ord = getenv("MLA_PREFILL_ORDER");
+    printf("libmla %-8s%s hg=%-2s causal=%d bs=%d len=%d H=%d 192/128 bf16: median %.3f ms (min %.3f, max %.3f) "
            "%.1f TFLOP/s\n",
-           var ? var : "default", hg ? hg : "8", causal, bs, len, H, med, ms[0], ms[runs - 1],
+           var ? var : "default", ord && !strcmp(ord, "rr") ? "+rr" : "", hg ? hg : "8", causal, bs, len, H, med, ms[0], ms[runs - 1],
            flops / (med * 1e-3) / 1e12);
   }
   free(ms), free(h), free(ind);
