@@ -190,8 +190,8 @@ static dbufs dbufs_new(const world *w) {
   /* packed [T, H, 576]: nope then rope of each (token, head) */
   uint16_t *pk = malloc(2 * (size_t)(nq + 1) * MLA_ROW);
   for (int64_t r = 0; r < nq; r++) {
-    memcpy(pk + r * MLA_ROW, w->qn + r * MLA_LATENT, 2 * MLA_LATENT);
-    memcpy(pk + r * MLA_ROW + MLA_LATENT, w->qr + r * MLA_ROPE, 2 * MLA_ROPE);
+    memcpy(pk + r * MLA_ROW, (const uint16_t *)w->qn + r * MLA_LATENT, 2 * MLA_LATENT);
+    memcpy(pk + r * MLA_ROW + MLA_LATENT, (const uint16_t *)w->qr + r * MLA_ROPE, 2 * MLA_ROPE);
   }
   d.qpk = tu_dev_alloc(2 * (size_t)nq * MLA_ROW);
   CK(cudaMemcpy(d.qpk, pk, 2 * (size_t)nq * MLA_ROW, cudaMemcpyHostToDevice));
