@@ -113,6 +113,24 @@ static __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorM
       : "memory");
 }
 
+// The same load with an L2 eviction-priority hint (createpolicy below).
+static __device__ __forceinline__ void tma_load_3d_hint(uint32_t dst, const CUtensorMap *map, uint32_t bar,
+                                                        int c0, int c1, int c2, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(dst),
+      "l"((uint64_t)map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "l"(policy)
+      : "memory");
+}
+// L2 policy for data read exactly once (a K tile of a single m-block): its
+// lines are replaced first, so streaming the cache does not evict what else
+// lives in L2 (other kernels' data, dirty lines that would be written back).
+static __device__ __forceinline__ uint64_t l2_evict_first() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+
 static __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 }

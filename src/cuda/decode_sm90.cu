@@ -12,6 +12,7 @@
 //  - bf16 or f16 operands (f16 cache with f16 activations, kF16);
 //  - then the split-KV combine as a programmatic dependent.
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "decode_seesaw.cuh"
@@ -51,7 +52,9 @@ EncodeTiledFn encode_fn() {
 // Paged cache [num_pages][P][576] bf16 viewed as a 3-D tensor {576, P, pages};
 // the box is 64 columns (128 B, one 128B-swizzle row) by min(P, 64) rows.
 // Encoded on the host (kv_maps_cached below keeps them across calls).
-cudaError_t make_kv_tmap(const mla_decode_params *p, CUtensorMap *map) {
+// promo: the L2 fetch granularity of a miss (256 B for the wide / v10
+// kernels; the ring kernel's map uses 128 B, see its comment).
+cudaError_t make_kv_tmap(const mla_decode_params *p, CUtensorMap *map, CUtensorMapL2promotion promo) {
   memset(map, 0, sizeof(*map));
   EncodeTiledFn fn = encode_fn();
   if (!fn) return cudaErrorNotSupported;
@@ -61,7 +64,7 @@ cudaError_t make_kv_tmap(const mla_decode_params *p, CUtensorMap *map) {
   cuuint32_t one[3] = {1, 1, 1};
   CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void *>(p->kv), dims, strides, box,
                   one, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                  promo, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
@@ -174,14 +177,230 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   if (lane == 0 && p.lse) p.lse[(size_t)(q0 + t) * H + h] = p.lse_base2 ? lse * kLog2e : lse;
 }
 
+// v11 combines. The v6 kernel above costs ~7 us at b = 64 and ~33 us at b = 1
+// (128 pieces) although it moves little data: every warp runs a chain of
+// dependent loads (a 7-step binary search for the request's first part, the
+// lse passes, then one piece after another). Both kernels below find the
+// first part in one parallel step, keep the pieces' lse in registers, and
+// keep several pieces' loads in flight:
+//  - few pieces per request (combine_warp): one warp per (request, row) as
+//    in v6, pieces two at a time;
+//  - many pieces (combine_row: small batches over long contexts; at b = 1
+//    the schedule cuts the request into ~128 pieces): one block per
+//    (request, row, quarter of the 512 columns), its 8 warps splitting the
+//    pieces, eight pieces' loads in flight per warp, the warps' partial sums
+//    added through shared memory.
+constexpr int kCombineChunk = 1024;  // piece weights staged in shared memory per round (row kernel)
+
+// First part holding a piece of request req (the parts' END_REQ never
+// decrease), by all threads of the block in one step; the caller syncs.
+__device__ __forceinline__ void find_first_part(const mla_decode_params &p, int req, int *sp0) {
+  for (int i = threadIdx.x; i < p.num_sm_parts; i += blockDim.x) {
+    const int e = p.sched_meta[i * SCHED_INTS + SCHED_END_REQ];
+    if (e >= req && (i == 0 || p.sched_meta[(i - 1) * SCHED_INTS + SCHED_END_REQ] < req)) *sp0 = i;
+  }
+}
+
+// (<= 64 registers: a block fits beside a ring kernel block, 288 x 168.)
+template <bool kF16>
+__global__ void __launch_bounds__(kCombineWarps * 32, 4)
+    decode_combine_warp_kernel(const mla_decode_params p) {  // kF16: f16 output
+  // The metadata (inputs of the split kernel, complete before it started)
+  // is read before the wait: resident blocks do that during the split
+  // kernel; only the partial states wait for its completion.
+  __shared__ int sp0;
+  const int req = blockIdx.x;
+  const int pieces = p.num_splits[req + 1] - p.num_splits[req];
+  if (pieces <= 1) return;
+  find_first_part(p, req, &sp0);
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int rg = blockIdx.y * kCombineWarps + warp;
+  const int q0 = p.qo_indptr[req], qlen = p.qo_indptr[req + 1] - q0;
+  const int H = p.num_heads;
+  if (rg >= qlen * H) return;
+  const int R = mla_decode_rows(&p);
+  const int p0 = sp0;
+  const bool first_req = p.sched_meta[p0 * SCHED_INTS + SCHED_BEGIN_REQ] == req;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  auto lse_of = [&](int j) {
+    return p.lse_accum[(size_t)mla_decode_partial_slot(p0 + j, j > 0 || first_req) * R + rg];
+  };
+  // lane j keeps piece j's lse (pieces >= 32 are read again where needed)
+  const float myl = lane < pieces ? lse_of(lane) : -INFINITY;
+  float mx = myl;
+  for (int j = lane + 32; j < pieces; j += 32) mx = fmaxf(mx, lse_of(j));
+#pragma unroll
+  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float sum = 0.f;
+  if (mx != -INFINITY) {
+    sum = myl == -INFINITY ? 0.f : __expf(myl - mx);
+    for (int j = lane + 32; j < pieces; j += 32) sum += __expf(lse_of(j) - mx);
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const float lse = mx == -INFINITY ? -INFINITY : mx + logf(sum);
+
+  // Each lane owns 16 columns: 4 float4 at lane*4 + 128*c (coalesced).
+  float4 acc[4];
+#pragma unroll
+  for (int c = 0; c < 4; c++) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (mx != -INFINITY) {
+    for (int j = 0; j < pieces; j += 2) {
+      float wt[2];
+      float4 v[2][4];
+#pragma unroll
+      for (int u = 0; u < 2; u++) {
+        const int jj = j + u;  // warp-uniform
+        float l = -INFINITY;
+        if (jj < pieces) l = jj < 32 ? __shfl_sync(0xffffffffu, myl, jj) : lse_of(jj);
+        wt[u] = l == -INFINITY ? 0.f : __expf(l - lse);  // an empty piece is never weighed
+        const float4 *src = reinterpret_cast<const float4 *>(
+            p.o_accum + ((size_t)mla_decode_partial_slot(p0 + jj, jj > 0 || first_req) * R + rg) * 512);
+#pragma unroll
+        for (int c = 0; c < 4; c++) v[u][c] = wt[u] != 0.f ? src[lane + 32 * c] : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < 2; u++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+          acc[c].x += wt[u] * v[u][c].x;
+          acc[c].y += wt[u] * v[u][c].y;
+          acc[c].z += wt[u] * v[u][c].z;
+          acc[c].w += wt[u] * v[u][c].w;
+        }
+    }
+  }
+  const int t = rg / H, h = rg % H;
+  uint16_t *dst = p.out + ((size_t)(q0 + t) * H + h) * 512;
+#pragma unroll
+  for (int c = 0; c < 4; c++) {
+    uint2 w2;
+    w2.x = pack2<kF16>(acc[c].x, acc[c].y);
+    w2.y = pack2<kF16>(acc[c].z, acc[c].w);
+    *reinterpret_cast<uint2 *>(dst + 4 * (lane + 32 * c)) = w2;
+  }
+  if (lane == 0 && p.lse) p.lse[(size_t)(q0 + t) * H + h] = p.lse_base2 ? lse * kLog2e : lse;
+}
+
+__device__ __forceinline__ float block_reduce(float v, bool is_max, float *sred) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 16; o; o >>= 1) {
+    const float u = __shfl_xor_sync(0xffffffffu, v, o);
+    v = is_max ? fmaxf(v, u) : v + u;
+  }
+  __syncthreads();  // sred free (an earlier reduction's readers are done)
+  if (lane == 0) sred[warp] = v;
+  __syncthreads();
+  v = sred[0];
+#pragma unroll
+  for (int i = 1; i < kCombineWarps; i++) v = is_max ? fmaxf(v, sred[i]) : v + sred[i];
+  return v;
+}
+
+template <bool kF16>
+__global__ void __launch_bounds__(kCombineWarps * 32)
+    decode_combine_row_kernel(const mla_decode_params p) {  // kF16: f16 output
+  // metadata before the wait, as in combine_warp
+  __shared__ float4 sacc[kCombineWarps][32];  // each warp's partial quarter row (128 floats)
+  __shared__ float sw[kCombineChunk];         // piece weights exp(lse_j - lse), 0 for empty pieces
+  __shared__ float sred[kCombineWarps];
+  __shared__ int sp0;
+  const int req = blockIdx.x, rg = blockIdx.y, qt = blockIdx.z;  // qt: columns 128 qt .. 128 qt + 127
+  const int pieces = p.num_splits[req + 1] - p.num_splits[req];
+  if (pieces <= 1) return;
+  const int q0 = p.qo_indptr[req], qlen = p.qo_indptr[req + 1] - q0;
+  const int H = p.num_heads;
+  if (rg >= qlen * H) return;  // (block-uniform, like the return above)
+  find_first_part(p, req, &sp0);
+  const int R = mla_decode_rows(&p);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  constexpr int kT = kCombineWarps * 32;
+  __syncthreads();
+  const int p0 = sp0;
+  const bool first_req = p.sched_meta[p0 * SCHED_INTS + SCHED_BEGIN_REQ] == req;
+  auto slot_of = [&](int j) { return (size_t)mla_decode_partial_slot(p0 + j, j > 0 || first_req); };
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+
+  // thread j keeps piece j's lse (pieces >= kT are read again where needed)
+  const float myl = tid < pieces ? p.lse_accum[slot_of(tid) * R + rg] : -INFINITY;
+  float mx = myl;
+  for (int j = tid + kT; j < pieces; j += kT) mx = fmaxf(mx, p.lse_accum[slot_of(j) * R + rg]);
+  mx = block_reduce(mx, true, sred);
+  float sum = 0.f;
+  if (mx != -INFINITY) {
+    sum = myl == -INFINITY ? 0.f : __expf(myl - mx);
+    for (int j = tid + kT; j < pieces; j += kT) sum += __expf(p.lse_accum[slot_of(j) * R + rg] - mx);
+  }
+  sum = block_reduce(sum, false, sred);
+  const float lse = mx == -INFINITY ? -INFINITY : mx + logf(sum);
+
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (mx != -INFINITY) {
+    for (int base = 0; base < pieces; base += kCombineChunk) {
+      const int n = min(kCombineChunk, pieces - base);
+      __syncthreads();  // the last round's weights are read
+      for (int j = tid; j < n; j += kT) {
+        const float l = base + j == tid ? myl : p.lse_accum[slot_of(base + j) * R + rg];
+        sw[j] = l == -INFINITY ? 0.f : __expf(l - lse);  // an empty piece is never weighed
+      }
+      __syncthreads();
+      for (int j = warp; j < n; j += 8 * kCombineWarps) {
+        float wt[8];
+        float4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+          const int jj = j + u * kCombineWarps;
+          wt[u] = jj < n ? sw[jj] : 0.f;
+          const float4 *src = reinterpret_cast<const float4 *>(p.o_accum + (slot_of(base + jj) * R + rg) * 512);
+          v[u] = wt[u] != 0.f ? src[32 * qt + lane] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+          acc.x += wt[u] * v[u].x;
+          acc.y += wt[u] * v[u].y;
+          acc.z += wt[u] * v[u].z;
+          acc.w += wt[u] * v[u].w;
+        }
+      }
+    }
+  }
+  sacc[warp][lane] = acc;
+  __syncthreads();
+  if (tid < 64) {  // columns 128 qt + 2 tid, + 1
+    const float *sf = reinterpret_cast<const float *>(sacc);
+    float x = 0.f, y = 0.f;
+#pragma unroll
+    for (int w = 0; w < kCombineWarps; w++) {
+      x += sf[w * 128 + 2 * tid];
+      y += sf[w * 128 + 2 * tid + 1];
+    }
+    const int t = rg / H, h = rg % H;
+    uint16_t *dst = p.out + ((size_t)(q0 + t) * H + h) * 512 + 128 * qt;
+    *reinterpret_cast<uint32_t *>(dst + 2 * tid) = pack2<kF16>(x, y);
+    if (tid == 0 && qt == 0 && p.lse) p.lse[(size_t)(q0 + t) * H + h] = p.lse_base2 ? lse * kLog2e : lse;
+  }
+}
+
+bool legacy_decode();
+
 // The combine as a programmatic dependent launch of the split kernel before
 // it in the stream: the launch overlaps that kernel's tail (it triggers early).
+// With >= 4 parts per request (many pieces each) the row kernel, else one
+// warp per row (MLA_DECODE_LEGACY=1: the v6 kernel).
 cudaError_t combine_launch_pdl(const mla_decode_params *p, cudaStream_t stream) {
   const int rows = mla_decode_rows(p);
   if (p->batch_size == 0 || p->num_sm_parts < 2) return cudaSuccess;  // one part cuts nothing
-  if ((rows + kCombineWarps - 1) / kCombineWarps > 65535) return cudaErrorInvalidConfiguration;
+  const bool legacy = legacy_decode();
+  const bool by_row = p->num_sm_parts >= 4 * p->batch_size && rows <= 65535 && !legacy;
+  if (!by_row && (rows + kCombineWarps - 1) / kCombineWarps > 65535) return cudaErrorInvalidConfiguration;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(p->batch_size, (rows + kCombineWarps - 1) / kCombineWarps);
+  cfg.gridDim = by_row ? dim3(p->batch_size, rows, 4) : dim3(p->batch_size, (rows + kCombineWarps - 1) / kCombineWarps);
   cfg.blockDim = dim3(kCombineWarps * 32);
   cfg.dynamicSmemBytes = 0;
   cfg.stream = stream;
@@ -190,8 +409,14 @@ cudaError_t combine_launch_pdl(const mla_decode_params *p, cudaStream_t stream) 
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return p->act_dtype == MLA_DTYPE_F16 ? cudaLaunchKernelEx(&cfg, decode_combine_kernel<true>, *p)
-                                       : cudaLaunchKernelEx(&cfg, decode_combine_kernel<false>, *p);
+  if (by_row)
+    return p->act_dtype == MLA_DTYPE_F16 ? cudaLaunchKernelEx(&cfg, decode_combine_row_kernel<true>, *p)
+                                         : cudaLaunchKernelEx(&cfg, decode_combine_row_kernel<false>, *p);
+  if (legacy)
+    return p->act_dtype == MLA_DTYPE_F16 ? cudaLaunchKernelEx(&cfg, decode_combine_kernel<true>, *p)
+                                         : cudaLaunchKernelEx(&cfg, decode_combine_kernel<false>, *p);
+  return p->act_dtype == MLA_DTYPE_F16 ? cudaLaunchKernelEx(&cfg, decode_combine_warp_kernel<true>, *p)
+                                       : cudaLaunchKernelEx(&cfg, decode_combine_warp_kernel<false>, *p);
 }
 
 // ---------------------------------------------------------------------------
@@ -786,6 +1011,493 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 
+// ---------------------------------------------------------------------------
+// Ring kernel (v11): the narrow kernel's transposed GEMMs for m-blocks of
+// <= 16 rows, with the K tiles streamed through a ring of 8 KB chunk slots
+// (docs/decode-kernel.md §3.3). v10 gave each warpgroup one 72 KB buffer,
+// refilled only after its P V: a buffer was either in flight or computed on,
+// and each warpgroup waited out a full DRAM latency per tile. Here a producer
+// warp fills the slots in the order the tiles are consumed (per tile: the
+// rope chunk, then latent chunks 0-7) as soon as a slot is released: the rope
+// slot right after QK^T, the latent slots pairwise as the P V groups retire.
+// 25 slots = 2.8 tiles, all of them in flight whenever the warpgroups wait.
+// 16-bit caches through TMA (page size >= 8) only.
+// ---------------------------------------------------------------------------
+struct RingLay {
+  static constexpr int N = 16;
+  static constexpr int kSlots = 25;
+  static constexpr uint32_t kQChunk = N * 128;               // 64 dims of Q: N rows x 128 B
+  static constexpr uint32_t kOffQ = 0;                       // Q chunks 0-8; the merge scratch aliases them
+  static constexpr uint32_t kOffP = 9 * kQChunk;             // P^T of WG g at kOffP + g * kQChunk
+  static constexpr uint32_t kOffRing = kOffP + 2 * kQChunk;  // kSlots slots of 64 rows x 128 B
+  static constexpr uint32_t kScr = 260;                      // merge scratch [N][kScr] fp32
+  static constexpr uint32_t kOffRed = kOffRing + kSlots * kChunk;  // float [2][4][N] column maxima
+  static constexpr uint32_t kOffRedL = kOffRed + 2 * 4 * N * 4;    // float [2][4][N] column sums
+  static constexpr uint32_t kOffMf = kOffRedL + 2 * 4 * N * 4;     // float [2][N] final max per WG
+  static constexpr uint32_t kOffLf = kOffMf + 2 * N * 4;           // float [N] 1 / l
+  static constexpr uint32_t kOffLim = kOffLf + N * 4;              // int [N]
+  static constexpr uint32_t kOffBar = kOffLim + N * 4;             // full[kSlots], empty[kSlots]
+  static constexpr uint32_t kOffIss = kOffBar + 2 * kSlots * 8;     // int: ring positions issued
+  static constexpr uint32_t kSmem = kOffIss + 8 + 1024;
+  static_assert(kOffP % 1024 == 0 && kOffRing % 1024 == 0, "swizzled tiles must be 1024-aligned");
+  static_assert(N * kScr * 4 <= kOffP, "the merge scratch must fit in the Q region");
+  static_assert(kOffBar % 8 == 0, "mbarrier alignment");
+  static_assert(kSmem <= 232448, "over the opt-in shared memory of sm_90");
+};
+constexpr int kRingThreads = kThreads + 32;  // two consumer warpgroups + the producer warp
+constexpr int kBarCons = 10;                 // the 256 consumer threads (bar 0 would count the producer)
+
+// Where the producer loads one tile from (page ids fetched a tile ahead).
+struct RingSrc {
+  int page, row0;  // TMA_BIG: the page holding the tile's 64 rows, first row in it
+  int nbox;        // TMA_SMALL: boxes of P rows to load (those past the piece end are skipped)
+  int pages[8];    // TMA_SMALL: their pages (P >= 8: at most 8)
+};
+
+template <int LM>
+__device__ __forceinline__ RingSrc ring_src(const mla_decode_params &p, int req, int kt0, int nvalid) {
+  RingSrc s;
+  const int lp = __ffs(p.page_size) - 1;
+  const int *bt = p.block_table + (size_t)req * p.block_table_width + (kt0 >> lp);
+  s.page = 0;
+  s.row0 = 0;
+  s.nbox = 0;
+#pragma unroll
+  for (int b = 0; b < 8; b++) s.pages[b] = 0;
+  if constexpr (LM == LOAD_TMA_BIG) {
+    s.page = bt[0];
+    s.row0 = kt0 & (p.page_size - 1);
+  } else {
+    s.nbox = (nvalid + p.page_size - 1) >> lp;
+#pragma unroll
+    for (int b = 0; b < 8; b++)
+      if (b < s.nbox) s.pages[b] = bt[b];
+  }
+  return s;
+}
+
+// Chunk c (0-7 latent, 8 rope) of a tile into the slot at dst, through the
+// map with 128-byte L2 promotion (kv_maps.m[1]): with 256 bytes a miss also
+// pulled the row's next chunk into L2, which the ring loads later than the
+// two-buffer kernels did (often after it was evicted again); 128 B measured
+// 2 % faster at b = 128, s_k = 8192. hint: with the evict_first policy pol
+// (every K byte is read once at <= 16 rows; launch_ring says when).
+template <int LM>
+__device__ __forceinline__ void ring_load(const mla_decode_params &p, const CUtensorMap *map, const RingSrc &s,
+                                          uint32_t dst, uint32_t bar, int c, uint64_t pol, bool hint) {
+  if constexpr (LM == LOAD_TMA_BIG) {
+    mbar_expect_tx(bar, kChunk);
+    if (hint) tma_load_3d_hint(dst, map, bar, 64 * c, s.row0, s.page, pol);
+    else tma_load_3d(dst, map, bar, 64 * c, s.row0, s.page);
+  } else {
+    const int P = p.page_size;
+    mbar_expect_tx(bar, (uint32_t)(s.nbox * P * 128));
+#pragma unroll
+    for (int b = 0; b < 8; b++)
+      if (b < s.nbox) {
+        if (hint) tma_load_3d_hint(dst + b * P * 128, map, bar, 64 * c, 0, s.pages[b], pol);
+        else tma_load_3d(dst + b * P * 128, map, bar, 64 * c, 0, s.pages[b]);
+      }
+  }
+}
+
+__device__ __forceinline__ void st_release_s32(uint32_t addr, int v) {
+  asm volatile("st.release.cta.shared::cta.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_acquire_s32(uint32_t addr) {
+  int v;
+  asm volatile("ld.acquire.cta.shared::cta.b32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+// Spins until the producer has issued ring positions < n; traps (a launch
+// error instead of a hang) after ~2^24 polls, as mbar_wait does.
+__device__ __forceinline__ void wait_issued(uint32_t iss, int n) {
+  for (uint32_t k = 0; ld_acquire_s32(iss) < n; k++)
+    if (k > (1u << 24)) __trap();
+}
+
+// The producer (one thread): walks the part's tiles in the consumers' order
+// and fills ring position q (slot q % kSlots, use q / kSlots) once the use
+// before it has been released (empty barrier: one arrival per consumer warp),
+// then publishes the positions issued (iss) after each tile.
+// No watchdog here: a hang shows as the consumers' full-barrier trap.
+//
+// Why the consumers read iss before the full barriers: kSlots is not a
+// multiple of 9, so the previous use of a slot may belong to the other
+// warpgroup's tile; if that tile's data had not landed yet, the barrier
+// would still be in the phase before and a parity wait would pass at once.
+// Once position q is issued, the use before it has landed, been consumed and
+// released, so the parity wait is exact.
+template <int LM>
+__device__ __forceinline__ void ring_produce(const mla_decode_params &p, const CUtensorMap *map, const int *meta,
+                                             int mb, uint32_t ring, uint32_t fullb, uint32_t emptyb, uint32_t iss,
+                                             int l2_hint) {
+  const int er = meta[SCHED_END_REQ];
+  const uint64_t pol = l2_evict_first();
+  const bool hint = l2_hint != 0;
+  int req = meta[SCHED_BEGIN_REQ], t = 0;
+  ReqWork w = req_work(p, meta, req, mb);
+  while (req <= er && t >= w.n_tiles)
+    if (++req <= er) w = req_work(p, meta, req, mb);
+  if (req > er) return;
+  RingSrc cur = ring_src<LM>(p, req, w.kstart, min(64, w.kend_blk - w.kstart));
+  int slot = 0, q = 0;
+  uint32_t use = 0;
+  for (;;) {
+    int nreq = req, nt = t + 1;
+    ReqWork nw = w;
+    while (nreq <= er && nt >= nw.n_tiles) {
+      nt = 0;
+      if (++nreq <= er) nw = req_work(p, meta, nreq, mb);
+    }
+    const bool more = nreq <= er;
+    RingSrc nxt = cur;
+    if (more) {
+      const int kt = nw.kstart + 64 * nt;
+      nxt = ring_src<LM>(p, nreq, kt, min(64, nw.kend_blk - kt));
+    }
+#pragma unroll 1
+    for (int k = 0; k < 9; k++) {
+      if (use > 0)
+        while (!mbar_try_wait(emptyb + 8 * slot, (use - 1) & 1)) {
+        }
+      ring_load<LM>(p, map, cur, ring + slot * kChunk, fullb + 8 * slot, k == 0 ? 8 : k - 1, pol, hint);
+      if (++slot == RingLay::kSlots) {
+        slot = 0;
+        use++;
+      }
+    }
+    q += 9;
+    st_release_s32(iss, q);
+    if (!more) break;
+    req = nreq;
+    t = nt;
+    w = nw;
+    cur = nxt;
+  }
+}
+
+// Rows past the piece end may hold NaN (or a slot's stale rows): zero V rows
+// >= nvalid in the 8 latent slots of the tile at ring position q0.
+__device__ __forceinline__ void zero_tail_ring(uint8_t *ringp, int q0, int nvalid, int t128) {
+  const int nz = (64 - nvalid) * 64;  // rows x 8 chunks x 8 16-byte pieces
+  for (int i = t128; i < nz; i += 128) {
+    const int r = nvalid + (i >> 6), ch = (i >> 3) & 7, x = i & 7;
+    const int slot = (q0 + 1 + ch) % RingLay::kSlots;
+    *reinterpret_cast<uint4 *>(ringp + slot * kChunk + r * 128 + x * 16) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <int LM, bool kF16>
+__global__ void __launch_bounds__(kRingThreads, 1)
+    decode_ring_kernel(const mla_decode_params p, const __grid_constant__ KvMaps kv_maps, uint32_t vt_lbo,
+                       uint32_t vt_sbo, int l2_hint) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using L = RingLay;
+  constexpr int N = L::N, S = L::kSlots;
+  constexpr int NR = N / 2;  // accumulator registers per m64nN tile
+  constexpr int NC = N / 4;  // columns (rows of the m-block) per thread
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t *smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const uint32_t sb = smem_u32(smem);
+  pdl_trigger();
+  const int part = blockIdx.x, mb = blockIdx.y;
+  const int *meta = p.sched_meta + part * SCHED_INTS;
+  if (meta[SCHED_NUM_REQS] == 0) return;
+  const int tid = threadIdx.x;
+  const uint32_t fullb = sb + L::kOffBar, emptyb = fullb + S * 8, ring = sb + L::kOffRing, iss = sb + L::kOffIss;
+  if (tid == 0) {
+    *reinterpret_cast<int *>(smem + L::kOffIss) = 0;
+    for (int i = 0; i < S; i++) {
+      mbar_init(fullb + 8 * i, 1);   // the producer's expect_tx arrival + the bytes
+      mbar_init(emptyb + 8 * i, 4);  // lane 0 of each warp of the consuming warpgroup
+    }
+    fence_mbar_init();
+  }
+  __syncthreads();
+  if (tid >= kThreads) {
+    if (tid == kThreads) ring_produce<LM>(p, kv_maps.m + 1, meta, mb, ring, fullb, emptyb, iss, l2_hint);
+    return;
+  }
+  const int wg = tid >> 7, t128 = tid & 127, wi = (tid >> 5) & 3, lane = tid & 31;
+  const int er = meta[SCHED_END_REQ];
+  const float sl2 = p.scale * kLog2e;
+  float *red = reinterpret_cast<float *>(smem + L::kOffRed);
+  float *redL = reinterpret_cast<float *>(smem + L::kOffRedL);
+  float *mfin = reinterpret_cast<float *>(smem + L::kOffMf);
+  float *lfin = reinterpret_cast<float *>(smem + L::kOffLf);
+  float *scr = reinterpret_cast<float *>(smem + L::kOffQ);  // after the request's last QK^T
+  int *lim = reinterpret_cast<int *>(smem + L::kOffLim);
+  uint8_t *ringp = smem + L::kOffRing;
+  const uint32_t sP = sb + L::kOffP + wg * L::kQChunk;
+  const uint32_t sQ = sb + L::kOffQ;
+  const int nb = 1 + 3 * wg;  // this warpgroup's named barrier ids: nb + NB_* - 1
+  int col[NC];
+#pragma unroll
+  for (int j = 0; j < NC; j++) col[j] = 8 * (j >> 1) + 2 * (lane & 3) + (j & 1);
+  int gbase = 0;  // tiles of the part's earlier requests: tile i of the part is at ring position 9 i
+
+  for (int req = meta[SCHED_BEGIN_REQ]; req <= er; req++) {
+    const ReqWork w = req_work(p, meta, req, mb);
+    if (w.rows == 0) continue;  // (n_tiles == 0: the producer skips it too)
+    named_bar_sync(kBarCons, kThreads);  // the last request is done with Q / the scratch and the row arrays
+    {
+      const int H = p.num_heads;
+      for (int ci = tid; ci < N * 72; ci += kThreads) {
+        const int r = ci / 72, pc = ci - r * 72, ch = pc >> 3;
+        const bool ok = r < w.rows;
+        const int rg = mb * 64 + r, t = ok ? rg / H : 0, h = ok ? rg % H : 0;
+        const uint16_t *src = ch < 8 ? p.q_nope + (w.q0 + t) * p.q_nope_stride_token + h * p.q_nope_stride_head + pc * 8
+                                     : p.q_rope + (w.q0 + t) * p.q_rope_stride_token + h * p.q_rope_stride_head +
+                                           (pc - 64) * 8;
+        cp_async_16(sQ + ch * L::kQChunk + sw128_off(r, (pc & 7) * 8), ok ? (const void *)src : p.kv, ok);
+      }
+      cp_async_commit();
+      if (tid < N) lim[tid] = tid < w.rows ? row_limit(p, w, mb, tid) : 0;  // padding rows see no key
+      cp_async_wait_all();
+      fence_proxy_async();
+    }
+    named_bar_sync(kBarCons, kThreads);
+    const int lim0 = lim[0];  // row 0 has the lowest limit
+    int limc[NC];
+#pragma unroll
+    for (int j = 0; j < NC; j++) limc[j] = lim[col[j]];
+
+    float o[8][NR];
+#pragma unroll
+    for (int mt = 0; mt < 8; mt++)
+#pragma unroll
+      for (int i = 0; i < NR; i++) o[mt][i] = 0.f;
+    float m[NC], lp[NC];  // running max (log2 units, warpgroup-uniform per column), partial sums
+#pragma unroll
+    for (int j = 0; j < NC; j++) {
+      m[j] = -INFINITY;
+      lp[j] = 0.f;
+    }
+
+    // The warpgroups alternate over the part's tiles (tile i: warpgroup i % 2).
+    for (int t = wg ^ (gbase & 1); t < w.n_tiles; t += 2) {
+      const int kt = w.kstart + 64 * t;
+      const int nv = min(64, w.kend_blk - kt);
+      const bool full = kt + 64 <= lim0;
+      const int q0 = 9 * (gbase + t);  // ring positions q0 (rope), q0 + 1 + c (latent chunk c)
+      int sl[9];
+      uint32_t parm = 0;  // bit k: full-barrier parity of position q0 + k
+      {
+        int s0 = q0 % S;
+        uint32_t u = (uint32_t)(q0 / S);
+#pragma unroll
+        for (int k = 0; k < 9; k++) {
+          sl[k] = s0;
+          parm |= (u & 1u) << k;
+          if (++s0 == S) {
+            s0 = 0;
+            u++;
+          }
+        }
+      }
+
+      // ---- S^T = K Q^T (keys x rows): rope chunk first, then 0-7 ----
+      float s[NR];
+#pragma unroll
+      for (int i = 0; i < NR; i++) s[i] = 0.f;
+      wait_issued(iss, q0 + 9);  // the tile is issued (ring_produce says why)
+#pragma unroll
+      for (int k = 0; k < 9; k++) {
+        const int c = k == 0 ? 8 : k - 1;
+        mbar_wait(fullb + 8 * sl[k], (parm >> k) & 1u);
+        wgmma_fence();
+        const uint32_t sa = ring + sl[k] * kChunk;
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++)
+          qk_wgmma<N, kF16>(s, desc_sw128(sa + kk * 32, 16, 1024), desc_sw128(sQ + c * L::kQChunk + kk * 32, 16, 1024),
+                            k > 0 || kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      reg_fence(s);
+      if (lane == 0) mbar_arrive(emptyb + 8 * sl[0]);  // the rope slot: read by QK^T only
+
+      // ---- softmax down the columns (as the narrow kernel) ----
+      bool need = false;
+#pragma unroll
+      for (int i = 0; i < NR; i++) {
+        const int j = 2 * (i >> 2) + (i & 1);
+        float x = s[i] * sl2;
+        if (!full) {
+          const int key = kt + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
+          x = key < limc[j] ? x : -INFINITY;
+        }
+        s[i] = x;
+        need |= x > m[j] + kLazy;
+      }
+      if (wg_any(need, nb + NB_VOTE - 1)) {
+        float mx[NC];
+#pragma unroll
+        for (int j = 0; j < NC; j++) mx[j] = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < NR; i++) {
+          const int j = 2 * (i >> 2) + (i & 1);
+          mx[j] = fmaxf(mx[j], s[i]);
+        }
+#pragma unroll
+        for (int j = 0; j < NC; j++) {
+          mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 4));
+          mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 8));
+          mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 16));
+        }
+        if (lane < 4) {
+#pragma unroll
+          for (int j = 0; j < NC; j++) red[(wg * 4 + wi) * N + col[j]] = mx[j];
+        }
+        named_bar_sync(nb + NB_MAX - 1, 128);
+        float f[NC];
+        bool mv = false;
+#pragma unroll
+        for (int j = 0; j < NC; j++) {
+          const float *rj = red + wg * 4 * N + col[j];
+          const float tm = fmaxf(fmaxf(rj[0], rj[N]), fmaxf(rj[2 * N], rj[3 * N]));
+          const float mn = lazy_max(m[j], tm);
+          f[j] = lazy_scale(m[j], mn);
+          m[j] = mn;
+          lp[j] *= f[j];
+          mv |= f[j] != 1.f;
+        }
+        if (mv) {
+#pragma unroll
+          for (int mt = 0; mt < 8; mt++)
+#pragma unroll
+            for (int i = 0; i < NR; i++) o[mt][i] *= f[2 * (i >> 2) + (i & 1)];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < NR; i++) {
+        const int j = 2 * (i >> 2) + (i & 1);
+        s[i] = ex2(s[i] - (m[j] == -INFINITY ? 0.f : m[j]));
+        lp[j] += s[i];
+      }
+      // ---- P^T -> shared memory (rows x keys), stmatrix.trans ----
+      {
+        const int mi = lane >> 3;
+#pragma unroll
+        for (int q = 0; q < N / 16; q++) {
+          const int cb = 2 * q + (mi >> 1), kh = mi & 1;
+          stsm_x4_t(sP + sw128_off(8 * cb + (lane & 7), 16 * wi + 8 * kh), pack2<kF16>(s[8 * q], s[8 * q + 1]),
+                    pack2<kF16>(s[8 * q + 2], s[8 * q + 3]), pack2<kF16>(s[8 * q + 4], s[8 * q + 5]),
+                    pack2<kF16>(s[8 * q + 6], s[8 * q + 7]));
+        }
+      }
+      if (nv < 64) zero_tail_ring(ringp, q0, nv, t128);
+      fence_proxy_async();
+      named_bar_sync(nb + NB_P - 1, 128);
+
+      // ---- O^T += V^T P^T: m-tile pairs in four commit groups; a pair's
+      // two slots go back to the producer as soon as its group retires ----
+      wgmma_fence();
+#pragma unroll
+      for (int g = 0; g < 4; g++) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+          const int mt = 2 * g + h;
+          const uint32_t sa = ring + sl[mt + 1] * kChunk;
+#pragma unroll
+          for (int ks = 0; ks < 4; ks++)
+            pv_wgmma<N, kF16>(o[mt], desc_sw128(sa + ks * 2048, vt_lbo, vt_sbo), desc_sw128(sP + ks * 32, 16, 1024));
+        }
+        wgmma_commit();
+      }
+      wgmma_wait<3>();
+      if (lane == 0) {
+        mbar_arrive(emptyb + 8 * sl[1]);
+        mbar_arrive(emptyb + 8 * sl[2]);
+      }
+      wgmma_wait<2>();
+      if (lane == 0) {
+        mbar_arrive(emptyb + 8 * sl[3]);
+        mbar_arrive(emptyb + 8 * sl[4]);
+      }
+      wgmma_wait<1>();
+      if (lane == 0) {
+        mbar_arrive(emptyb + 8 * sl[5]);
+        mbar_arrive(emptyb + 8 * sl[6]);
+      }
+      wgmma_wait<0>();
+#pragma unroll
+      for (int mt = 0; mt < 8; mt++) reg_fence(o[mt]);
+      if (lane == 0) {
+        mbar_arrive(emptyb + 8 * sl[7]);
+        mbar_arrive(emptyb + 8 * sl[8]);
+      }
+    }
+    gbase += w.n_tiles;
+
+    // ---- merge the two warpgroups' states, write the request's rows ----
+#pragma unroll
+    for (int j = 0; j < NC; j++) {
+      float v = lp[j];
+      v += __shfl_xor_sync(0xffffffffu, v, 4);
+      v += __shfl_xor_sync(0xffffffffu, v, 8);
+      v += __shfl_xor_sync(0xffffffffu, v, 16);
+      if (lane < 4) redL[(wg * 4 + wi) * N + col[j]] = v;
+      if (wi == 0 && lane < 4) mfin[wg * N + col[j]] = m[j];
+    }
+    named_bar_sync(kBarCons, kThreads);  // (both warpgroups past their last QK^T: Q becomes the scratch)
+    float fg[NC];
+#pragma unroll
+    for (int j = 0; j < NC; j++) {
+      const int c = col[j];
+      const float m0 = mfin[c], m1 = mfin[N + c], mf = fmaxf(m0, m1);
+      const float f0 = m0 == -INFINITY ? 0.f : ex2(m0 - mf), f1 = m1 == -INFINITY ? 0.f : ex2(m1 - mf);
+      fg[j] = wg ? f1 : f0;
+      if (wg == 0 && wi == 0 && lane < 4) {
+        float l0 = 0.f, l1 = 0.f;
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+          l0 += redL[x * N + c];
+          l1 += redL[(4 + x) * N + c];
+        }
+        const float l = l0 * f0 + l1 * f1;
+        lfin[c] = l > 0.f ? 1.f / l : 0.f;
+        if (c < w.rows) store_lse(p, w, mb, c, l > 0.f ? mf + log2f(l) : -INFINITY);
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+      if (wg == 1) {
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+#pragma unroll
+          for (int i = 0; i < NR; i++) {
+            const int j = 2 * (i >> 2) + (i & 1);
+            const int d = 64 * q + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
+            scr[col[j] * L::kScr + d] = o[4 * half + q][i] * fg[j];
+          }
+      }
+      named_bar_sync(kBarCons, kThreads);
+      if (wg == 0) {
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+#pragma unroll
+          for (int i = 0; i < NR; i++) {
+            const int j = 2 * (i >> 2) + (i & 1);
+            const int d = 64 * q + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
+            scr[col[j] * L::kScr + d] += o[4 * half + q][i] * fg[j];
+          }
+      }
+      named_bar_sync(kBarCons, kThreads);
+      for (int idx = tid; idx < N * 128; idx += kThreads) {
+        const int c = idx >> 7, d = (idx & 127) * 2;
+        if (c < w.rows)
+          store_out_pair<kF16>(p, w, mb, c, 256 * half + d, scr[c * L::kScr + d], scr[c * L::kScr + d + 1], lfin[c]);
+      }
+      named_bar_sync(kBarCons, kThreads);
+    }
+  }
+#endif
+}
+
+
 // ---- host-side state kept across calls --------------------------------------
 // Per-device facts found once, as bits of a mask (device ordinals 0..63; a
 // larger ordinal is checked on every call). A bit is set only after the
@@ -832,10 +1544,39 @@ cudaError_t launch_narrow(const mla_decode_params *p, const KvMaps &map, cudaStr
   return cudaGetLastError();
 }
 
-// One load mode and operand type: narrow for <= 16 / <= 32 rows, wide above.
+template <int LM, bool kF16>
+cudaError_t launch_ring(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
+  static uint64_t smem_set;
+  DEV_CUDA_OK(set_smem_once(decode_ring_kernel<LM, kF16>, (int)RingLay::kSmem, &smem_set));
+  dim3 grid(p->num_sm_parts, mla_decode_m_blocks(p));
+  // evict_first when every part holds >= 4 of the request's pieces on
+  // average (small batches): measured 2-3 us faster at b = 1, 4 (s_k 32K);
+  // slower at b = 128 (docs/decode-kernel.md §3.3).
+  const int l2_hint = p->num_sm_parts >= 4 * p->batch_size;
+  decode_ring_kernel<LM, kF16><<<grid, kRingThreads, RingLay::kSmem, stream>>>(*p, map, kVtLbo, kVtSbo, l2_hint);
+  return cudaGetLastError();
+}
+
+// Development switch (environment, read once): MLA_DECODE_LEGACY=1 runs the
+// v10 narrow kernel instead of the ring kernel and the per-warp combine for
+// every batch (the A/B comparison of docs/decode-kernel.md §3.3).
+bool env_flag(const char *name) {
+  const char *v = getenv(name);
+  return v && v[0] && v[0] != '0';
+}
+bool legacy_decode() {
+  static const bool on = env_flag("MLA_DECODE_LEGACY");
+  return on;
+}
+
+
+// One load mode and operand type: narrow for <= 16 / <= 32 rows (the ring
+// kernel for <= 16 rows of a 16-bit cache through TMA), wide above.
 template <int LM, bool kF16>
 cudaError_t launch_mode(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
   const int rows = mla_decode_rows(p);
+  if constexpr (lm_tma16(LM))
+    if (rows <= 16 && !legacy_decode()) return launch_ring<LM, kF16>(p, map, stream);
   if (rows <= 16) return launch_narrow<16, LM, kF16>(p, map, stream);
   if (rows <= 32) return launch_narrow<32, LM, kF16>(p, map, stream);
   return launch_wide<LM, kF16>(p, map, stream);
@@ -873,7 +1614,10 @@ bool same_key(const KvMapKey &a, const KvMapKey &b) {
 cudaError_t encode_kv_maps(const mla_decode_params *p, KvMaps *map) {
   memset(map, 0, sizeof *map);
   const bool fp8 = p->kv_dtype == MLA_DTYPE_FP8_E4M3, fp8b = p->kv_dtype == MLA_DTYPE_FP8_E4M3_BLOCK;
-  if (!fp8 && !fp8b) return make_kv_tmap(p, &map->m[0]);
+  if (!fp8 && !fp8b) {
+    const cudaError_t e = make_kv_tmap(p, &map->m[0], CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+    return e == cudaSuccess ? make_kv_tmap(p, &map->m[1], CU_TENSOR_MAP_L2_PROMOTION_L2_128B) : e;
+  }
   cudaError_t e = make_kv_tmap_bytes(p, &map->m[0], 128, false);  // latent pairs (and the per-tensor rope)
   if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map->m[1], 16, false);  // block scales
   if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map->m[2], 128, true);  // bf16 rope, swizzled
