@@ -23,10 +23,23 @@
  * next tile's rows into L2 (mla_cpu_pf, row after row), and a piece's
  * last tile prefetches the first tile of the piece its worker runs next.
  * The kernels walk the rows through their addresses (mla_cpu_conv.rowp /
- * pf_rowp, resolved once per tile), which keeps a step at a few uops. bf16 rows are converted in pair-split order (cpu.h): the query
- * block and the accumulator use that column order and the output restores
- * the natural one. 16-row items (decode with 16 heads) use the pair-layout
- * scores kernel (qk16p) where the build has it.
+ * pf_rowp, resolved once per tile), which keeps a step at a few uops. bf16
+ * rows are converted in pair-split order (cpu.h): the query block and the
+ * accumulator use that column order and the output restores the natural
+ * one.
+ *
+ * 16-row items (decode with <= 16 heads) take their own path where the
+ * build has the kernels (AVX-512): the scores of a 12-key block over all 9
+ * column blocks in one call (qk16pb, accumulators in registers: 64-column
+ * calls spent ~15 % of their time starting and ending), P x V with the
+ * query rows as the vector lanes (pv16p: every value element is loaded
+ * once, as a 64-bit broadcast feeding two FMAs; acc in a pair layout,
+ * turned back into rows once per piece), and a schedule where the P x V
+ * steps convert the next tile's blocks 8, 0 .. 6 and the first score call
+ * block 7; a piece's last tile converts the first tile of the piece its
+ * worker runs next (converted without overlap, that tile's 8 blocks cost
+ * ~5 % of a 16-tile piece). The steps sit between unrolled pairs of FMA
+ * iterations (a test and a branch per iteration cost ~10 % of the scores).
  *
  * Split-KV: when a batch has fewer than SPLIT_MIN_ITEMS items (small-batch
  * decode), each item's keys are cut into pieces (at most SPLIT_MAX_PIECES in
@@ -44,21 +57,6 @@
 #include <stdatomic.h>
 
 #include "cpu.h"
-#ifdef MLA_CPU_PROF
-#include <stdio.h>
-#include <x86intrin.h>
-static unsigned long long prof_t[8], prof_n;
-static void prof_dump(void) {
-  fprintf(stderr, "PROF tiles %llu: qk %.0f sm %.0f pv %.0f piece %.0f (cycles/tile)\n", prof_n,
-          (double)prof_t[0] / prof_n, (double)prof_t[1] / prof_n, (double)prof_t[2] / prof_n,
-          (double)prof_t[3] / prof_n);
-}
-#define PROF_T(v) unsigned long long v = __rdtsc()
-#define PROF_ADD(i, a, b) prof_t[i] += (b) - (a)
-#else
-#define PROF_T(v)
-#define PROF_ADD(i, a, b)
-#endif
 
 #define SPLIT_MIN_ITEMS 16
 #define SPLIT_MAX_PIECES 32
@@ -80,6 +78,9 @@ static void prof_dump(void) {
 #define PART_M MLA_LATENT
 #define PART_L (MLA_LATENT + 1)
 #define NBLK (MLA_ROW / COLS) /* column blocks of a tile */
+/* How many tiles ahead the kernels' steps prefetch (1: the next tile;
+ * 2 measured the same on the 2-core VM, within its noise). */
+#define PF_TILES 1
 
 /* Item geometry: heads per item, query tokens per item, padded rows. */
 typedef struct geom {
@@ -98,7 +99,7 @@ static geom geom_for(int num_heads, int max_q_len) {
 
 /* Per-worker scratch layout (offsets in floats, each 64-byte aligned). */
 typedef struct scratch_layout {
-  size_t kt, qt, stage, s, s2, acc, m, l, alpha, lim, total;
+  size_t kt, qt, stage, s, s2, acc, m, l, alpha, alphad, lim, total;
 } scratch_layout;
 
 static size_t al16(size_t n) { return (n + 15) & ~(size_t)15; }
@@ -115,6 +116,7 @@ static scratch_layout layout_for(int rb) {
   L.m = o, o += al16((size_t)rb);
   L.l = o, o += al16((size_t)rb);
   L.alpha = o, o += al16((size_t)rb);
+  L.alphad = o, o += 32; /* alpha in pv16p's pair layout [2][16] */
   L.lim = o, o += al16((size_t)rb); /* int32 per row, same size as a float */
   L.total = o;
   return L;
@@ -248,9 +250,37 @@ static void build_qt(const ab_job *J, const piece *pc, float *stage, float *QT /
   }
 }
 
-/* next: the piece this worker runs after this one (NULL: unknown), whose
- * first tile is prefetched during this piece's last tile; prefetched: this
- * piece's first tile was prefetched that way. */
+/* The rows of tile u (0: the first) of the sequence "this piece's tiles
+ * (keys [k0, kend)), then those of the piece next" -> *s; 0 when there is
+ * no such tile. */
+static int tile_rows(const ab_job *J, const piece *pc, int kend, const piece *next, int u,
+                     const int32_t **s) {
+  const mla_plan *P = J->plan;
+  const int nt = kend > pc->k0 ? (kend - pc->k0 + MLA_CPU_KEYS - 1) / MLA_CPU_KEYS : 0;
+  const piece *q = pc;
+  int e = kend;
+  if (u >= nt) {
+    if (!next) return 0;
+    u -= nt;
+    q = next;
+    e = next->k1;
+  }
+  const int k0 = q->k0 + u * MLA_CPU_KEYS;
+  if (k0 >= e) return 0;
+  *s = P->kv_indices + P->kv_indptr[q->req] + k0;
+  return e - k0 < MLA_CPU_KEYS ? e - k0 : MLA_CPU_KEYS;
+}
+
+/* The end of the keys a piece may see: up to the causal limit of its last
+ * row (run_piece's kend). */
+static int piece_kend(const ab_job *J, const piece *pc) {
+  const mla_plan *P = J->plan;
+  const int Q = P->qo_indptr[pc->req + 1] - P->qo_indptr[pc->req];
+  const int K = P->kv_lens[pc->req];
+  const int e = P->causal ? K - Q + pc->q0 + pc->nq : K;
+  return pc->k1 < e ? pc->k1 : e;
+}
+
 /* o [512] = acc [512] * inv, in the natural column order (acc is in the
  * tile's pair-split order when split). */
 static void finish_row(int split, const float *acc, float inv, float *o) {
@@ -264,15 +294,20 @@ static void finish_row(int split, const float *acc, float inv, float *o) {
     for (int c = 0; c < MLA_LATENT; c++) o[c] = acc[c] * inv;
 }
 
-static void run_piece(const ab_job *J, const piece *pc, int worker, const piece *next,
-                      int prefetched) {
+/* One piece on one worker. next: the piece this worker runs after this
+ * one (NULL: unknown), whose first tile this piece's last tile prefetches
+ * and, on the 16-row path, converts; prefetched / converted: this piece's
+ * first tile was prefetched / converted that way. Returns whether it
+ * converted next's first tile. */
+static int run_piece(const ab_job *J, const piece *pc, int worker, const piece *next,
+                     int prefetched, int converted) {
   const mla_plan *P = J->plan;
   const mla_cpu_kernels *k = J->k;
   scratch_layout L = layout_for(J->g.rb);
   float *base = J->scratch + (size_t)worker * J->scratch_floats;
   float *Kt = base + L.kt, *QTs = base + L.qt, *S = base + L.s, *acc = base + L.acc;
   float *S2 = base + L.s2;
-  float *m = base + L.m, *l = base + L.l, *alpha = base + L.alpha;
+  float *m = base + L.m, *l = base + L.l, *alpha = base + L.alpha, *alphad = base + L.alphad;
   int32_t *lim = (int32_t *)(base + L.lim);
 
   const int req = pc->req;
@@ -283,6 +318,10 @@ static void run_piece(const ab_job *J, const piece *pc, int worker, const piece 
   const int rb = mla_cpu_round_up(rows, MLA_CPU_ROW_ALIGN);
   const int32_t *slots = P->kv_indices + P->kv_indptr[req];
   const int pair = rb == 16 && k->qk16p; /* 16 rows: the pair-layout scores (build_qt) */
+  /* 16 rows where the build has the whole set: the scores over all the
+   * column blocks in one call (qk16pb), P x V with the rows as lanes and
+   * acc in pv16p's pair layout */
+  const int pairv = pair && k->pv16p && k->qk16pb;
 
   /* Causal limits first: they bound the keys, whose first tile is
    * prefetched while the query block is built. */
@@ -300,8 +339,11 @@ static void run_piece(const ab_job *J, const piece *pc, int worker, const piece 
   }
   const int kend = pc->k1 < maxlim + 1 ? pc->k1 : maxlim + 1;
   if (pc->k0 < kend && !prefetched)
-    prefetch_rows(&J->rows, slots + pc->k0,
-                  kend - pc->k0 < MLA_CPU_KEYS ? kend - pc->k0 : MLA_CPU_KEYS);
+    for (int u = 0; u < PF_TILES; u++) {
+      const int32_t *ps;
+      const int pn = tile_rows(J, pc, kend, NULL, u, &ps);
+      if (pn > 0) prefetch_rows(&J->rows, ps, pn);
+    }
   const float *QT = QTs;
   if (pc->item >= 0) {
     QT = J->item_qt + (size_t)pc->item * MLA_ROW * J->g.rb;
@@ -312,7 +354,7 @@ static void run_piece(const ab_job *J, const piece *pc, int worker, const piece 
     m[r] = -INFINITY;
     l[r] = 0.0f;
   }
-  memset(acc, 0, (size_t)rows * MLA_LATENT * sizeof(float));
+  memset(acc, 0, (size_t)(pairv ? rb : rows) * MLA_LATENT * sizeof(float));
 
   /* The tile's blocks: the 9 column blocks of the scores, each converted
    * once; the first 8 (the latent part, c) are also the value blocks of
@@ -327,35 +369,65 @@ static void run_piece(const ab_job *J, const piece *pc, int worker, const piece 
   float *blk[NBLK];
   for (int b = 0; b < NBLK; b++) blk[b] = Kt + (size_t)b * MLA_CPU_KEYS * COLS;
   mla_cpu_conv cv;
-  int have = 0;
+  int have = pairv && converted; /* pairv: the first tile is converted but block 7 */
+  /* pairv: the last tile's P x V steps convert the next piece's first tile
+   * (nxn rows at nxs) when it takes this path too: a piece's first tile
+   * converted without overlap cost ~16k cycles, ~5 % of a 16-tile piece */
+  int nxn = 0, conv_next = 0;
+  const int32_t *nxs = NULL;
+  if (pairv && next && mla_cpu_round_up(next->nq * next->nh, MLA_CPU_ROW_ALIGN) == 16) {
+    const int e = piece_kend(J, next);
+    if (e > next->k0) {
+      nxn = e - next->k0 < MLA_CPU_KEYS ? e - next->k0 : MLA_CPU_KEYS;
+      nxs = P->kv_indices + P->kv_indptr[next->req] + next->k0;
+    }
+  }
   /* The addresses of this tile's and the next tile's rows (the kernels'
    * conversion and prefetch steps walk them with a pointer). */
-  const unsigned char *rowp_a[MLA_CPU_KEYS], *rowp_b[MLA_CPU_KEYS];
+  const unsigned char *rowp_a[MLA_CPU_KEYS], *rowp_b[MLA_CPU_KEYS], *rp_pf[MLA_CPU_KEYS];
   const unsigned char **rp_cur = rowp_a, **rp_next = rowp_b;
   for (int j = 0; pc->k0 + j < kend && j < MLA_CPU_KEYS; j++)
     rp_cur[j] = J->rows.base + (size_t)slots[pc->k0 + j] * J->rows.row_bytes;
   for (int kt = pc->k0; kt < kend; kt += MLA_CPU_KEYS) {
     const int n = kend - kt < MLA_CPU_KEYS ? kend - kt : MLA_CPU_KEYS;
     const int knext = kt + n, nn = kend - knext < MLA_CPU_KEYS ? kend - knext : MLA_CPU_KEYS;
-    mla_cpu_pf pf = {J->rows.base, J->rows.row_bytes, slots + knext, nn, 0, 0, 0};
-    if (nn == 0 && next && next->k0 < next->k1) { /* the next piece's first tile */
-      pf.slots = P->kv_indices + P->kv_indptr[next->req] + next->k0;
-      pf.rows = next->k1 - next->k0 < MLA_CPU_KEYS ? next->k1 - next->k0 : MLA_CPU_KEYS;
-    }
+    mla_cpu_pf pf = {J->rows.base, J->rows.row_bytes, NULL, 0, 0, 0, 0};
+    pf.rows = tile_rows(J, pc, kend, next, (kt - pc->k0) / MLA_CPU_KEYS + PF_TILES, &pf.slots);
     for (int j = 0; j < pf.rows; j++)
-      rp_next[j] = J->rows.base + (size_t)pf.slots[j] * J->rows.row_bytes;
-    if (have == 0) { /* a piece's first tile: nothing converted it yet */
+      rp_pf[j] = J->rows.base + (size_t)pf.slots[j] * J->rows.row_bytes;
+    /* the rows the P x V steps convert (pairv): the next tile's, or after
+     * the last tile the next piece's first */
+    const int cn = nn > 0 ? nn : nxn;
+    const int32_t *cs = nn > 0 ? slots + knext : nxs;
+    for (int j = 0; j < cn; j++)
+      rp_next[j] = J->rows.base + (size_t)cs[j] * J->rows.row_bytes;
+    if (nn == 0 && cn > 0) conv_next = 1;
+    if (pairv) {
+      /* The last tile's P x V converted every block but 7 (a piece's first
+       * tile: none, converted here); block 7 is converted during the
+       * first 12-key block of the scores, which reads its own rows of it
+       * last (after ~224 of its 288 pair steps, the conversion steps a
+       * row every 2 or 4), and the later key blocks find it complete. */
+      if (have == 0)
+        for (int b = 0; b < NBLK; b++)
+          if (b != 7) {
+            start_block(J, slots + kt, n, b * COLS, blk[b], &cv, NULL, rp_cur, NULL);
+            mla_cpu_conv_finish(k, &cv);
+          }
+      start_block(J, slots + kt, n, 7 * COLS, blk[7], &cv, &pf, rp_cur, rp_pf);
+      k->qk16pb(n, NBLK, Kt, (size_t)MLA_CPU_KEYS * COLS, QT, S2, 0, &cv);
+      mla_cpu_conv_finish(k, &cv);
+    } else if (have == 0) { /* a piece's first tile: nothing converted it yet */
       start_block(J, slots + kt, n, 0, blk[0], &cv, NULL, rp_cur, NULL);
       mla_cpu_conv_finish(k, &cv);
       have = 1;
     }
-    PROF_T(t0);
-    for (int b = 0; b < NBLK; b++) {
+    for (int b = 0; !pairv && b < NBLK; b++) {
       const int c0 = b * COLS;
       if (have < NBLK)
-        start_block(J, slots + kt, n, have * COLS, blk[have], &cv, &pf, rp_cur, rp_next);
+        start_block(J, slots + kt, n, have * COLS, blk[have], &cv, &pf, rp_cur, rp_pf);
       else
-        idle_conv(&cv, &pf, rp_next);
+        idle_conv(&cv, &pf, rp_pf);
       if (pair)
         k->qk16p(n, COLS, blk[b], QT + (size_t)c0 * 16, S2, c0 > 0, &cv);
       else
@@ -368,34 +440,52 @@ static void run_piece(const ab_job *J, const piece *pc, int worker, const piece 
       for (int j = 0; j < n; j++)
         for (int r = 0; r < rows; r++)
           if (kt + j > lim[r]) S[(size_t)j * rb + r] = -INFINITY;
-    PROF_T(t1);
     k->softmax(n, rb, S, m, l, alpha);
-    PROF_T(t2);
+    const float *pvP = S, *pva = alpha;
+    if (pairv) { /* P and alpha in pv16p's layout (S2 is free until the next tile) */
+      int scale = 0;
+      for (int r = 0; r < rb; r++) scale |= alpha[r] != 1.0f;
+      k->pdup16p(n, S, scale ? alpha : NULL, S2, alphad);
+      pvP = S2;
+      pva = scale ? alphad : NULL;
+    }
     int nhave = 0;
     for (int b = 0; b < MLA_LATENT / COLS; b++) {
-      if (b >= 1 && nn > 0) {
-        start_block(J, slots + knext, nn, (b - 1) * COLS, blk[b - 1], &cv, &pf, rp_next, rp_next);
+      if (pairv && cn > 0) { /* the next tile's block 8, then b - 1 */
+        const int nb = b ? b - 1 : 8;
+        start_block(J, cs, cn, nb * COLS, blk[nb], &cv, &pf, rp_next, rp_pf);
+        nhave = 1;
+      } else if (b >= 1 && nn > 0) {
+        start_block(J, slots + knext, nn, (b - 1) * COLS, blk[b - 1], &cv, &pf, rp_next, rp_pf);
         nhave = b;
       } else {
-        idle_conv(&cv, &pf, rp_next);
+        idle_conv(&cv, &pf, rp_pf);
       }
-      k->pv(n, rows, S, rb, blk[b], COLS, COLS, alpha, acc + (size_t)b * COLS, MLA_LATENT, &cv);
+      if (pairv)
+        k->pv16p(n, pvP, blk[b], pva, acc + (size_t)b * COLS * 16, &cv);
+      else
+        k->pv(n, rows, pvP, rb, blk[b], COLS, COLS, pva, acc + (size_t)b * COLS, MLA_LATENT, &cv);
       mla_cpu_conv_finish(k, &cv);
     }
     have = nhave;
-    PROF_T(t3);
-    PROF_ADD(0, t0, t1);
-    PROF_ADD(1, t1, t2);
-    PROF_ADD(2, t2, t3);
-#ifdef MLA_CPU_PROF
-    if (n == 64 && rb == 16) prof_n++;
-    { static int once; if (!once) { once = 1; atexit(prof_dump); } }
-#endif
     const unsigned char **t = rp_cur;
     rp_cur = rp_next;
     rp_next = t;
   }
 
+  if (pairv && pc->part >= 0) { /* the raw state, straight from the pair layout */
+    float *o = J->partial + (size_t)pc->part * J->g.rb * PART_W;
+    k->unpack16p(acc, MLA_LATENT, o, PART_W);
+    for (int r = 0; r < rows; r++) {
+      o[(size_t)r * PART_W + PART_M] = m[r];
+      o[(size_t)r * PART_W + PART_L] = l[r];
+    }
+    return conv_next;
+  }
+  if (pairv) { /* back to rows [16, 512] (in the tile's column order) */
+    k->unpack16p(acc, MLA_LATENT, base + L.stage, MLA_LATENT);
+    acc = base + L.stage;
+  }
   if (pc->part >= 0) { /* the raw state: the merge normalises and reorders once */
     for (int r = 0; r < rows; r++) {
       float *o = J->partial + ((size_t)pc->part * J->g.rb + r) * PART_W;
@@ -403,7 +493,7 @@ static void run_piece(const ab_job *J, const piece *pc, int worker, const piece 
       o[PART_M] = m[r];
       o[PART_L] = l[r];
     }
-    return;
+    return conv_next;
   }
   for (int r = 0; r < rows; r++) {
     const float *ar = acc + (size_t)r * MLA_LATENT;
@@ -419,6 +509,7 @@ static void run_piece(const ab_job *J, const piece *pc, int worker, const piece 
     }
     write_row(J, tq0 + pc->q0 + r / pc->nh, pc->h0 + r % pc->nh, o, lse2);
   }
+  return conv_next;
 }
 
 /* Items of request i: ceil(Q_i / qb) token blocks x head blocks. */
@@ -451,6 +542,7 @@ static void items_range(void *arg, int64_t b, int64_t e, int worker) {
   int64_t first = 0;
   while (i < J->plan->batch_size && first + items_of(J, i) <= b) first += items_of(J, i++);
   piece pc, nx;
+  int conv = 0;
   for (int64_t it = b; it < e; it++) {
     if (it == b) {
       while (it - first >= items_of(J, i)) first += items_of(J, i++);
@@ -464,7 +556,7 @@ static void items_range(void *arg, int64_t b, int64_t e, int worker) {
       nx = piece_of(J, i, it + 1 - first);
       have_next = 1;
     }
-    run_piece(J, &pc, worker, have_next ? &nx : NULL, it > b);
+    conv = run_piece(J, &pc, worker, have_next ? &nx : NULL, it > b, it > b && conv);
   }
 }
 
@@ -487,10 +579,12 @@ static void pieces_worker(void *arg, int64_t b, int64_t e, int worker) {
   (void)b;
   (void)e;
   int p = atomic_fetch_add_explicit(J->next_piece, 1, memory_order_relaxed);
+  int conv = 0;
   for (int first = 1; p < J->num_pieces; first = 0) {
     const int q = atomic_fetch_add_explicit(J->next_piece, 1, memory_order_relaxed);
     const piece *pc = &J->pieces[p];
-    run_piece(J, pc, worker, q < J->num_pieces ? &J->pieces[q] : NULL, !first);
+    conv = run_piece(J, pc, worker, q < J->num_pieces ? &J->pieces[q] : NULL, !first,
+                     !first && conv);
     /* acq_rel: the last one sees every other piece's partial state */
     if (pc->part >= 0 &&
         atomic_fetch_sub_explicit(&J->item_left[pc->item], 1, memory_order_acq_rel) == 1)

@@ -23,8 +23,9 @@
  * P x V), the conversion of the next block is software-pipelined into the
  * FMA loops (mla_cpu_conv), the next tile is prefetched a line at a time
  * (mla_cpu_pf), key row strides are compile-time constants in the hot
- * kernels, and 16-row items use a pair-layout scores kernel (qk16p) that
- * halves the broadcast loads. Ragged MHA (ragged.c) walks the keys once per
+ * kernels, and 16-row items use pair-layout kernels (qk16p / qk16pb for
+ * the scores, pv16p for P x V with the rows as lanes) that halve the
+ * broadcast loads. Ragged MHA (ragged.c) walks the keys once per
  * group of RAG_SUB query blocks, so a converted k / v tile serves all of
  * them.
  *
@@ -142,6 +143,30 @@ typedef struct mla_cpu_kernels {
   void (*qk16p)(int n, int D, const float *K, const float *QTp, float *S2, int accumulate,
                 mla_cpu_conv *cv);
   void (*red16p)(int n, const float *S2, float *S);
+  /* Optional (NULL when a build lacks them): P x V for exactly 16 rows with
+   * the query rows as the vector lanes, the transpose of qk16p's layout. The
+   * accumulator is kept in "pair" layout, accp [dvp / 2][2][16]: vector v of
+   * column pair p holds rows 8v .. 8v + 7, lane 2i + e = row 8v + i at
+   * column 2p + e. One 64-bit broadcast of two adjacent values of a V row
+   * then feeds two FMAs, and every V element is read once (the row-major
+   * kernel reads a value block once per group of 6 rows); the same sums in
+   * the same order as pv, so the results are bit-identical to it.
+   * pdup16p: Pd [n][2][16] = P [n, 16] with every value twice (lane 2i + e
+   * of vector v = P[j][8v + i]), alpha likewise into alphad [2][16] when
+   * alpha is not NULL. pv16p: accp [32][2][16] = alphad * accp + the
+   * products of Pd [n][2][16] with the 64 columns of V [n, 64] (row stride
+   * 64; alphad NULL: no rescaling). unpack16p: acc [16, lda] (columns
+   * [0, w)) = accp [w / 2][2][16] in row-major order (w a multiple of 16). */
+  void (*pdup16p)(int n, const float *P, const float *alpha, float *Pd, float *alphad);
+  void (*pv16p)(int n, const float *Pd, const float *V, const float *alphad, float *accp,
+                mla_cpu_conv *cv);
+  void (*unpack16p)(const float *accp, int w, float *acc, int lda);
+  /* Optional: qk16p over nb column blocks in one call, the blocks at K +
+   * b * bstride ([n, 64] each, row stride 64) and QTp [nb * 32][2][16]:
+   * S2 [n, 32] (+)= the unreduced products (same sums, same order as nb
+   * calls of qk16p; the accumulators stay in registers across the blocks). */
+  void (*qk16pb)(int n, int nb, const float *K, size_t bstride, const float *QTp, float *S2,
+                 int accumulate, mla_cpu_conv *cv);
 } mla_cpu_kernels;
 
 /* Pair-split order of bf16 columns: within each aligned group of 32

@@ -111,6 +111,8 @@ static const mla_cpu_kernels k_scalar = {MLA_CPU_ISA_SCALAR, "scalar",    qk_sca
                                          bf16_scalar,        e4m3_scalar, softcap_scalar,
                                          bf16_rows_scalar,   mla_cpu_qt16_c,
                                          NULL,               NULL,
+                                         NULL,               NULL,
+                                         NULL,               NULL,
                                          NULL};
 
 void mla_cpu_load_act(const mla_cpu_kernels *k, mla_dtype t, const void *src, int64_t offset,
