@@ -1190,8 +1190,8 @@ static void run_absorbed(fz *f, world *w, const mla_plan *p) {
     if (p->kv_indices[j] >= (int64_t)w->num_pages * w->page_size) slots_ok = 0;
   const int expect = cache && layer >= 0 && layer < w->num_layers && valid_h &&
                      is_act(a.act_dtype) && isfinite(a.scale) && a.scale > 0 && a.flags <= 1 &&
-                     a.q_stride_token >= 0 &&
-                     (T == 0 || (a.q_nope && a.q_rope && a.out && ws.full && slots_ok));
+                     a.q_stride_token >= 0 && a.q_nope && a.q_rope && a.out &&
+                     (T == 0 || (ws.full && slots_ok));
   FZ_ASSERT((st == MLA_OK) == expect, "mla_attention_absorbed returned %s, expected %s: %s",
             mla_status_string(st), expect ? "MLA_OK" : "a failure", mla_ctx_last_error(w->ctx));
   /* Numbers are checked at sane scales only (FLT_MAX overflows the logits). */

@@ -758,13 +758,16 @@ mla_status mla_cpu_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, i
   MLA_REQUIRE(eb, plan->batch_size >= 0 && plan->num_q_tokens >= 0, MLA_ERR_INVALID_ARGUMENT,
               "plan->batch_size = %d / num_q_tokens = %d is negative", (int)plan->batch_size,
               (int)plan->num_q_tokens);
+  /* q and out are required even when the plan has no query rows, as on a
+   * CUDA context: the same call must not pass on one device and fail on
+   * the other. */
+  MLA_REQUIRE_PTR(eb, args->q_nope);
+  MLA_REQUIRE_PTR(eb, args->q_rope);
+  MLA_REQUIRE_PTR(eb, args->out);
   if (plan->mode == MLA_MODE_IDLE || plan->batch_size == 0 || plan->num_q_tokens == 0)
     return MLA_OK; /* nothing to compute, nothing written */
   mla_status st = check_plan(ctx, cache, plan);
   if (st != MLA_OK) return st;
-  MLA_REQUIRE_PTR(eb, args->q_nope);
-  MLA_REQUIRE_PTR(eb, args->q_rope);
-  MLA_REQUIRE_PTR(eb, args->out);
 
   const geom g = geom_for(H, plan->max_q_len);
   const int workers = mla_ctx_workers(ctx);
