@@ -71,22 +71,6 @@ static void rand_bf16(uint16_t *dst, int64_t n, double sigma) {
   free(f);
 }
 
-/* Kernel nodes and other nodes (memcpy, memset, host...) of a captured graph. */
-static void count_graph_nodes(cudaGraph_t graph, int *kernels, int *others) {
-  size_t n = 0;
-  CK(cudaGraphGetNodes(graph, NULL, &n));
-  cudaGraphNode_t *nodes = malloc(sizeof(cudaGraphNode_t) * (n ? n : 1));
-  CK(cudaGraphGetNodes(graph, nodes, &n));
-  *kernels = *others = 0;
-  for (size_t i = 0; i < n; i++) {
-    enum cudaGraphNodeType t;
-    CK(cudaGraphNodeGetType(nodes[i], &t));
-    if (t == cudaGraphNodeTypeKernel) ++*kernels;
-    else ++*others;
-  }
-  free(nodes);
-}
-
 /* The GPU backend's forward of a (already written) layer again, captured on
  * a non-blocking stream with no new rows: kernels only, and the replay
  * equals the eager output oe [no] / lse le [nl] bit for bit. */
@@ -107,7 +91,7 @@ static void capture_forward(pair *p, mla_forward_args a, const uint16_t *oe, int
            cudaGetErrorString(ce), st == MLA_OK ? "ok" : mla_backend_last_error(p->gb));
   if (st == MLA_OK && ce == cudaSuccess) {
     int kernels = 0, others = 0;
-    count_graph_nodes(graph, &kernels, &others);
+    tu_count_graph_nodes(graph, &kernels, &others);
     TU_CHECK(kernels >= 1 && others == 0, "%s: captured forward has %d kernel and %d other nodes (want kernels only)",
              what, kernels, others);
     cudaGraphExec_t exec;

@@ -114,22 +114,6 @@ static mla_status eager_step(const sw_world *w, dev_step *d, const mla_step_desc
   return st;
 }
 
-/* Kernel nodes and other nodes (memcpy, memset, host...) of a captured graph. */
-static void count_graph_nodes(cudaGraph_t graph, int *kernels, int *others) {
-  size_t n = 0;
-  CK(cudaGraphGetNodes(graph, NULL, &n));
-  cudaGraphNode_t *nodes = malloc(sizeof(cudaGraphNode_t) * (n ? n : 1));
-  CK(cudaGraphGetNodes(graph, nodes, &n));
-  *kernels = *others = 0;
-  for (size_t i = 0; i < n; i++) {
-    enum cudaGraphNodeType t;
-    CK(cudaGraphNodeGetType(nodes[i], &t));
-    if (t == cudaGraphNodeTypeKernel) ++*kernels;
-    else ++*others;
-  }
-  free(nodes);
-}
-
 static double bf16_to_double(uint16_t b) {
   uint32_t u = (uint32_t)b << 16;
   float f;
@@ -537,7 +521,7 @@ static void extend_steps(int P, int H, int max_ext, int rounds) {
                cudaGetErrorString(ce));
       if (ce != cudaSuccess) break;
       int kernels = 0, others = 0;
-      count_graph_nodes(graph, &kernels, &others);
+      tu_count_graph_nodes(graph, &kernels, &others);
       TU_CHECK(kernels >= 3 && others == 0, "%s: graph of %d kernel and %d other nodes (want kernels only)", name,
                kernels, others);
       CK(cudaGraphInstantiate(&exec, graph, 0));
@@ -711,7 +695,7 @@ static void graph_replay(mla_mode mode, int ndt, int P, int H, int replays) {
     return;
   }
   int kernels = 0, others = 0;
-  count_graph_nodes(graph, &kernels, &others);
+  tu_count_graph_nodes(graph, &kernels, &others);
   TU_CHECK(kernels >= 3 && others == 0, "%s: graph has %d kernel and %d other nodes (want kernels only)", name,
            kernels, others);
   cudaGraphExec_t exec;

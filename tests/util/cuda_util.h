@@ -44,4 +44,20 @@ static inline void tu_cache_to_device(mla_kv_cache *host, mla_kv_cache *dev, siz
   mla_kv_cache_row_bytes(host, &rb);
   CK(cudaMemcpy(dp, hp, rb * rows, cudaMemcpyHostToDevice));
 }
+/* Kernel nodes and other nodes (memcpy, memset, host...) of a captured graph. */
+static inline void tu_count_graph_nodes(cudaGraph_t graph, int *kernels, int *others) {
+  size_t n = 0;
+  CK(cudaGraphGetNodes(graph, NULL, &n));
+  cudaGraphNode_t *nodes = malloc(sizeof(cudaGraphNode_t) * (n ? n : 1));
+  CK(cudaGraphGetNodes(graph, nodes, &n));
+  *kernels = *others = 0;
+  for (size_t i = 0; i < n; i++) {
+    enum cudaGraphNodeType t;
+    CK(cudaGraphNodeGetType(nodes[i], &t));
+    if (t == cudaGraphNodeTypeKernel) ++*kernels;
+    else ++*others;
+  }
+  free(nodes);
+}
+
 #endif
