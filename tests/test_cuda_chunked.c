@@ -82,15 +82,6 @@ typedef struct worst {
   int64_t bad, lbad, nonfinite;
 } worst;
 
-static double bf16_at(const uint16_t *p, int64_t i) {
-  union {
-    uint32_t u;
-    float f;
-  } x;
-  x.u = (uint32_t)p[i] << 16;
-  return x.f;
-}
-
 static uint16_t *rand_bf16_host(int64_t n, double sigma, float *keep /* [n] or NULL */) {
   float *f = keep ? keep : malloc(sizeof(float) * (size_t)(n ? n : 1));
   tu_fill_bf16_normal(&rng, f, n, sigma);
@@ -256,7 +247,7 @@ static void run_case(const ccase *cs) {
       const uint16_t *g = part ? gr : gc;
       const float *x = part ? hr : hc;
       for (int64_t e = 0; e < n; e++) {
-        const double got = bf16_at(g, e), want = x[e];
+        const double got = tu_bf16_to_f32(g[e]), want = x[e];
         const double tol = fp8 ? 0.07 * fabs(want) + FP8_SCALE / 512.0 : 0.0;
         bad += !(fabs(got - want) <= tol);
       }
@@ -374,13 +365,13 @@ static void run_case(const ccase *cs) {
         if (k1[e] == ki[e]) continue;
         differ++;
         if (e % DQK >= NOPE) rope_bad++;
-        const double a = bf16_at(k1, e), b = bf16_at(ki, e);
+        const double a = tu_bf16_to_f32(k1[e]), b = tu_bf16_to_f32(ki[e]);
         bad += !(fabs(a - b) <= fabs(b) / 128.0 + 1e-3);
       }
       for (int64_t e = 0; e < K * vrow; e++) {
         if (v1[e] == vi[e]) continue;
         differ++;
-        const double a = bf16_at(v1, e), b = bf16_at(vi, e);
+        const double a = tu_bf16_to_f32(v1[e]), b = tu_bf16_to_f32(vi[e]);
         bad += !(fabs(a - b) <= fabs(b) / 128.0 + 1e-3);
       }
       TU_CHECK(bad == 0 && rope_bad == 0,

@@ -465,10 +465,12 @@ static void run_step(rank_env *e, const mla_step_desc *d, mla_kv_cache *cache, v
   rank_step(e, d, cache, &in, qn, qr, o, lse);
 }
 
-/* A cache of this rank's context, every row NaN except page 0 (zero: the
- * padding row's target). */
-static mla_kv_cache *poisoned_cache(rank_env *e, int pages, int page) {
-  mla_kv_cache_desc cd = {1, pages, page, MLA_DTYPE_BF16, NULL};
+/* A cache of this rank's context in dtype dt (fp8 per-tensor scale 0.375),
+ * every row NaN (0xFF in every format: a row read by mistake shows) except
+ * page 0 (zero: the padding row's target). */
+static mla_kv_cache *poisoned_cache(rank_env *e, int pages, int page, mla_dtype dt) {
+  const float sc[1] = {0.375f};
+  mla_kv_cache_desc cd = {1, pages, page, dt, dt == MLA_DTYPE_FP8_E4M3 ? sc : NULL};
   mla_kv_cache *cache = NULL;
   RK_OK(e, mla_kv_cache_create(e->ctx, &cd, &cache));
   if (!cache) return NULL;
@@ -495,7 +497,7 @@ static void dcp_body(rank_env *e, void *arg) {
   CK(cudaMemset(out, 0xFF, no));
   CK(cudaMemset(l_out, 0xFF, nl));
   /* this rank's shard of the same global rows */
-  mla_kv_cache *cache = poisoned_cache(e, j->pages, j->Pg / W);
+  mla_kv_cache *cache = poisoned_cache(e, j->pages, j->Pg / W, MLA_DTYPE_BF16);
   if (cache) RK_OK(e, mla_kv_cache_write_shard(cache, 0, j->tk, slots, c, r, MLA_DTYPE_BF16, W, e->rank));
   mla_step_desc d;
   memset(&d, 0, sizeof d);
@@ -519,7 +521,7 @@ static void dcp_body(rank_env *e, void *arg) {
   CK(cudaMemcpy(j->got_l[e->rank], l_out, nl, cudaMemcpyDeviceToHost));
   if (e->rank == 0) {
     /* the single-GPU reference: a plain step over the whole cache */
-    mla_kv_cache *whole = poisoned_cache(e, j->pages, j->Pg);
+    mla_kv_cache *whole = poisoned_cache(e, j->pages, j->Pg, MLA_DTYPE_BF16);
     if (whole) RK_OK(e, mla_kv_cache_write(whole, 0, j->tk, slots, c, r, MLA_DTYPE_BF16));
     mla_step_desc d1 = d;
     d1.page_size = j->Pg;
@@ -536,13 +538,6 @@ static void dcp_body(rank_env *e, void *arg) {
   for (size_t k = 0; k < sizeof bufs / sizeof bufs[0]; k++) cudaFree(bufs[k]);
 }
 
-static float bf16_to_f(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
 /* got (bf16 / f32) vs the oracle over the non-padding rows. */
 static void check_vs_oracle(const char *name, const dcp_job *j, const uint16_t *o, const float *l, const double *ro,
                             const double *rl, const double *pb, const int *row_of, int nrows) {
@@ -551,7 +546,7 @@ static void check_vs_oracle(const char *name, const dcp_job *j, const uint16_t *
   double *go = malloc(sizeof(double) * (size_t)no), *gl = malloc(sizeof(double) * (size_t)nl);
   for (int i = 0; i < nrows; i++)
     for (int64_t k = 0; k < (int64_t)H * MLA_LATENT; k++)
-      go[i * (int64_t)H * MLA_LATENT + k] = bf16_to_f(o[(int64_t)row_of[i] * H * MLA_LATENT + k]);
+      go[i * (int64_t)H * MLA_LATENT + k] = tu_bf16_to_f32(o[(int64_t)row_of[i] * H * MLA_LATENT + k]);
   for (int i = 0; i < nrows; i++)
     for (int h = 0; h < H; h++) gl[i * H + h] = l[row_of[i] * H + h];
   ref_cmp c = ref_compare(go, ro, no, O_ATOL, O_RTOL);
@@ -716,12 +711,12 @@ static void dcp_case(int Pg, int H) {
   for (int i = 0; i < nrows; i++) {
     const int b = row_of[i], req = j.ids[b];
     for (int64_t k = 0; k < (int64_t)H * MLA_LATENT; k++)
-      qnd[i * (int64_t)H * MLA_LATENT + k] = bf16_to_f(j.qn[(int64_t)b * H * MLA_LATENT + k]);
+      qnd[i * (int64_t)H * MLA_LATENT + k] = tu_bf16_to_f32(j.qn[(int64_t)b * H * MLA_LATENT + k]);
     for (int64_t k = 0; k < (int64_t)H * MLA_ROPE; k++)
-      qrd[i * (int64_t)H * MLA_ROPE + k] = bf16_to_f(j.qr[(int64_t)b * H * MLA_ROPE + k]);
+      qrd[i * (int64_t)H * MLA_ROPE + k] = tu_bf16_to_f32(j.qr[(int64_t)b * H * MLA_ROPE + k]);
     for (int p = 0; p < j.seq[b]; p++, kk++) {
-      for (int d = 0; d < MLA_LATENT; d++) cd_[(int64_t)kk * MLA_LATENT + d] = bf16_to_f(j.c[(int64_t)(key0[req] + p) * MLA_LATENT + d]);
-      for (int d = 0; d < MLA_ROPE; d++) rd_[(int64_t)kk * MLA_ROPE + d] = bf16_to_f(j.r[(int64_t)(key0[req] + p) * MLA_ROPE + d]);
+      for (int d = 0; d < MLA_LATENT; d++) cd_[(int64_t)kk * MLA_LATENT + d] = tu_bf16_to_f32(j.c[(int64_t)(key0[req] + p) * MLA_LATENT + d]);
+      for (int d = 0; d < MLA_ROPE; d++) rd_[(int64_t)kk * MLA_ROPE + d] = tu_bf16_to_f32(j.r[(int64_t)(key0[req] + p) * MLA_ROPE + d]);
     }
   }
   const double scale = (double)0.0721687836f;
@@ -762,7 +757,7 @@ static void dcp_case(int Pg, int H) {
   for (int i = 0; i < nrows; i++)
     for (int64_t k = 0; k < (int64_t)H * MLA_LATENT; k++) {
       const int64_t x = (int64_t)row_of[i] * H * MLA_LATENT + k;
-      const double dd = fabs((double)bf16_to_f(j.got_o[0][x]) - bf16_to_f(j.single_o[x]));
+      const double dd = fabs((double)tu_bf16_to_f32(j.got_o[0][x]) - tu_bf16_to_f32(j.single_o[x]));
       if (!(dd <= dmax)) dmax = dd;
     }
   printf("%s: max |o(2 GPUs, merged) - o(1 GPU)| = %.3g\n", name, dmax);
@@ -811,21 +806,6 @@ typedef struct ext_job {
   size_t rb;
 } ext_job;
 
-static mla_kv_cache *ext_cache(rank_env *e, int pages, int page, mla_dtype dt) {
-  const float sc[1] = {0.375f};
-  mla_kv_cache_desc cd = {1, pages, page, dt, dt == MLA_DTYPE_FP8_E4M3 ? sc : NULL};
-  mla_kv_cache *cache = NULL;
-  RK_OK(e, mla_kv_cache_create(e->ctx, &cd, &cache));
-  if (!cache) return NULL;
-  void *data = NULL;
-  size_t rb = 0;
-  mla_kv_cache_layer_data(cache, 0, &data);
-  mla_kv_cache_row_bytes(cache, &rb);
-  CK(cudaMemset(data, 0xFF, rb * (size_t)pages * page)); /* NaN in every format: a row read by mistake shows */
-  CK(cudaMemset(data, 0, rb * (size_t)page));
-  return cache;
-}
-
 static void ext_step(rank_env *e, ext_job *j, mla_kv_cache *cache, int page, const int32_t *r2t_d, void *qn, void *qr,
                      void *o, float *l) {
   int32_t *ids = tu_dev_copy(j->ids, sizeof j->ids), *seq = tu_dev_copy(j->seq, sizeof j->seq);
@@ -859,9 +839,9 @@ static void ext_body(rank_env *e, void *arg) {
   CK(cudaMemset(o, 0xFF, no));
   CK(cudaMemset(l, 0xFF, nl));
   /* this rank's shard (page Pg / W, every position p mod W == rank) */
-  mla_kv_cache *shard = ext_cache(e, j->pages, j->Pg / W, j->dt);
+  mla_kv_cache *shard = poisoned_cache(e, j->pages, j->Pg / W, j->dt);
   if (shard) RK_OK(e, mla_kv_cache_write_shard(shard, 0, j->tk, slots, c, r, MLA_DTYPE_BF16, W, e->rank));
-  mla_kv_cache *gath = ext_cache(e, 1 + W * j->m, 1, j->dt);
+  mla_kv_cache *gath = poisoned_cache(e, 1 + W * j->m, 1, j->dt);
   if (rk_agree(e)) {
     RK_OK(e, mla_dcp_gather_kv_nccl(e->ctx, e->comm, W, e->rank, shard, 0, j->nlocal[e->rank], local, j->m, gath, 0,
                                     1));
@@ -875,7 +855,7 @@ static void ext_body(rank_env *e, void *arg) {
     mla_kv_cache_layer_data(gath, 0, &gd);
     CK(cudaMemcpy(j->gath_rows, gd, j->rb * (size_t)(1 + W * j->m), cudaMemcpyDeviceToHost));
     /* the single-GPU reference: every row in one cache of page Pg */
-    mla_kv_cache *whole = ext_cache(e, j->pages, j->Pg, j->dt);
+    mla_kv_cache *whole = poisoned_cache(e, j->pages, j->Pg, j->dt);
     int32_t *r2t = tu_dev_copy(j->r2t, sizeof(int32_t) * EREQ * MAX_CTX);
     if (whole) RK_OK(e, mla_kv_cache_write(whole, 0, j->tk, slots, c, r, MLA_DTYPE_BF16));
     CK(cudaMemset(o, 0xFF, no));
@@ -983,7 +963,7 @@ static void ext_case(int W, int Pg, int H, mla_dtype dt) {
   int64_t bad = 0, nonfinite = 0;
   const int64_t n_o = (int64_t)j.tq * H * MLA_LATENT, n_l = (int64_t)j.tq * H;
   for (int64_t k = 0; k < n_o; k++) {
-    const double a = bf16_to_f(j.got_o[0][k]), b = bf16_to_f(j.single_o[k]);
+    const double a = tu_bf16_to_f32(j.got_o[0][k]), b = tu_bf16_to_f32(j.single_o[k]);
     if (!isfinite(a) || !isfinite(b)) {
       nonfinite++;
       continue;

@@ -210,15 +210,6 @@ static void run_ragged(const rcase *c) {
 }
 
 /* ---- long varlen batches, sampled oracle ----------------------------------- */
-static double bf16_at(const uint16_t *p, int64_t i) {
-  union {
-    uint32_t u;
-    float f;
-  } x;
-  x.u = (uint32_t)p[i] << 16;
-  return x.f;
-}
-
 /* n bf16 values, uniform in [-1, 1), from a cheap generator (the long batches
  * hold billions of values: tu_normal would take minutes). */
 static uint16_t *rand_bf16_bits(int64_t n) {
@@ -288,7 +279,7 @@ static void run_long(int H, int Hkv, int causal) {
   CK(cudaMemcpy(out, dout, 2 * (size_t)(no + GUARD), cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(lse, dlse, sizeof(float) * (size_t)(nl + GUARD), cudaMemcpyDeviceToHost));
   int64_t unwritten = 0;
-  for (int64_t i = 0; i < no; i++) unwritten += !isfinite(bf16_at(out, i));
+  for (int64_t i = 0; i < no; i++) unwritten += !isfinite(tu_bf16_to_f32(out[i]));
   for (int64_t i = 0; i < nl; i++) unwritten += !isfinite(lse[i]);
   TU_CHECK(unwritten == 0, "%s: %lld outputs / lse not written", cs, (long long)unwritten);
   TU_CHECK(tu_all_poisoned(out + no, 2 * GUARD) && tu_all_poisoned(lse + nl, sizeof(float) * GUARD),
@@ -310,7 +301,7 @@ static void run_long(int H, int Hkv, int causal) {
         for (int j = 0; j < vis; j++) {
           const int64_t krow = ((int64_t)(qo[i] + j) * Hkv + hk) * dqk;
           double d = 0;
-          for (int e = 0; e < dqk; e++) d += bf16_at(qb, qrow + e) * bf16_at(kb, krow + e);
+          for (int e = 0; e < dqk; e++) d += (double)tu_bf16_to_f32(qb[qrow + e]) * tu_bf16_to_f32(kb[krow + e]);
           s[j] = d * (double)a.scale;
           if (s[j] > mx) mx = s[j];
         }
@@ -320,14 +311,14 @@ static void run_long(int H, int Hkv, int causal) {
           const int64_t vrow = ((int64_t)(qo[i] + j) * Hkv + hk) * dv;
           const double p = s[j] / sum;
           for (int e = 0; e < dv; e++) {
-            const double x = bf16_at(vb, vrow + e);
+            const double x = tu_bf16_to_f32(vb[vrow + e]);
             o[e] += p * x;
             pb[e] += p * fabs(x);
           }
         }
         const int64_t orow = ((int64_t)(qo[i] + t) * H + h);
         for (int e = 0; e < dv; e++) {
-          const double err = fabs(bf16_at(out, orow * dv + e) - o[e]);
+          const double err = fabs(tu_bf16_to_f32(out[orow * dv + e]) - o[e]);
           const double tol = 1e-3 + fabs(o[e]) / 128.0 + pb[e] / 128.0;
           bad += !(err <= tol);
           if (err / tol > worst) worst = err / tol;

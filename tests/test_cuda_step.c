@@ -114,13 +114,6 @@ static mla_status eager_step(const sw_world *w, dev_step *d, const mla_step_desc
   return st;
 }
 
-static double bf16_to_double(uint16_t b) {
-  uint32_t u = (uint32_t)b << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
 static void metadata_and_attention(mla_mode mode, int ndt, int P, int H) {
   char name[96];
   snprintf(name, sizeof name, "mode=%d ndt=%d P=%d H=%d", (int)mode, ndt, P, H);
@@ -197,7 +190,7 @@ static void metadata_and_attention(mla_mode mode, int ndt, int P, int H) {
     for (int i = 0; i < w.bs; i++) {
       if (w.req_ids[i] == MLA_REQ_PAD) continue;
       for (int64_t e = (int64_t)i * ql * H * MLA_LATENT; e < (int64_t)(i + 1) * ql * H * MLA_LATENT; e++) {
-        const double x = bf16_to_double(o1[e]), y = bf16_to_double(oc[e]);
+        const double x = tu_bf16_to_f32(o1[e]), y = tu_bf16_to_f32(oc[e]);
         dot += x * y;
         n1 += x * x;
         n2 += y * y;
@@ -235,7 +228,7 @@ static void metadata_and_attention(mla_mode mode, int ndt, int P, int H) {
     for (size_t e = 0; e < ob / 2; e++) {
       if (e >= r0 * MLA_LATENT && e < (r0 + rn) * MLA_LATENT) continue;
       if (w.req_ids[e / (rn * MLA_LATENT)] == MLA_REQ_PAD) continue; /* reads page 0 (NaN here); ignored */
-      const double x = bf16_to_double(o1[e]), y = bf16_to_double(o2[e]);
+      const double x = tu_bf16_to_f32(o1[e]), y = tu_bf16_to_f32(o2[e]);
       far += !(fabs(x - y) <= 1e-2 + 1e-2 * fabs(x));
     }
     TU_CHECK(far == 0, "%s: an out-of-range row changed %d elements of the other rows", name, far);
@@ -506,7 +499,7 @@ static void extend_steps(int P, int H, int max_ext, int rounds) {
       if (w.req_ids[i] == MLA_REQ_PAD) continue;
       for (int64_t e = (int64_t)cm.qo_indptr[i] * H * MLA_LATENT; e < (int64_t)cm.qo_indptr[i + 1] * H * MLA_LATENT;
            e++) {
-        const double c = bf16_to_double(oc[e]), g = bf16_to_double(oe[e]);
+        const double c = tu_bf16_to_f32(oc[e]), g = tu_bf16_to_f32(oe[e]);
         far += !(fabs(g - c) <= 0.02 + 0.02 * fabs(c));
       }
     }

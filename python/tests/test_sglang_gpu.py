@@ -129,6 +129,20 @@ def dev_i32(a):
     return torch.as_tensor(np.asarray(a, np.int32), device="cuda")
 
 
+def capture(side, run):
+    """run() captured in a CUDA graph after two warm-up calls on the side
+    stream, as sglang captures its batches."""
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        run()
+    return gr
+
+
 def churn(g, gen, eager, graph, shadow, num_layers, live, order, max_reqs, first_min):
     """Continuous batching between two steps: requests join (the first with a
     prompt of first_min..999 tokens, later ones 1..899) until at least 3 are
@@ -335,15 +349,7 @@ def test_sglang_cuda_graph_decode_and_verify(cctx):
             loc_buf.zero_()  # the dummy slot
             fb = libmla.ForwardBatch(mode, ids[:bs], seq[:bs], out_cache_loc=loc_buf[:T],
                                      spec_info=Spec(NDT))
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up passes, as sglang runs them
-                for _ in range(2):
-                    run_pass(graph, mode, T, fb, out_g, lse_g)
-            torch.cuda.current_stream().wait_stream(side)
-            gr = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gr):
-                run_pass(graph, mode, T, fb, out_g, lse_g)
-            graphs[(mode, bs)] = gr
+            graphs[(mode, bs)] = capture(side, lambda: run_pass(graph, mode, T, fb, out_g, lse_g))
     torch.cuda.synchronize()
     cctx.synchronize()
 
@@ -577,15 +583,7 @@ def test_sglang_cuda_multi_step_draft_eager_and_graph(cctx):
         loc_buf.zero_()  # the dummy slot
         fbs = [libmla.ForwardBatch("decode", ids[:bs], seq[:bs], out_cache_loc=loc_buf[i, :bs])
                for i in range(STEPS)]
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                draft_pass(bs, fbs)
-        torch.cuda.current_stream().wait_stream(side)
-        gr = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(gr):
-            draft_pass(bs, fbs)
-        graphs[bs] = gr
+        graphs[bs] = capture(side, lambda: draft_pass(bs, fbs))
     torch.cuda.synchronize()
     cctx.synchronize()
     assert ids[:MAXB].tolist() == [libmla.REQ_PAD] * MAXB
@@ -686,15 +684,7 @@ def test_sglang_cuda_graph_extend_buckets(cctx):
         assert not md.has_host_plan
         loc_buf.zero_()
         fb = libmla.ForwardBatch("extend", ids[:bs], seq[:bs], out_cache_loc=loc_buf[:nt])
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                run_pass(nt, fb)
-        torch.cuda.current_stream().wait_stream(side)
-        gr = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(gr):
-            run_pass(nt, fb)
-        graphs[(bs, nt)] = gr
+        graphs[(bs, nt)] = capture(side, lambda: run_pass(nt, fb))
     torch.cuda.synchronize()
     cctx.synchronize()
 

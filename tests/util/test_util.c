@@ -92,7 +92,7 @@ static uint16_t tu_f32_to_bf16(float x) {
   return (uint16_t)(u >> 16);
 }
 
-static float tu_bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+float tu_bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
 
 static uint16_t tu_f32_to_f16(float x) {
   const uint32_t u = f32_bits(x);

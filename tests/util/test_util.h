@@ -61,6 +61,8 @@ int tu_all_poisoned(const void *p, size_t bytes);
 size_t tu_act_size(mla_dtype t);
 /* x rounded to what dtype t (F32/BF16/F16) holds, by the oracle's rounding. */
 double tu_round_to(mla_dtype t, double x);
+/* A bf16 value (its bits) as float (exact). */
+float tu_bf16_to_f32(uint16_t h);
 
 /* Convert between float and an activation dtype buffer (F32/BF16/F16). */
 void tu_to_dtype(mla_dtype t, const float *src, void *dst, int64_t n);
