@@ -253,6 +253,17 @@ int main(void) {
         void *ca = malloc(es * T * 512), *ra = malloc(es * T * 64);
         tu_to_dtype(act, c, ca, (int64_t)T * 512);
         tu_to_dtype(act, r, ra, (int64_t)T * 64);
+        if (act != MLA_DTYPE_F32) {
+          /* 16-bit NaNs that no float converts to (signalling, or with a
+           * payload): the cache of the same dtype keeps their bits (the CPU
+           * copies them), the block format's bf16 rope quiets a bf16 one (the
+           * GPU copies bf16 rope words and quiets them itself); in the rope
+           * and in the latent. */
+          const int bf = act == MLA_DTYPE_BF16;
+          ((uint16_t *)ra)[13 * 64 + 5] = bf ? 0x7f81 : 0x7c01;
+          ((uint16_t *)ra)[13 * 64 + 6] = bf ? 0xffa0 : 0xfd55;
+          ((uint16_t *)ca)[14 * 512 + 300] = bf ? 0xff81 : 0xfc03;
+        }
         void *d_c = tu_dev_copy(ca, es * T * 512), *d_r = tu_dev_copy(ra, es * T * 64);
         int32_t *d_slots = tu_dev_copy(slots, sizeof(int32_t) * T);
         /* Layer 1 from sources one element off 16-byte alignment: the

@@ -3,7 +3,8 @@
 // dequantized. The write: one warp per row when the pointers are 16-byte
 // aligned (kv_write_rows_kernel), else one 128-thread block per row; the read:
 // one block per row. The scalar conversions are src/core/convert.h, shared
-// with the CPU so both store identical bytes.
+// with the CPU so both store identical bytes (and a 16-bit source into a
+// cache of its own dtype is copied bit for bit, as the CPU copies it).
 #include <cuda_runtime.h>
 
 #include "../core/convert.h"
@@ -111,6 +112,18 @@ __device__ __forceinline__ float block_scale_finite(float amax) {
   return s > 0.0f ? s : 1.40129846e-45f;
 }
 
+// mla_div448 in its domain (amax in [2^-100, 2^127]: the same operations,
+// the same bits; the quotient is then a positive normal float), and that
+// domain with 0 (block_scale_finite's 1.0) added: the block write's common
+// case, without mla_div448's and block_scale_finite's branches.
+__device__ __forceinline__ bool div448_fast_ok(float amax) {
+  return amax == 0.0f || (amax >= 0x1p-100f && amax <= 0x1p127f);
+}
+__device__ __forceinline__ float div448_fast(float amax) {
+  const float y = 1.0f / 448.0f, q = __fmul_rn(amax, y);
+  return __fmaf_rn(__fmaf_rn(-q, 448.0f, amax), y, q);
+}
+
 __global__ void __launch_bounds__(kThreads) kv_write_kernel(unsigned char *layer, int64_t num_slots,
                                                             int cache_dtype, size_t row_bytes,
                                                             float fp8_scale, const int32_t *slots,
@@ -131,6 +144,14 @@ __global__ void __launch_bounds__(kThreads) kv_write_kernel(unsigned char *layer
     return;
   }
   unsigned char *row = layer + static_cast<size_t>(slot) * row_bytes;
+  if (cache_dtype == src_dtype) {  // a 16-bit source into the same cache: the bits as given, as the CPU's copy
+    const uint16_t *cs = static_cast<const uint16_t *>(c) + t * kLatent;
+    uint16_t *h = reinterpret_cast<uint16_t *>(row);
+#pragma unroll
+    for (int k = 0; k < 4; k++) h[k * kThreads + tid] = cs[k * kThreads + tid];
+    if (tid < kRope) h[kLatent + tid] = static_cast<const uint16_t *>(r)[t * kRope + tid];
+    return;
+  }
   float cv[4];
 #pragma unroll
   for (int k = 0; k < 4; k++) cv[k] = load_act(c, src_dtype, t * kLatent + k * kThreads + tid);
@@ -238,6 +259,30 @@ __device__ __forceinline__ void unpack_row(const RawRow &raw, float *cv, float *
   }
 }
 
+// The unsigned max of each 16-bit half (one instruction on sm_90).
+__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t d;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+#else
+  return __vmaxu2(a, b);
+#endif
+}
+
+// A finite 16-bit source magnitude (no sign) as float, exact.
+template <int kSrc>
+__device__ __forceinline__ float half_to_f32(uint32_t h) {
+  if (kSrc == DT_BF16) return __uint_as_float(h << 16);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 530
+  float f;
+  asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "r"(h));
+  return f;
+#else
+  return mla_f16_to_f32((uint16_t)h);
+#endif
+}
+
 // The finite amax and any-NaN of a 128-value block, the exact reduction
 // (a block holding an inf or a NaN), over the 16 lanes that share it.
 __device__ __forceinline__ float block_scale_exact(const float *x /* [8] */) {
@@ -260,6 +305,14 @@ __device__ __forceinline__ float block_scale_exact(const float *x /* [8] */) {
 template <int kSrc, int kCache>
 __device__ __forceinline__ void write_row(unsigned char *row, const RawRow &raw, int lane, float fp8_scale,
                                           float fp8_hi, float fp8_lo, bool fp8_scale_ok) {
+  if (kCache == kSrc) {
+    // A 16-bit source into the same cache: the bits as given, as the CPU's
+    // copy (a round trip through float would quiet signalling NaNs).
+    reinterpret_cast<uint4 *>(row)[lane] = raw.c[0];
+    reinterpret_cast<uint4 *>(row + kLatent)[lane] = raw.c[1];
+    reinterpret_cast<uint32_t *>(row + 2 * kLatent)[lane] = raw.r.x;
+    return;
+  }
   float cv[16], rv[2];
   unpack_row<kSrc>(raw, cv, rv);
   if (kCache == DT_BF16 || kCache == DT_F16) {
@@ -282,28 +335,60 @@ __device__ __forceinline__ void write_row(unsigned char *row, const RawRow &raw,
   float sa = fp8_scale, sb = fp8_scale, ha = fp8_hi, la = fp8_lo, hb = fp8_hi, lb = fp8_lo;
   bool ok;
   if (kCache == DT_FP8_BLOCK) {
-    // |x| bit patterns order like the values, NaNs above inf: their max over
-    // the block is the amax when every value is finite.
-    uint32_t ka = 0, kb = 0;
+    // The amax of each block over its 16 lanes, then whether any block of
+    // the row holds an inf or a NaN (then every lane takes the exact
+    // reduction). |x| bit patterns order like the values, NaNs above inf.
+    float amax_a, amax_b;
+    bool lane_finite, half_nonfinite;
+    if (kSrc == DT_F32) {
+      uint32_t ka = 0, kb = 0;
 #pragma unroll
-    for (int k = 0; k < 8; k++) {
-      ka = max(ka, __float_as_uint(cv[k]) & 0x7FFFFFFFu);
-      kb = max(kb, __float_as_uint(cv[8 + k]) & 0x7FFFFFFFu);
-    }
-    ok = max(ka, kb) < 0x7F800000u;  // this lane's values finite
+      for (int k = 0; k < 8; k++) {
+        ka = max(ka, __float_as_uint(cv[k]) & 0x7FFFFFFFu);
+        kb = max(kb, __float_as_uint(cv[8 + k]) & 0x7FFFFFFFu);
+      }
+      lane_finite = max(ka, kb) < 0x7F800000u;
 #pragma unroll
-    for (int o = 1; o < 16; o <<= 1) {
-      ka = max(ka, __shfl_xor_sync(0xffffffffu, ka, o));
-      kb = max(kb, __shfl_xor_sync(0xffffffffu, kb, o));
+      for (int o = 1; o < 16; o <<= 1) {
+        ka = max(ka, __shfl_xor_sync(0xffffffffu, ka, o));
+        kb = max(kb, __shfl_xor_sync(0xffffffffu, kb, o));
+      }
+      half_nonfinite = max(ka, kb) >= 0x7F800000u;
+      amax_a = __uint_as_float(ka);
+      amax_b = __uint_as_float(kb);
+    } else {
+      // 16-bit sources: on the source words, two magnitudes a word (one
+      // max.u16x2 for two values), both blocks in one word for the 16-lane
+      // reduction (block a low, block b high): 4 shuffles instead of 8 and
+      // no unpacking first. The 32-bit reduction cost ~40 more instructions
+      // a row (of ~350), the most of what made this format the slowest
+      // write (80 % of the copy rate against 87 % for per-tensor fp8).
+      const uint32_t m = 0x7FFF7FFFu;
+      const uint4 &A = raw.c[0], &B = raw.c[1];
+      const uint32_t ma = max_u16x2(max_u16x2(A.x & m, A.y & m), max_u16x2(A.z & m, A.w & m));
+      const uint32_t mb = max_u16x2(max_u16x2(B.x & m, B.y & m), max_u16x2(B.z & m, B.w & m));
+      uint32_t p = max_u16x2(__byte_perm(ma, mb, 0x5410), __byte_perm(ma, mb, 0x7632));
+      // a half at or above the format's inf (0x7F80 bf16, 0x7C00 f16) gets
+      // bit 15 of its half set (no carry out: magnitudes are below 0x8000)
+      const uint32_t bias = (0x8000u - (kSrc == DT_BF16 ? 0x7F80u : 0x7C00u)) * 0x10001u;
+      lane_finite = ((p + bias) & 0x80008000u) == 0;
+#pragma unroll
+      for (int o = 1; o < 16; o <<= 1) p = max_u16x2(p, __shfl_xor_sync(0xffffffffu, p, o));
+      half_nonfinite = ((p + bias) & 0x80008000u) != 0;
+      amax_a = half_to_f32<kSrc>(p & 0xFFFFu);
+      amax_b = half_to_f32<kSrc>(p >> 16);
     }
-    if (__any_sync(0xffffffffu, max(ka, kb) >= 0x7F800000u)) {  // an inf or NaN in some block of the row
+    if (__any_sync(0xffffffffu, half_nonfinite)) {  // an inf or NaN in some block of the row
       sa = block_scale_exact(cv);
       sb = block_scale_exact(cv + 8);
+    } else if (div448_fast_ok(amax_a) && div448_fast_ok(amax_b)) {
+      sa = amax_a == 0.0f ? 1.0f : div448_fast(amax_a);
+      sb = amax_b == 0.0f ? 1.0f : div448_fast(amax_b);
     } else {
-      sa = block_scale_finite(__uint_as_float(ka));
-      sb = block_scale_finite(__uint_as_float(kb));
+      sa = block_scale_finite(amax_a);
+      sb = block_scale_finite(amax_b);
     }
-    ok = ok && mla_e4m3_rcp_scale_ok(sa) && mla_e4m3_rcp_scale_ok(sb);
+    ok = lane_finite && mla_e4m3_rcp_scale_ok(sa) && mla_e4m3_rcp_scale_ok(sb);
     mla_e4m3_rcp_split(sa, &ha, &la);
     mla_e4m3_rcp_split(sb, &hb, &lb);
     if ((lane & 15) == 0) {
@@ -348,45 +433,50 @@ __device__ __forceinline__ void write_row(unsigned char *row, const RawRow &raw,
   reinterpret_cast<uint2 *>(row + kLatent / 2)[lane] = make_uint2(w[2], w[3]);
   if (kCache == DT_FP8) {
     reinterpret_cast<uint16_t *>(row + kLatent)[lane] = (uint16_t)wr;
+  } else if (kSrc == DT_BF16) {
+    // bf16 to bf16 through float is the identity but for a NaN, which
+    // mla_f32_to_bf16 quiets (0x40): a half above 0x7F80 gets its bit 15 set
+    const uint32_t w = raw.r.x, nan = ((w & 0x7FFF7FFFu) + 0x007F007Fu) & 0x80008000u;
+    reinterpret_cast<uint32_t *>(row + kBlockRopeOff)[lane] = w | (nan >> 9);
   } else {
     const uint32_t b = (uint32_t)mla_f32_to_bf16(rv[0]) | ((uint32_t)mla_f32_to_bf16(rv[1]) << 16);
     reinterpret_cast<uint32_t *>(row + kBlockRopeOff)[lane] = b;
   }
 }
 
-template <int kSrc, int kCache>
-__global__ void __launch_bounds__(32 * kWarpRows, rows_blocks_per_sm(kSrc)) kv_write_rows_kernel(
-    unsigned char *layer /* [num_slots, row_bytes] */, int64_t num_slots, size_t row_bytes, float fp8_scale,
-    const int32_t *slots /* [T] */, const void *c /* [T, 512] */, const void *r /* [T, 64] */, int num_tokens,
-    int *bad, int world, int rank) {
+// The row loop of kv_write_rows_kernel; kShard: a shard write (world > 1),
+// whose slot arithmetic the plain write then does not carry.
+template <int kSrc, int kCache, bool kShard>
+__device__ __forceinline__ void write_rows(unsigned char *layer /* [num_slots, row_bytes] */, int64_t num_slots,
+                                           size_t row_bytes, float fp8_scale, const int32_t *slots /* [T] */,
+                                           const void *c /* [T, 512] */, const void *r /* [T, 64] */,
+                                           int num_tokens, int *bad, int world, int rank) {
+  // Row indices in int (num_tokens is an int; `more` is tested before t
+  // grows, so t + stride never overflows): 64-bit ones lengthened the
+  // per-row address arithmetic.
   const int lane = threadIdx.x & 31;
-  const int64_t stride = (int64_t)gridDim.x * kWarpRows;
-  int64_t t = (int64_t)blockIdx.x * kWarpRows + (threadIdx.x >> 5);
+  const int stride = (int)gridDim.x * kWarpRows;
+  int t = (int)blockIdx.x * kWarpRows + (int)(threadIdx.x >> 5);
+  if (t >= num_tokens) return;
   float fp8_hi, fp8_lo;
   mla_e4m3_rcp_split(fp8_scale, &fp8_hi, &fp8_lo);
   const bool fp8_scale_ok = mla_e4m3_rcp_scale_ok(fp8_scale);
   RawRow cur;
-  int32_t slot = -1;
-  if (t < num_tokens) {
-    slot = __ldg(slots + t);
-    load_row<kSrc>(c, r, t, lane, &cur);
-  }
-  for (; t < num_tokens; t += stride) {
-    // Prefetch the next row. A shard write (world > 1) reads only its own
-    // rows: the load waits for the slot there, never when world is 1.
+  int32_t slot = __ldg(slots + t);
+  if (!kShard || (slot >= 0 && slot % world == rank)) load_row<kSrc>(c, r, t, lane, &cur);
+  for (;;) {
+    // Prefetch the next row. A shard write reads only its own rows: the load
+    // waits for the slot there.
+    const bool more = t < num_tokens - stride;
     RawRow nxt;
     int32_t next_slot = -1;
-    const int64_t tn = t + stride;
-    if (tn < num_tokens) {
-      next_slot = __ldg(slots + tn);
-      if (world <= 1)
-        load_row<kSrc>(c, r, tn, lane, &nxt);
-      else if (next_slot >= 0 && next_slot % world == rank)
-        load_row<kSrc>(c, r, tn, lane, &nxt);
+    if (more) {
+      next_slot = __ldg(slots + t + stride);
+      if (!kShard || (next_slot >= 0 && next_slot % world == rank)) load_row<kSrc>(c, r, t + stride, lane, &nxt);
     }
     // Context parallel (world > 1): a global slot; only this rank's rows, at slot / world.
     bool mine = true;
-    if (world > 1 && slot >= 0) {
+    if (kShard && slot >= 0) {
       mine = slot % world == rank;
       slot /= world;
     }
@@ -398,9 +488,23 @@ __global__ void __launch_bounds__(32 * kWarpRows, rows_blocks_per_sm(kSrc)) kv_w
                                 fp8_lo, fp8_scale_ok);
       }
     }
+    if (!more) break;
+    t += stride;
     cur = nxt;
     slot = next_slot;
   }
+}
+
+template <int kSrc, int kCache>
+__global__ void __launch_bounds__(32 * kWarpRows, rows_blocks_per_sm(kSrc)) kv_write_rows_kernel(
+    unsigned char *layer /* [num_slots, row_bytes] */, int64_t num_slots, size_t row_bytes, float fp8_scale,
+    const int32_t *slots /* [T] */, const void *c /* [T, 512] */, const void *r /* [T, 64] */, int num_tokens,
+    int *bad, int world, int rank) {
+  if (world > 1)
+    write_rows<kSrc, kCache, true>(layer, num_slots, row_bytes, fp8_scale, slots, c, r, num_tokens, bad, world, rank);
+  else
+    write_rows<kSrc, kCache, false>(layer, num_slots, row_bytes, fp8_scale, slots, c, r, num_tokens, bad, world,
+                                    rank);
 }
 
 // Enough blocks to fill the SMs once, fewer when there are fewer rows; the
