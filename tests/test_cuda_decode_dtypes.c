@@ -16,7 +16,11 @@
  *
  * Oracle inputs: the CPU's dequantization (mla_kv_cache_read) rounded to the
  * kernel's operand type: bf16 for bf16 and both fp8 caches (the kernel
- * dequantizes e4m3 * scale in fp32 and rounds once to bf16), f16 for f16.
+ * dequantizes e4m3 * scale in fp32 and rounds once to bf16), f16 for f16;
+ * not rounded where the ring kernel runs a per-tensor fp8 cache (<= 16 rows
+ * per m-block, page >= 8: e4m3 values exact as f16 operands, the scale applied
+ * to the scores and the output; exact_fp8 below). One such case has q times
+ * 2^20 (past f16's range: the kernel must scale Q before converting it).
  * Tolerance as test_cuda_attention: |o - round(ref)| <= 8e-4 + 2/128 |ref| +
  * u sum_j p_j |c_j| with u = 2^-8 (P rounded to bf16) or 2^-11 (P in f16),
  * cosine distance < 5e-6, lse 1e-5 abs + 1e-5 rel, -inf with no key.
@@ -65,6 +69,7 @@ typedef struct world {
   mla_dtype kv, act;
   float kv_scale; /* FP8_E4M3 layer scale */
   int ndt, P, H, bs;
+  int q_log2; /* q scaled by 2^q_log2 (exact in bf16) */
   mla_kv_cache *cache;  /* CPU */
   mla_kv_cache *dcache; /* GPU, same bytes */
   mla_req_table *rt;
@@ -88,13 +93,25 @@ static const char *dt_name(mla_dtype t) {
   }
 }
 
-static void case_str(const world *w, char *buf, size_t n) {
-  snprintf(buf, n, "%s kv=%s act=%s P=%d H=%d bs=%d", w->mode == MLA_MODE_DECODE ? "decode" : "verify",
-           dt_name(w->kv), dt_name(w->act), w->P, w->H, w->bs);
+/* Whether the ring kernel runs this case with exact e4m3 operands
+ * (src/cuda/decode_sm90.cu launch_mode: per-tensor fp8, page >= 8, query
+ * tokens x heads <= 16; MLA_DECODE_LEGACY=1 routes it to the older kernel). */
+static int exact_fp8(const world *w) {
+  const char *legacy = getenv("MLA_DECODE_LEGACY");
+  const int q = w->mode == MLA_MODE_TARGET_VERIFY ? w->ndt : 1;
+  return w->kv == MLA_DTYPE_FP8_E4M3 && w->P >= 8 && q * w->H <= 16 && !(legacy && legacy[0] && legacy[0] != '0');
 }
 
-/* The kernel's operand type for keys of this cache. */
-static mla_dtype operand_dtype(mla_dtype kv) { return kv == MLA_DTYPE_F16 ? MLA_DTYPE_F16 : MLA_DTYPE_BF16; }
+static void case_str(const world *w, char *buf, size_t n) {
+  snprintf(buf, n, "%s kv=%s act=%s P=%d H=%d bs=%d q*2^%d%s", w->mode == MLA_MODE_DECODE ? "decode" : "verify",
+           dt_name(w->kv), dt_name(w->act), w->P, w->H, w->bs, w->q_log2, exact_fp8(w) ? " (exact fp8)" : "");
+}
+
+/* The kernel's operand type for keys of this cache (F32: not rounded). */
+static mla_dtype operand_dtype(const world *w) {
+  if (exact_fp8(w)) return MLA_DTYPE_F32;
+  return w->kv == MLA_DTYPE_F16 ? MLA_DTYPE_F16 : MLA_DTYPE_BF16;
+}
 
 static int world_build(world *w) {
   /* request 0 long (the schedule splits it), request 1 empty (decode) or the
@@ -132,7 +149,7 @@ static int world_build(world *w) {
    * dequantization rounded to the kernel's operand type */
   const int cap = 2 * w->P < 64 ? 64 : 2 * w->P;
   if (tu_grow_requests(&rng, w->rt, w->bs, w->kv_len, NPAD, w->P, cap, w->req_ids) ||
-      tu_fill_owned_rows(&rng, w->cache, w->rt, w->bs, w->req_ids, w->kv_len, maxkv, operand_dtype(w->kv), &w->c_d,
+      tu_fill_owned_rows(&rng, w->cache, w->rt, w->bs, w->req_ids, w->kv_len, maxkv, operand_dtype(w), &w->c_d,
                          &w->r_d))
     return -1;
   /* the GPU cache: the CPU cache's bytes (owned rows and NaN rows alike) */
@@ -154,7 +171,19 @@ static int world_build(world *w) {
   tu_guard_block_table(&w->plan, w->bs, w->kv_len, w->P);
   /* q in the activation dtype */
   tu_make_q(&rng, w->act, (int64_t)w->Tq * w->H, 0, &w->qn, &w->qr, &w->qn_d, &w->qr_d);
-  w->p_unit = w->act == MLA_DTYPE_F16 ? 1.0 / 2048.0 : 1.0 / 256.0;
+  if (w->q_log2) { /* a power of two: the act-dtype values stay exact */
+    const int64_t n[2] = {(int64_t)w->Tq * w->H * MLA_LATENT, (int64_t)w->Tq * w->H * MLA_ROPE};
+    void *q[2] = {w->qn, w->qr};
+    double *qd[2] = {w->qn_d, w->qr_d};
+    float *tmp = malloc(sizeof(float) * (size_t)(n[0] + 1));
+    for (int part = 0; part < 2; part++) {
+      for (int64_t i = 0; i < n[part]; i++) tmp[i] = (float)ldexp(qd[part][i], w->q_log2);
+      tu_to_dtype(w->act, tmp, q[part], n[part]);
+      tu_from_dtype(w->act, q[part], qd[part], n[part]);
+    }
+    free(tmp);
+  }
+  w->p_unit = w->act == MLA_DTYPE_F16 || exact_fp8(w) ? 1.0 / 2048.0 : 1.0 / 256.0;
   return 0;
 }
 
@@ -334,7 +363,8 @@ static void check(const world *w, dbufs *d, int base2) {
         for (int h = 0; h < w->H; h++)
           for (int dd = 0; dd < MLA_LATENT; dd++) {
             nexact++;
-            const double g = got[(t0 * w->H + h) * MLA_LATENT + dd], want = w->c_d[k0 * MLA_LATENT + dd];
+            const double g = got[(t0 * w->H + h) * MLA_LATENT + dd];
+            const double want = tu_round_to(w->act, w->c_d[k0 * MLA_LATENT + dd]);
             if (!(g == want)) {
               if (miss == 0)
                 fprintf(stderr, "%s: request %d head %d dim %d: got %.9g, dequantized %.9g\n", cs, i, h, dd, g, want);
@@ -366,9 +396,10 @@ static void check(const world *w, dbufs *d, int base2) {
 
 static int case_no;
 
-static void run_case(mla_mode mode, mla_dtype kv, int P, int H) {
+static void run_case(mla_mode mode, mla_dtype kv, int P, int H, int q_log2) {
   world w;
   memset(&w, 0, sizeof w);
+  w.q_log2 = q_log2;
   w.mode = mode;
   w.kv = kv;
   w.act = kv == MLA_DTYPE_F16 ? MLA_DTYPE_F16 : MLA_DTYPE_BF16;
@@ -458,11 +489,12 @@ int main(int argc, char **argv) {
   /* "--small": a case per new load path (for compute-sanitizer) */
   const int small = argc > 1 && strcmp(argv[1], "--small") == 0;
   if (small) {
-    run_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3, 1, 16);
-    run_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3, 64, 1);
-    run_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3_BLOCK, 16, 128);
-    run_case(MLA_MODE_DECODE, MLA_DTYPE_F16, 64, 128);
-    run_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_BF16, 2, 16);
+    run_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3, 1, 16, 0);
+    run_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3, 64, 1, 0);
+    run_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3, 16, 16, 20); /* ring kernel, small pages */
+    run_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3_BLOCK, 16, 128, 0);
+    run_case(MLA_MODE_DECODE, MLA_DTYPE_F16, 64, 128, 0);
+    run_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_BF16, 2, 16, 0);
   } else {
     const mla_dtype dts[4] = {MLA_DTYPE_FP8_E4M3, MLA_DTYPE_FP8_E4M3_BLOCK, MLA_DTYPE_F16, MLA_DTYPE_BF16};
     const int Ps[5] = {1, 2, 4, 16, 64}, Hs[3] = {1, 16, 128};
@@ -470,8 +502,16 @@ int main(int argc, char **argv) {
       for (int pi = 0; pi < 5; pi++) {
         if (dts[di] == MLA_DTYPE_BF16 && Ps[pi] >= 8) continue; /* test_cuda_attention's */
         for (int hi = 0; hi < 3; hi++)
-          for (int mi = 0; mi < 2; mi++) run_case(mi ? MLA_MODE_TARGET_VERIFY : MLA_MODE_DECODE, dts[di], Ps[pi], Hs[hi]);
+          for (int mi = 0; mi < 2; mi++)
+            run_case(mi ? MLA_MODE_TARGET_VERIFY : MLA_MODE_DECODE, dts[di], Ps[pi], Hs[hi], 0);
       }
+    /* q past f16's range: the ring kernel's f16 Q (both page classes, 1 and
+     * 16 rows), and the bf16-operand kernels for comparison */
+    run_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3, 64, 16, 20);
+    run_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3, 16, 16, 20);
+    run_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3, 64, 1, 20);
+    run_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3, 64, 16, 20);
+    run_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3_BLOCK, 64, 16, 20);
   }
   refusals();
   mla_ctx_destroy(cpu);

@@ -67,8 +67,9 @@ __host__ __device__ constexpr bool lm_tma16(int lm) { return lm <= LOAD_TMA_SMAL
 
 // The tensor maps of a launch (kernel parameter): [0] the 16-bit cache
 // (SWIZZLE_128B, 64 columns) or the fp8 rows as bytes (128-byte boxes, no
-// swizzle); 16-bit caches: [1] the same view with 128-byte L2 promotion (the
-// ring kernel's); fp8 block-scaled only: [1] the 16 scale bytes of a row,
+// swizzle); 16-bit and per-tensor fp8 caches: [1] the same view with
+// 128-byte L2 promotion (the ring kernel's); fp8 block-scaled only: [1] the
+// 16 scale bytes of a row,
 // [2] the bf16 rope as 128 swizzled bytes.
 struct KvMaps {
   CUtensorMap m[3];
@@ -380,25 +381,75 @@ __device__ __forceinline__ void load_group(const mla_decode_params &p, const CUt
 // never loaded, or TMA rows that may hold NaN) become zeros, so P V never
 // sees them. The caller then fences (generic -> async proxy) and syncs the
 // warpgroup before its wgmma.
+//
+// Per-tensor fp8 uses another thread mapping (convert_group_pt): consecutive
+// lanes on consecutive 16-byte pieces of a row (the rope: 4 lanes per row, a
+// latent pair: 8), so each warp's reads are contiguous and its swizzled writes
+// conflict-free; with two lanes per row every access was 4-way bank-
+// conflicted. Warp w owns rows 16 w .. 16 w + 15, so the ordering argument
+// is the same with __syncwarp.
 template <int LM>
-__device__ __forceinline__ void convert_group(uint8_t *kb, int c0, int c1, int t128, float kv_scale, int nvalid,
-                                              int bar_id) {
-  const int r = t128 >> 1, h = t128 & 1, sw = r & 7;
-  const bool zero = r >= nvalid;
-  uint8_t *rb = kb + r * 128;
-  if (c0 == 8) {  // per-tensor rope: 64 raw bytes -> 64 bf16
-    const uint4 a = *reinterpret_cast<const uint4 *>(rb + 8 * kChunk + 64 + 32 * h);
-    const uint4 b = *reinterpret_cast<const uint4 *>(rb + 8 * kChunk + 64 + 32 * h + 16);
-    __syncwarp();
-    const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+__device__ __forceinline__ void convert_group_pt(uint8_t *kb, int c0, int c1, int t128, float kv_scale, int nvalid) {
+  const int w = t128 >> 5, lane = t128 & 31;
+  if (c0 == 8) {  // rope: raw bytes 64..127 of the row -> the row's 64 bf16, in place
+    const int j = lane & 3;
+    uint4 v[2];
 #pragma unroll
-    for (int q = 0; q < 4; q++) {
-      const uint2 lo = dq4_e4m3(w[2 * q], kv_scale), hi = dq4_e4m3(w[2 * q + 1], kv_scale);
-      *reinterpret_cast<uint4 *>(rb + 8 * kChunk + (((4 * h + q) ^ sw) << 4)) =
-          zero ? make_uint4(0, 0, 0, 0) : make_uint4(lo.x, lo.y, hi.x, hi.y);
+    for (int it = 0; it < 2; it++) {
+      const int r = 16 * w + 8 * it + (lane >> 2);
+      v[it] = *reinterpret_cast<const uint4 *>(kb + 8 * kChunk + r * 128 + 64 + 16 * j);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int it = 0; it < 2; it++) {
+      const int r = 16 * w + 8 * it + (lane >> 2), sw = r & 7;
+      const bool zero = r >= nvalid;
+      uint8_t *dst = kb + 8 * kChunk + r * 128;
+      const uint2 a = dq4_e4m3(v[it].x, kv_scale), b = dq4_e4m3(v[it].y, kv_scale);
+      const uint2 c = dq4_e4m3(v[it].z, kv_scale), d = dq4_e4m3(v[it].w, kv_scale);
+      *reinterpret_cast<uint4 *>(dst + (((2 * j) ^ sw) << 4)) = zero ? make_uint4(0, 0, 0, 0) : make_uint4(a.x, a.y, b.x, b.y);
+      *reinterpret_cast<uint4 *>(dst + (((2 * j + 1) ^ sw) << 4)) =
+          zero ? make_uint4(0, 0, 0, 0) : make_uint4(c.x, c.y, d.x, d.y);
     }
     return;
   }
+  const int n = (c1 - c0) >> 1, j = lane & 7, h = j >> 2;
+  // Not unrolled: the kernels' registers are spoken for (O, S, Q rope).
+#pragma unroll 1
+  for (int i = 0; i < n; i++) {
+    uint4 v[4];
+#pragma unroll
+    for (int it = 0; it < 4; it++) {
+      const int r = 16 * w + 4 * it + (lane >> 3);
+      v[it] = *reinterpret_cast<const uint4 *>(kb + (c0 + n + i) * kChunk + r * 128 + 16 * j);
+    }
+    __syncwarp();
+    uint8_t *dbase = kb + (c0 + 2 * i + h) * kChunk;
+#pragma unroll
+    for (int it = 0; it < 4; it++) {
+      const int r = 16 * w + 4 * it + (lane >> 3), sw = r & 7;
+      const bool zero = r >= nvalid;
+      uint8_t *dst = dbase + r * 128;
+      const uint2 a = dq4_e4m3(v[it].x, kv_scale), b = dq4_e4m3(v[it].y, kv_scale);
+      const uint2 c = dq4_e4m3(v[it].z, kv_scale), d = dq4_e4m3(v[it].w, kv_scale);
+      *reinterpret_cast<uint4 *>(dst + (((2 * (j & 3)) ^ sw) << 4)) =
+          zero ? make_uint4(0, 0, 0, 0) : make_uint4(a.x, a.y, b.x, b.y);
+      *reinterpret_cast<uint4 *>(dst + (((2 * (j & 3) + 1) ^ sw) << 4)) =
+          zero ? make_uint4(0, 0, 0, 0) : make_uint4(c.x, c.y, d.x, d.y);
+    }
+  }
+}
+
+template <int LM>
+__device__ __forceinline__ void convert_group(uint8_t *kb, int c0, int c1, int t128, float kv_scale, int nvalid,
+                                              int bar_id) {
+  if constexpr (!lm_block(LM)) {
+    convert_group_pt<LM>(kb, c0, c1, t128, kv_scale, nvalid);
+    return;
+  }
+  const int r = t128 >> 1, h = t128 & 1, sw = r & 7;
+  const bool zero = r >= nvalid;
+  uint8_t *rb = kb + r * 128;
   float4 bs = make_float4(kv_scale, kv_scale, kv_scale, kv_scale);
   if (lm_block(LM)) {
     bs = *reinterpret_cast<const float4 *>(kb + c0 * kChunk + r * 16);

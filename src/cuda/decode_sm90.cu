@@ -69,8 +69,10 @@ cudaError_t make_kv_tmap(const mla_decode_params *p, CUtensorMap *map, CUtensorM
 }
 
 // fp8 cache rows as bytes, a 3-D tensor {row_bytes, P, pages}: boxes of
-// `cols` bytes by min(P, 64) rows (load_group's fp8 TMA path).
-cudaError_t make_kv_tmap_bytes(const mla_decode_params *p, CUtensorMap *map, int cols, bool swizzle) {
+// `cols` bytes by min(P, 64) rows (load_group's fp8 TMA path; the ring
+// kernel's with 128-byte L2 promotion, as its 16-bit map).
+cudaError_t make_kv_tmap_bytes(const mla_decode_params *p, CUtensorMap *map, int cols, bool swizzle,
+                               CUtensorMapL2promotion promo = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
   memset(map, 0, sizeof(*map));
   EncodeTiledFn fn = encode_fn();
   if (!fn) return cudaErrorNotSupported;
@@ -80,7 +82,7 @@ cudaError_t make_kv_tmap_bytes(const mla_decode_params *p, CUtensorMap *map, int
   cuuint32_t one[3] = {1, 1, 1};
   CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void *>(p->kv), dims, strides, box, one,
                   CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
-                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                  promo, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
@@ -1064,7 +1066,8 @@ __device__ __forceinline__ RingSrc ring_src(const mla_decode_params &p, int req,
   s.nbox = 0;
 #pragma unroll
   for (int b = 0; b < 8; b++) s.pages[b] = 0;
-  if constexpr (LM == LOAD_TMA_BIG) {
+  // (fp8: one instantiation for both page classes)
+  if (LM == LOAD_TMA_BIG || (LM == LOAD_FP8_TMA && p.page_size >= 64)) {
     s.page = bt[0];
     s.row0 = kt0 & (p.page_size - 1);
   } else {
@@ -1076,16 +1079,25 @@ __device__ __forceinline__ RingSrc ring_src(const mla_decode_params &p, int req,
   return s;
 }
 
-// Chunk c (0-7 latent, 8 rope) of a tile into the slot at dst, through the
-// map with 128-byte L2 promotion (kv_maps.m[1]): with 256 bytes a miss also
-// pulled the row's next chunk into L2, which the ring loads later than the
-// two-buffer kernels did (often after it was evicted again); 128 B measured
-// 2 % faster at b = 128, s_k = 8192. hint: with the evict_first policy pol
-// (every K byte is read once at <= 16 rows; launch_ring says when).
+// Position k of the tile: 16-bit caches k = 0 the rope chunk 8, then latent
+// chunk k - 1; per-tensor fp8 (ring_produce_fp8) k = 0 the rope box (row
+// bytes 448..575: the rope is bytes 64..127 of each 128-byte row), k = 1..4
+// the latent pairs (row bytes 128 (k - 1) .. + 127), raw.
 template <int LM>
 __device__ __forceinline__ void ring_load(const mla_decode_params &p, const CUtensorMap *map, const RingSrc &s,
-                                          uint32_t dst, uint32_t bar, int c, uint64_t pol, bool hint) {
-  if constexpr (LM == LOAD_TMA_BIG) {
+                                          uint32_t dst, uint32_t bar, int k, uint64_t pol, bool hint) {
+  const int c = k == 0 ? 8 : k - 1;
+  if constexpr (LM == LOAD_FP8_TMA) {
+    const int P = p.page_size, rows = P < 64 ? P : 64, nbox = P < 64 ? s.nbox : 1;
+    const int col = k == 0 ? 448 : 128 * (k - 1);
+    mbar_expect_tx(bar, (uint32_t)(nbox * rows * 128));
+#pragma unroll 1
+    for (int b = 0; b < nbox; b++) {
+      const int page = P < 64 ? s.pages[b] : s.page, r0 = P < 64 ? 0 : s.row0;
+      if (hint) tma_load_3d_hint(dst + b * rows * 128, map, bar, col, r0, page, pol);
+      else tma_load_3d(dst + b * rows * 128, map, bar, col, r0, page);
+    }
+  } else if constexpr (LM == LOAD_TMA_BIG) {
     mbar_expect_tx(bar, kChunk);
     if (hint) tma_load_3d_hint(dst, map, bar, 64 * c, s.row0, s.page, pol);
     else tma_load_3d(dst, map, bar, 64 * c, s.row0, s.page);
@@ -1162,7 +1174,7 @@ __device__ __forceinline__ void ring_produce(const mla_decode_params &p, const C
       if (use > 0)
         while (!mbar_try_wait(emptyb + 8 * slot, (use - 1) & 1)) {
         }
-      ring_load<LM>(p, map, cur, ring + slot * kChunk, fullb + 8 * slot, k == 0 ? 8 : k - 1, pol, hint);
+      ring_load<LM>(p, map, cur, ring + slot * kChunk, fullb + 8 * slot, k, pol, hint);
       if (++slot == RingLay::kSlots) {
         slot = 0;
         use++;
@@ -1178,6 +1190,123 @@ __device__ __forceinline__ void ring_produce(const mla_decode_params &p, const C
   }
 }
 
+// Four e4m3 values (byte 0 first) as four f16, exactly (no scale).
+__device__ __forceinline__ uint2 e4m3x4_to_f16x4(uint32_t w) {
+  uint2 r;
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %2;\ncvt.rn.f16x2.e4m3x2 %0, lo;\ncvt.rn.f16x2.e4m3x2 %1, hi;\n}"
+      : "=r"(r.x), "=r"(r.y)
+      : "r"(w));
+  return r;
+}
+
+// Per-tensor fp8: the ring region holds the two consumer warpgroups' f16
+// tiles (slots 0-8 and 9-17, each dequantized by its warpgroup) and a raw
+// ring of kRawSlots slots (18-24) the producer fills with 5 positions per
+// tile (ring_load's k = 0 the rope box, 1-4 the latent pairs). A consumer
+// releases a raw slot as soon as it has read it, so the raw ring holds only
+// bytes in flight: ~1.4 tiles of 36 KB, the byte depth of the 16-bit ring.
+// (Dequantizing in place, the f16 chunks taking the raw slots' places, held
+// every slot until P V: half the bytes in flight, 316 us at b = 128 s_k =
+// 8192, no faster than bf16; docs/decode-kernel.md section 3.5.)
+constexpr int kRawBase = 18, kRawSlots = 7;
+
+__device__ __forceinline__ void ring_produce_fp8(const mla_decode_params &p, const CUtensorMap *map, const int *meta,
+                                                 int mb, uint32_t ring, uint32_t fullb, uint32_t emptyb, uint32_t iss,
+                                                 int l2_hint) {
+  const int er = meta[SCHED_END_REQ];
+  const uint64_t pol = l2_evict_first();
+  const bool hint = l2_hint != 0;
+  int req = meta[SCHED_BEGIN_REQ], t = 0;
+  ReqWork w = req_work(p, meta, req, mb);
+  while (req <= er && t >= w.n_tiles)
+    if (++req <= er) w = req_work(p, meta, req, mb);
+  if (req > er) return;
+  RingSrc cur = ring_src<LOAD_FP8_TMA>(p, req, w.kstart, min(64, w.kend_blk - w.kstart));
+  int slot = 0, q = 0;
+  uint32_t use = 0;
+  for (;;) {
+    int nreq = req, nt = t + 1;
+    ReqWork nw = w;
+    while (nreq <= er && nt >= nw.n_tiles) {
+      nt = 0;
+      if (++nreq <= er) nw = req_work(p, meta, nreq, mb);
+    }
+    const bool more = nreq <= er;
+    RingSrc nxt = cur;
+    if (more) {
+      const int kt = nw.kstart + 64 * nt;
+      nxt = ring_src<LOAD_FP8_TMA>(p, nreq, kt, min(64, nw.kend_blk - kt));
+    }
+#pragma unroll 1
+    for (int k = 0; k < 5; k++) {
+      const int sg = kRawBase + slot;
+      if (use > 0)
+        while (!mbar_try_wait(emptyb + 8 * sg, (use - 1) & 1)) {
+        }
+      ring_load<LOAD_FP8_TMA>(p, map, cur, ring + sg * kChunk, fullb + 8 * sg, k, pol, hint);
+      if (++slot == kRawSlots) {
+        slot = 0;
+        use++;
+      }
+    }
+    q += 5;
+    st_release_s32(iss, q);
+    if (!more) break;
+    req = nreq;
+    t = nt;
+    w = nw;
+    cur = nxt;
+  }
+}
+
+// Per-tensor fp8, one tile: the raw positions q0 .. q0 + 4 -> this
+// warpgroup's f16 tile at own (chunks 0-7 latent, 8 the rope), exactly
+// (e4m3 -> f16 is exact; the per-tensor scale goes on the scores and the
+// output). Warp w of the warpgroup takes row quads w, w + 4, w + 8, w + 12,
+// 8 lanes per row on consecutive pieces: contiguous reads, conflict-free
+// swizzled writes. Each raw slot goes back (one arrival per warp) right after
+// the warp's reads. Rows >= nvalid become zeros.
+__device__ __forceinline__ void ring_dequant_own(uint8_t *ringp, uint8_t *own, uint32_t fullb, uint32_t emptyb,
+                                                 int q0, int w, int lane, int nvalid) {
+  const int j = lane & 7, rq = lane >> 3, h = j >> 2;
+#pragma unroll
+  for (int k = 0; k < 5; k++) {
+    const int q = q0 + k, sg = kRawBase + q % kRawSlots;
+    mbar_wait(fullb + 8 * sg, (uint32_t)(q / kRawSlots) & 1u);
+    const uint8_t *raw = ringp + sg * kChunk;
+    uint4 v[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const int r = 4 * (w + 4 * i) + rq;
+      if (k == 0) {  // rope: raw bytes 64..127; lane j: 64 + 8 j .. + 7 -> f16 piece j
+        const uint2 x = *reinterpret_cast<const uint2 *>(raw + r * 128 + 64 + 8 * j);
+        v[i] = make_uint4(x.x, x.y, 0, 0);
+      } else {
+        v[i] = *reinterpret_cast<const uint4 *>(raw + r * 128 + 16 * j);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(emptyb + 8 * sg);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      const int r = 4 * (w + 4 * i) + rq, sw = r & 7;
+      const bool zero = r >= nvalid;
+      const uint2 a = e4m3x4_to_f16x4(v[i].x), b = e4m3x4_to_f16x4(v[i].y);
+      if (k == 0) {
+        *reinterpret_cast<uint4 *>(own + 8 * kChunk + r * 128 + ((j ^ sw) << 4)) =
+            zero ? make_uint4(0, 0, 0, 0) : make_uint4(a.x, a.y, b.x, b.y);
+      } else {
+        const uint2 c = e4m3x4_to_f16x4(v[i].z), d = e4m3x4_to_f16x4(v[i].w);
+        uint8_t *dst = own + (2 * (k - 1) + h) * kChunk + r * 128;
+        *reinterpret_cast<uint4 *>(dst + (((2 * (j & 3)) ^ sw) << 4)) =
+            zero ? make_uint4(0, 0, 0, 0) : make_uint4(a.x, a.y, b.x, b.y);
+        *reinterpret_cast<uint4 *>(dst + (((2 * (j & 3) + 1) ^ sw) << 4)) =
+            zero ? make_uint4(0, 0, 0, 0) : make_uint4(c.x, c.y, d.x, d.y);
+      }
+    }
+  }
+}
+
 // Rows past the piece end may hold NaN (or a slot's stale rows): zero V rows
 // >= nvalid in the 8 latent slots of the tile at ring position q0.
 __device__ __forceinline__ void zero_tail_ring(uint8_t *ringp, int q0, int nvalid, int t128) {
@@ -1189,6 +1318,87 @@ __device__ __forceinline__ void zero_tail_ring(uint8_t *ringp, int q0, int nvali
   }
 }
 
+
+// The slots of ring positions q0 .. q0 + 8 and their full-barrier parities
+// (bit k: position q0 + k).
+__device__ __forceinline__ uint32_t ring_slots(int q0, int (&sl)[9]) {
+  constexpr int S = RingLay::kSlots;
+  uint32_t parm = 0;
+  int s0 = q0 % S;
+  uint32_t u = (uint32_t)(q0 / S);
+#pragma unroll
+  for (int k = 0; k < 9; k++) {
+    sl[k] = s0;
+    parm |= (u & 1u) << k;
+    if (++s0 == S) {
+      s0 = 0;
+      u++;
+    }
+  }
+  return parm;
+}
+
+__device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
+// Per-tensor fp8: the request's Q rows as f16 in the swizzled Q chunks, times
+// 2^e chosen so that the largest |q| lands in [2^14, 2^15) (f16 holds every
+// bf16 value of that binade and the 2^29 below exactly; what flushes is
+// < 2^-29 of the largest term). Returns 2^-e, the factor the scores need
+// back. The 256 consumer threads; red: 8 floats of scratch.
+__device__ __forceinline__ float ring_q_f16(const mla_decode_params &p, const ReqWork &w, int mb, uint32_t sQ,
+                                            float *red, int tid) {
+  constexpr int N = RingLay::N, kPer = (N * 72 + kThreads - 1) / kThreads;
+  const int H = p.num_heads;
+  uint4 v[kPer];
+  float mx = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPer; i++) {
+    const int ci = tid + i * kThreads, r = ci / 72, pc = ci - r * 72, ch = pc >> 3;
+    v[i] = make_uint4(0, 0, 0, 0);
+    if (ci < N * 72 && r < w.rows) {
+      const int rg = mb * 64 + r, t = rg / H, h = rg % H;
+      const uint16_t *src = ch < 8 ? p.q_nope + (w.q0 + t) * p.q_nope_stride_token + h * p.q_nope_stride_head + pc * 8
+                                   : p.q_rope + (w.q0 + t) * p.q_rope_stride_token + h * p.q_rope_stride_head +
+                                         (pc - 64) * 8;
+      v[i] = *reinterpret_cast<const uint4 *>(src);
+      const uint32_t x[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+#pragma unroll
+      for (int k = 0; k < 4; k++)  // |bf16| as f32: the magnitude bits of each half, shifted up
+        mx = fmaxf(mx, fmaxf(__uint_as_float((x[k] & 0x7fffu) << 16), __uint_as_float(x[k] & 0x7fff0000u)));
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if ((tid & 31) == 0) red[tid >> 5] = mx;
+  named_bar_sync(kBarCons, kThreads);
+  float m = red[0];
+#pragma unroll
+  for (int i = 1; i < kThreads / 32; i++) m = fmaxf(m, red[i]);
+  // (NaN never wins fmaxf; inf or 0 leave the scale at 1: the result is inf /
+  // NaN or all-zero scores either way.) e is clamped so 2^e stays normal.
+  int e = 0;
+  if (m > 0.f && m <= 3.0e38f) {
+    const int x = (int)(__float_as_uint(m) >> 23) - 126;  // m = f 2^x, f in [0.5, 1) (subnormal m: clamped below)
+    e = min(max(15 - x, -100), 100);
+  }
+  const float up = __uint_as_float((uint32_t)(127 + e) << 23);  // 2^e, a normal float
+#pragma unroll
+  for (int i = 0; i < kPer; i++) {
+    const int ci = tid + i * kThreads, r = ci / 72, pc = ci - r * 72, ch = pc >> 3;
+    if (ci < N * 72) {
+      const uint32_t x[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+      uint32_t y[4];
+#pragma unroll
+      for (int k = 0; k < 4; k++)
+        y[k] = pack_f16(__uint_as_float(x[k] << 16) * up, __uint_as_float(x[k] & 0xffff0000u) * up);
+      st_shared_v4(sQ + ch * RingLay::kQChunk + sw128_off(r, (pc & 7) * 8), y[0], y[1], y[2], y[3]);
+    }
+  }
+  return __uint_as_float((uint32_t)(127 - e) << 23);
+}
+
 template <int LM, bool kF16>
 __global__ void __launch_bounds__(kRingThreads, 1)
     decode_ring_kernel(const mla_decode_params p, const __grid_constant__ KvMaps kv_maps, uint32_t vt_lbo,
@@ -1196,6 +1406,9 @@ __global__ void __launch_bounds__(kRingThreads, 1)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using L = RingLay;
   constexpr int N = L::N, S = L::kSlots;
+  // Per-tensor fp8 runs f16 operands (exact e4m3 values, Q in f16) and
+  // writes the activations' bf16; kF16 is the 16-bit f16 cache.
+  constexpr bool kFp8 = LM == LOAD_FP8_TMA, kMF16 = kF16 || kFp8;
   constexpr int NR = N / 2;  // accumulator registers per m64nN tile
   constexpr int NC = N / 4;  // columns (rows of the m-block) per thread
   extern __shared__ uint8_t smem_raw[];
@@ -1217,12 +1430,16 @@ __global__ void __launch_bounds__(kRingThreads, 1)
   }
   __syncthreads();
   if (tid >= kThreads) {
-    if (tid == kThreads) ring_produce<LM>(p, kv_maps.m + 1, meta, mb, ring, fullb, emptyb, iss, l2_hint);
+    if (tid == kThreads) {
+      if constexpr (kFp8) ring_produce_fp8(p, kv_maps.m + 1, meta, mb, ring, fullb, emptyb, iss, l2_hint);
+      else ring_produce<LM>(p, kv_maps.m + 1, meta, mb, ring, fullb, emptyb, iss, l2_hint);
+    }
     return;
   }
   const int wg = tid >> 7, t128 = tid & 127, wi = (tid >> 5) & 3, lane = tid & 31;
   const int er = meta[SCHED_END_REQ];
-  const float sl2 = p.scale * kLog2e;
+  float sl2 = p.scale * kLog2e;  // fp8: times the per-tensor scale and Q's 2^-e, per request
+  const float osc = kFp8 ? p.kv_scale : 1.f;  // fp8: the output's factor
   float *red = reinterpret_cast<float *>(smem + L::kOffRed);
   float *redL = reinterpret_cast<float *>(smem + L::kOffRedL);
   float *mfin = reinterpret_cast<float *>(smem + L::kOffMf);
@@ -1242,7 +1459,11 @@ __global__ void __launch_bounds__(kRingThreads, 1)
     const ReqWork w = req_work(p, meta, req, mb);
     if (w.rows == 0) continue;  // (n_tiles == 0: the producer skips it too)
     named_bar_sync(kBarCons, kThreads);  // the last request is done with Q / the scratch and the row arrays
-    {
+    if constexpr (kFp8) {
+      if (tid < N) lim[tid] = tid < w.rows ? row_limit(p, w, mb, tid) : 0;  // padding rows see no key
+      sl2 = p.scale * kLog2e * p.kv_scale * ring_q_f16(p, w, mb, sQ, red, tid);
+      fence_proxy_async();
+    } else {
       const int H = p.num_heads;
       for (int ci = tid; ci < N * 72; ci += kThreads) {
         const int r = ci / 72, pc = ci - r * 72, ch = pc >> 3;
@@ -1281,43 +1502,46 @@ __global__ void __launch_bounds__(kRingThreads, 1)
       const int kt = w.kstart + 64 * t;
       const int nv = min(64, w.kend_blk - kt);
       const bool full = kt + 64 <= lim0;
-      const int q0 = 9 * (gbase + t);  // ring positions q0 (rope), q0 + 1 + c (latent chunk c)
+      const int q0 = (kFp8 ? 5 : 9) * (gbase + t);  // ring positions q0 (rope), q0 + 1 + c (latent chunk c)
       int sl[9];
       uint32_t parm = 0;  // bit k: full-barrier parity of position q0 + k
-      {
-        int s0 = q0 % S;
-        uint32_t u = (uint32_t)(q0 / S);
+      if constexpr (kFp8) {
 #pragma unroll
-        for (int k = 0; k < 9; k++) {
-          sl[k] = s0;
-          parm |= (u & 1u) << k;
-          if (++s0 == S) {
-            s0 = 0;
-            u++;
-          }
-        }
+        for (int k = 0; k < 9; k++) sl[k] = 9 * wg + (k == 0 ? 8 : k - 1);  // this warpgroup's f16 tile
+      } else {
+        parm = ring_slots(q0, sl);
       }
 
       // ---- S^T = K Q^T (keys x rows): rope chunk first, then 0-7 ----
       float s[NR];
 #pragma unroll
       for (int i = 0; i < NR; i++) s[i] = 0.f;
-      wait_issued(iss, q0 + 9);  // the tile is issued (ring_produce says why)
+      wait_issued(iss, q0 + (kFp8 ? 5 : 9));  // the tile is issued (ring_produce says why)
+      if constexpr (kFp8) {
+        // Into this warpgroup's own f16 tile: its last P V (two tiles ago)
+        // must have retired in all four warps first. (Three converter warps
+        // doing this ahead of the consumers measured slower: 369 vs 316 us
+        // at b = 128, s_k = 8192, in-place staging; docs section 3.5.)
+        named_bar_sync(nb + NB_MAX - 1, 128);
+        ring_dequant_own(ringp, ringp + 9 * wg * kChunk, fullb, emptyb, q0, wi, lane, nv);
+        fence_proxy_async();
+        named_bar_sync(nb + NB_P - 1, 128);
+      }
 #pragma unroll
       for (int k = 0; k < 9; k++) {
         const int c = k == 0 ? 8 : k - 1;
-        mbar_wait(fullb + 8 * sl[k], (parm >> k) & 1u);
+        if constexpr (!kFp8) mbar_wait(fullb + 8 * sl[k], (parm >> k) & 1u);
         wgmma_fence();
         const uint32_t sa = ring + sl[k] * kChunk;
 #pragma unroll
         for (int kk = 0; kk < 4; kk++)
-          qk_wgmma<N, kF16>(s, desc_sw128(sa + kk * 32, 16, 1024), desc_sw128(sQ + c * L::kQChunk + kk * 32, 16, 1024),
-                            k > 0 || kk > 0);
+          qk_wgmma<N, kMF16>(s, desc_sw128(sa + kk * 32, 16, 1024), desc_sw128(sQ + c * L::kQChunk + kk * 32, 16, 1024),
+                             k > 0 || kk > 0);
       }
       wgmma_commit();
       wgmma_wait<0>();
       reg_fence(s);
-      if (lane == 0) mbar_arrive(emptyb + 8 * sl[0]);  // the rope slot: read by QK^T only
+      if (!kFp8 && lane == 0) mbar_arrive(emptyb + 8 * sl[0]);  // the rope slot: read by QK^T only
 
       // ---- softmax down the columns (as the narrow kernel) ----
       bool need = false;
@@ -1383,12 +1607,12 @@ __global__ void __launch_bounds__(kRingThreads, 1)
 #pragma unroll
         for (int q = 0; q < N / 16; q++) {
           const int cb = 2 * q + (mi >> 1), kh = mi & 1;
-          stsm_x4_t(sP + sw128_off(8 * cb + (lane & 7), 16 * wi + 8 * kh), pack2<kF16>(s[8 * q], s[8 * q + 1]),
-                    pack2<kF16>(s[8 * q + 2], s[8 * q + 3]), pack2<kF16>(s[8 * q + 4], s[8 * q + 5]),
-                    pack2<kF16>(s[8 * q + 6], s[8 * q + 7]));
+          stsm_x4_t(sP + sw128_off(8 * cb + (lane & 7), 16 * wi + 8 * kh), pack2<kMF16>(s[8 * q], s[8 * q + 1]),
+                    pack2<kMF16>(s[8 * q + 2], s[8 * q + 3]), pack2<kMF16>(s[8 * q + 4], s[8 * q + 5]),
+                    pack2<kMF16>(s[8 * q + 6], s[8 * q + 7]));
         }
       }
-      if (nv < 64) zero_tail_ring(ringp, q0, nv, t128);
+      if (!kFp8 && nv < 64) zero_tail_ring(ringp, q0, nv, t128);  // (fp8: dequantized to zeros)
       fence_proxy_async();
       named_bar_sync(nb + NB_P - 1, 128);
 
@@ -1403,31 +1627,37 @@ __global__ void __launch_bounds__(kRingThreads, 1)
           const uint32_t sa = ring + sl[mt + 1] * kChunk;
 #pragma unroll
           for (int ks = 0; ks < 4; ks++)
-            pv_wgmma<N, kF16>(o[mt], desc_sw128(sa + ks * 2048, vt_lbo, vt_sbo), desc_sw128(sP + ks * 32, 16, 1024));
+            pv_wgmma<N, kMF16>(o[mt], desc_sw128(sa + ks * 2048, vt_lbo, vt_sbo), desc_sw128(sP + ks * 32, 16, 1024));
         }
         wgmma_commit();
       }
-      wgmma_wait<3>();
-      if (lane == 0) {
-        mbar_arrive(emptyb + 8 * sl[1]);
-        mbar_arrive(emptyb + 8 * sl[2]);
-      }
-      wgmma_wait<2>();
-      if (lane == 0) {
-        mbar_arrive(emptyb + 8 * sl[3]);
-        mbar_arrive(emptyb + 8 * sl[4]);
-      }
-      wgmma_wait<1>();
-      if (lane == 0) {
-        mbar_arrive(emptyb + 8 * sl[5]);
-        mbar_arrive(emptyb + 8 * sl[6]);
-      }
-      wgmma_wait<0>();
+      if constexpr (kFp8) {  // (its own tile: nothing goes back to the producer)
+        wgmma_wait<0>();
 #pragma unroll
-      for (int mt = 0; mt < 8; mt++) reg_fence(o[mt]);
-      if (lane == 0) {
-        mbar_arrive(emptyb + 8 * sl[7]);
-        mbar_arrive(emptyb + 8 * sl[8]);
+        for (int mt = 0; mt < 8; mt++) reg_fence(o[mt]);
+      } else {
+        wgmma_wait<3>();
+        if (lane == 0) {
+          mbar_arrive(emptyb + 8 * sl[1]);
+          mbar_arrive(emptyb + 8 * sl[2]);
+        }
+        wgmma_wait<2>();
+        if (lane == 0) {
+          mbar_arrive(emptyb + 8 * sl[3]);
+          mbar_arrive(emptyb + 8 * sl[4]);
+        }
+        wgmma_wait<1>();
+        if (lane == 0) {
+          mbar_arrive(emptyb + 8 * sl[5]);
+          mbar_arrive(emptyb + 8 * sl[6]);
+        }
+        wgmma_wait<0>();
+#pragma unroll
+        for (int mt = 0; mt < 8; mt++) reg_fence(o[mt]);
+        if (lane == 0) {
+          mbar_arrive(emptyb + 8 * sl[7]);
+          mbar_arrive(emptyb + 8 * sl[8]);
+        }
       }
     }
     gbase += w.n_tiles;
@@ -1458,7 +1688,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
           l1 += redL[(4 + x) * N + c];
         }
         const float l = l0 * f0 + l1 * f1;
-        lfin[c] = l > 0.f ? 1.f / l : 0.f;
+        lfin[c] = l > 0.f ? osc / l : 0.f;
         if (c < w.rows) store_lse(p, w, mb, c, l > 0.f ? mf + log2f(l) : -INFINITY);
       }
     }
@@ -1575,7 +1805,7 @@ bool legacy_decode() {
 template <int LM, bool kF16>
 cudaError_t launch_mode(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
   const int rows = mla_decode_rows(p);
-  if constexpr (lm_tma16(LM))
+  if constexpr (lm_tma16(LM) || LM == LOAD_FP8_TMA)
     if (rows <= 16 && !legacy_decode()) return launch_ring<LM, kF16>(p, map, stream);
   if (rows <= 16) return launch_narrow<16, LM, kF16>(p, map, stream);
   if (rows <= 32) return launch_narrow<32, LM, kF16>(p, map, stream);
@@ -1619,6 +1849,8 @@ cudaError_t encode_kv_maps(const mla_decode_params *p, KvMaps *map) {
     return e == cudaSuccess ? make_kv_tmap(p, &map->m[1], CU_TENSOR_MAP_L2_PROMOTION_L2_128B) : e;
   }
   cudaError_t e = make_kv_tmap_bytes(p, &map->m[0], 128, false);  // latent pairs (and the per-tensor rope)
+  if (e == cudaSuccess && fp8)  // the same boxes for the ring kernel
+    e = make_kv_tmap_bytes(p, &map->m[1], 128, false, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
   if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map->m[1], 16, false);  // block scales
   if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map->m[2], 128, true);  // bf16 rope, swizzled
   return e;
