@@ -1,5 +1,7 @@
 // Absorbed-MLA split-KV decode on sm_90a behind mla_decode_params (decode.h):
 // the winners of the kernel ladder in dev/cuda/ (docs/decode-kernel.md).
+//  - m-blocks of <= 16 valid rows of a 16-bit or per-tensor fp8 cache with
+//    page size >= 8: the ring kernel (v11, below);
 //  - m-blocks of <= 32 valid rows (max_q_len * H <= 32): the narrow kernel
 //    (ladder v10): transposed GEMMs (keys = M, rows = N = 16 or 32), two
 //    independent warpgroups merged per request;
@@ -1023,7 +1025,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 // rope chunk, then latent chunks 0-7) as soon as a slot is released: the rope
 // slot right after QK^T, the latent slots pairwise as the P V groups retire.
 // 25 slots = 2.8 tiles, all of them in flight whenever the warpgroups wait.
-// 16-bit caches through TMA (page size >= 8) only.
+// 16-bit caches and the per-tensor fp8 cache (ring_produce_fp8: f16 operands,
+// a raw ring, each warpgroup dequantizing into its own tile; §3.5), through
+// TMA (page size >= 8).
 // ---------------------------------------------------------------------------
 struct RingLay {
   static constexpr int N = 16;
