@@ -1025,7 +1025,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // rope chunk, then latent chunks 0-7) as soon as a slot is released: the rope
 // slot right after QK^T, the latent slots pairwise as the P V groups retire.
 // 25 slots = 2.8 tiles, all of them in flight whenever the warpgroups wait.
-// 16-bit caches and the per-tensor fp8 cache (ring_produce_fp8: f16 operands,
+// 16-bit caches and the per-tensor fp8 cache (f16 operands,
 // a raw ring, each warpgroup dequantizing into its own tile; §3.5), through
 // TMA (page size >= 8).
 // ---------------------------------------------------------------------------
@@ -1052,6 +1052,18 @@ struct RingLay {
 };
 constexpr int kRingThreads = kThreads + 32;  // two consumer warpgroups + the producer warp
 constexpr int kBarCons = 10;                 // the 256 consumer threads (bar 0 would count the producer)
+
+// Per-tensor fp8: the ring region holds the two consumer warpgroups' f16
+// tiles (slots 0-8 and 9-17, each dequantized by its warpgroup) and a raw
+// ring of kRawSlots slots (18-24) the producer fills with 5 positions per
+// tile (ring_load's k = 0 the rope box, 1-4 the latent pairs). A consumer
+// releases a raw slot as soon as it has read it, so the raw ring holds only
+// bytes in flight: ~1.4 tiles of 36 KB, the byte depth of the 16-bit ring.
+// (Dequantizing in place, the f16 chunks taking the raw slots' places, held
+// every slot until P V: half the bytes in flight, 316 us at b = 128 s_k =
+// 8192, no faster than bf16; docs/decode-kernel.md section 3.5.)
+constexpr int kRawBase = 18, kRawSlots = 7;
+static_assert(kRawBase == 2 * 9 && kRawBase + kRawSlots == RingLay::kSlots, "two f16 tiles, then the raw ring");
 
 // Where the producer loads one tile from (page ids fetched a tile ahead).
 struct RingSrc {
@@ -1084,7 +1096,7 @@ __device__ __forceinline__ RingSrc ring_src(const mla_decode_params &p, int req,
 }
 
 // Position k of the tile: 16-bit caches k = 0 the rope chunk 8, then latent
-// chunk k - 1; per-tensor fp8 (ring_produce_fp8) k = 0 the rope box (row
+// chunk k - 1; per-tensor fp8 (the raw ring) k = 0 the rope box (row
 // bytes 448..575: the rope is bytes 64..127 of each 128-byte row), k = 1..4
 // the latent pairs (row bytes 128 (k - 1) .. + 127), raw.
 template <int LM>
@@ -1149,6 +1161,9 @@ template <int LM>
 __device__ __forceinline__ void ring_produce(const mla_decode_params &p, const CUtensorMap *map, const int *meta,
                                              int mb, uint32_t ring, uint32_t fullb, uint32_t emptyb, uint32_t iss,
                                              int l2_hint) {
+  // Positions per tile, the slots filled (16-bit: all; fp8: the raw ring).
+  constexpr bool kFp8 = LM == LOAD_FP8_TMA;
+  constexpr int kPos = kFp8 ? 5 : 9, kBase = kFp8 ? kRawBase : 0, kN = kFp8 ? kRawSlots : RingLay::kSlots;
   const int er = meta[SCHED_END_REQ];
   const uint64_t pol = l2_evict_first();
   const bool hint = l2_hint != 0;
@@ -1174,17 +1189,18 @@ __device__ __forceinline__ void ring_produce(const mla_decode_params &p, const C
       nxt = ring_src<LM>(p, nreq, kt, min(64, nw.kend_blk - kt));
     }
 #pragma unroll 1
-    for (int k = 0; k < 9; k++) {
+    for (int k = 0; k < kPos; k++) {
+      const int sg = kBase + slot;
       if (use > 0)
-        while (!mbar_try_wait(emptyb + 8 * slot, (use - 1) & 1)) {
+        while (!mbar_try_wait(emptyb + 8 * sg, (use - 1) & 1)) {
         }
-      ring_load<LM>(p, map, cur, ring + slot * kChunk, fullb + 8 * slot, k, pol, hint);
-      if (++slot == RingLay::kSlots) {
+      ring_load<LM>(p, map, cur, ring + sg * kChunk, fullb + 8 * sg, k, pol, hint);
+      if (++slot == kN) {
         slot = 0;
         use++;
       }
     }
-    q += 9;
+    q += kPos;
     st_release_s32(iss, q);
     if (!more) break;
     req = nreq;
@@ -1203,65 +1219,6 @@ __device__ __forceinline__ uint2 e4m3x4_to_f16x4(uint32_t w) {
   return r;
 }
 
-// Per-tensor fp8: the ring region holds the two consumer warpgroups' f16
-// tiles (slots 0-8 and 9-17, each dequantized by its warpgroup) and a raw
-// ring of kRawSlots slots (18-24) the producer fills with 5 positions per
-// tile (ring_load's k = 0 the rope box, 1-4 the latent pairs). A consumer
-// releases a raw slot as soon as it has read it, so the raw ring holds only
-// bytes in flight: ~1.4 tiles of 36 KB, the byte depth of the 16-bit ring.
-// (Dequantizing in place, the f16 chunks taking the raw slots' places, held
-// every slot until P V: half the bytes in flight, 316 us at b = 128 s_k =
-// 8192, no faster than bf16; docs/decode-kernel.md section 3.5.)
-constexpr int kRawBase = 18, kRawSlots = 7;
-
-__device__ __forceinline__ void ring_produce_fp8(const mla_decode_params &p, const CUtensorMap *map, const int *meta,
-                                                 int mb, uint32_t ring, uint32_t fullb, uint32_t emptyb, uint32_t iss,
-                                                 int l2_hint) {
-  const int er = meta[SCHED_END_REQ];
-  const uint64_t pol = l2_evict_first();
-  const bool hint = l2_hint != 0;
-  int req = meta[SCHED_BEGIN_REQ], t = 0;
-  ReqWork w = req_work(p, meta, req, mb);
-  while (req <= er && t >= w.n_tiles)
-    if (++req <= er) w = req_work(p, meta, req, mb);
-  if (req > er) return;
-  RingSrc cur = ring_src<LOAD_FP8_TMA>(p, req, w.kstart, min(64, w.kend_blk - w.kstart));
-  int slot = 0, q = 0;
-  uint32_t use = 0;
-  for (;;) {
-    int nreq = req, nt = t + 1;
-    ReqWork nw = w;
-    while (nreq <= er && nt >= nw.n_tiles) {
-      nt = 0;
-      if (++nreq <= er) nw = req_work(p, meta, nreq, mb);
-    }
-    const bool more = nreq <= er;
-    RingSrc nxt = cur;
-    if (more) {
-      const int kt = nw.kstart + 64 * nt;
-      nxt = ring_src<LOAD_FP8_TMA>(p, nreq, kt, min(64, nw.kend_blk - kt));
-    }
-#pragma unroll 1
-    for (int k = 0; k < 5; k++) {
-      const int sg = kRawBase + slot;
-      if (use > 0)
-        while (!mbar_try_wait(emptyb + 8 * sg, (use - 1) & 1)) {
-        }
-      ring_load<LOAD_FP8_TMA>(p, map, cur, ring + sg * kChunk, fullb + 8 * sg, k, pol, hint);
-      if (++slot == kRawSlots) {
-        slot = 0;
-        use++;
-      }
-    }
-    q += 5;
-    st_release_s32(iss, q);
-    if (!more) break;
-    req = nreq;
-    t = nt;
-    w = nw;
-    cur = nxt;
-  }
-}
 
 // Per-tensor fp8, one tile: the raw positions q0 .. q0 + 4 -> this
 // warpgroup's f16 tile at own (chunks 0-7 latent, 8 the rope), exactly
@@ -1434,10 +1391,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
   }
   __syncthreads();
   if (tid >= kThreads) {
-    if (tid == kThreads) {
-      if constexpr (kFp8) ring_produce_fp8(p, kv_maps.m + 1, meta, mb, ring, fullb, emptyb, iss, l2_hint);
-      else ring_produce<LM>(p, kv_maps.m + 1, meta, mb, ring, fullb, emptyb, iss, l2_hint);
-    }
+    if (tid == kThreads) ring_produce<LM>(p, kv_maps.m + 1, meta, mb, ring, fullb, emptyb, iss, l2_hint);
     return;
   }
   const int wg = tid >> 7, t128 = tid & 127, wi = (tid >> 5) & 3, lane = tid & 31;
