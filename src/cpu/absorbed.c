@@ -45,18 +45,34 @@
  * decode), each item's keys are cut into pieces (at most SPLIT_MAX_PIECES in
  * all, each >= SPLIT_MIN_KEYS keys) that run in parallel and write partial
  * (o, lse) states into the workspace; the worker that finishes an item's
- * last piece merges them. The items' query blocks are built once, before
- * the pieces run; the pieces are handed out one at a time (pieces_worker). The decision depends only
- * on the plan and the head count, never on the thread count, so results
- * are bit-identical for any number of threads.
+ * last piece merges them, with the workers that have no pieces left
+ * (help_merges), a few rows at a time. The items' query blocks are built
+ * once, before the pieces run; the pieces are handed out one at a time
+ * (pieces_worker). The decision depends only on the plan and the head
+ * count, never on the thread count, and a row's merge does not depend on
+ * which worker runs it, so results are bit-identical for any number of
+ * threads.
  *
  * Keys past a request's kv length, and keys no row of an item may see under
  * the causal mask, are never loaded: the cache rows behind them may hold
  * anything (tests fill them with NaN). */
+#if defined(__linux__) && !defined(_GNU_SOURCE)
+#define _GNU_SOURCE /* sched_yield under -std=c11 */
+#endif
 #include <limits.h>
+#include <sched.h>
 #include <stdatomic.h>
 
 #include "cpu.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define MLA_CPU_PAUSE() _mm_pause()
+#elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#define MLA_CPU_PAUSE() __asm__ volatile("yield")
+#else
+#define MLA_CPU_PAUSE() ((void)0)
+#endif
 
 #define SPLIT_MIN_ITEMS 16
 #define SPLIT_MAX_PIECES 32
@@ -70,6 +86,12 @@
 #define SPLIT_MIN_KEYS 512
 #define SPLIT_PIECE_KEYS 1024
 #define SPLIT_WANT_PIECES 16
+/* Rows of a split item merged as one unit of work: the worker that
+ * finishes the item's last piece and any worker without pieces left take
+ * such groups from a counter, so the merge (reads of every piece's
+ * partial state, ~10-14 us for 16 rows x 8 pieces) is shared instead of
+ * running alone while the other workers wait for the call to end. */
+#define MERGE_ROWS 2
 #define COLS 64 /* columns of a tile converted at a time (divides 512 and 576) */
 /* A split piece's partial state per row: the unnormalised accumulator
  * (512, in the tile's column order), then m and l (base 2); padded so rows
@@ -78,9 +100,11 @@
 #define PART_M MLA_LATENT
 #define PART_L (MLA_LATENT + 1)
 #define NBLK (MLA_ROW / COLS) /* column blocks of a tile */
-/* How many tiles ahead the kernels' steps prefetch (1: the next tile;
- * 2 measured the same on the 2-core VM, within its noise). */
-#define PF_TILES 1
+/* How many tiles ahead the kernels' steps prefetch (1: the next tile,
+ * whose P x V conversions then overtake the prefetch in the last rows).
+ * 2: the per-tile medians of P x V 1-2 % lower (H = 16, 2-core AVX-512
+ * VM, rdtsc per tile), the scores unchanged. */
+#define PF_TILES 2
 
 /* Item geometry: heads per item, query tokens per item, padded rows. */
 typedef struct geom {
@@ -165,18 +189,41 @@ typedef struct ab_job {
   const piece *items;
   const int *item_first_part, *item_num_parts;
   /* split path: pieces of each item not finished yet; the worker that
-   * finishes an item's last piece merges it (no separate merge pass: that
-   * would cost another wake-up of the pool and a barrier) */
+   * finishes an item's last piece starts merging it, and workers without
+   * pieces left join it (no separate merge pass: that would cost another
+   * wake-up of the pool and a barrier) */
   atomic_int *item_left;
+  /* split path: the next group of MERGE_ROWS rows of each item to merge */
+  atomic_int *merge_next;
+  int num_items;
   /* split path: the next piece to hand out, and how many there are */
   atomic_int *next_piece;
   int num_pieces;
 } ab_job;
 
-static void write_row(const ab_job *J, int64_t t, int h, const float *o /* [512] */,
-                      double lse2) {
+static void finish_row(int split, const float *acc, float inv, float *o);
+
+/* Output row (t, h) = acc [512] * inv (acc in the tile's column order),
+ * lse2 its base-2 LSE; acc NULL: a row that saw no key (o = 0). f32 and
+ * bf16 outputs go through the kernels' out512 where the build has it (the
+ * scalar reorder and bf16 rounding of 16 rows cost ~4 us, a visible part
+ * of the serial merge at the end of a split decode call). */
+static void write_row(const ab_job *J, int64_t t, int h, const float *acc /* [512] */,
+                      float inv, double lse2) {
   const mla_absorbed_args *a = J->args;
-  mla_store_f32(a->act_dtype, a->out, (t * J->H + h) * (int64_t)MLA_LATENT, MLA_LATENT, o);
+  const int64_t off = (t * J->H + h) * (int64_t)MLA_LATENT;
+  const int bf16 = a->act_dtype == MLA_DTYPE_BF16;
+  if (acc && J->k->out512 && (bf16 || a->act_dtype == MLA_DTYPE_F32)) {
+    void *dst = bf16 ? (void *)((uint16_t *)a->out + off) : (void *)((float *)a->out + off);
+    J->k->out512(acc, J->split, inv, bf16, dst);
+  } else {
+    float o[MLA_LATENT];
+    if (acc)
+      finish_row(J->split, acc, inv, o);
+    else
+      memset(o, 0, sizeof o);
+    mla_store_f32(a->act_dtype, a->out, off, MLA_LATENT, o);
+  }
   if (a->lse) {
     double v = (a->flags & MLA_FLAG_LSE_BASE2) ? lse2 : lse2 * MLA_CPU_LN2;
     a->lse[t * J->H + h] = (float)v;
@@ -228,6 +275,20 @@ static void build_qt(const ab_job *J, const piece *pc, float *stage, float *QT /
   const mla_absorbed_args *a = J->args;
   const int rows = pc->nq * pc->nh, rb = mla_cpu_round_up(rows, MLA_CPU_ROW_ALIGN);
   const int64_t tq0 = J->plan->qo_indptr[pc->req];
+  if (rb == 16 && J->split && a->act_dtype == MLA_DTYPE_BF16 && J->k->qt16p_bf16) {
+    /* bf16 queries, 16-row layout: converted and transposed in registers */
+    const uint16_t *qn[16], *qr[16];
+    for (int r = 0; r < 16; r++) {
+      qn[r] = qr[r] = NULL;
+      if (r >= rows) continue;
+      const int64_t t = tq0 + pc->q0 + r / pc->nh;
+      const int h = pc->h0 + r % pc->nh;
+      qn[r] = (const uint16_t *)a->q_nope + t * J->nope_st + h * J->nope_sh;
+      qr[r] = (const uint16_t *)a->q_rope + t * J->rope_st + h * J->rope_sh;
+    }
+    J->k->qt16p_bf16(qn, qr, J->qscale, QT);
+    return;
+  }
   for (int r0 = 0; r0 < rb; r0 += 16) {
     for (int i = 0; i < 16; i++) {
       float *qrow = stage + (size_t)i * MLA_ROW;
@@ -496,18 +557,13 @@ static int run_piece(const ab_job *J, const piece *pc, int worker, const piece *
     return conv_next;
   }
   for (int r = 0; r < rows; r++) {
-    const float *ar = acc + (size_t)r * MLA_LATENT;
-    float obuf[MLA_LATENT];
-    float *o = obuf;
-    double lse2;
-    if (m[r] == -INFINITY) { /* no visible key in this range */
-      memset(o, 0, MLA_LATENT * sizeof(float));
-      lse2 = -INFINITY;
-    } else {
-      finish_row(J->split, ar, 1.0f / l[r], o);
-      lse2 = (double)m[r] + log2((double)l[r]);
-    }
-    write_row(J, tq0 + pc->q0 + r / pc->nh, pc->h0 + r % pc->nh, o, lse2);
+    const int64_t t = tq0 + pc->q0 + r / pc->nh;
+    const int h = pc->h0 + r % pc->nh;
+    if (m[r] == -INFINITY) /* no visible key in this range */
+      write_row(J, t, h, NULL, 0.0f, -INFINITY);
+    else
+      write_row(J, t, h, acc + (size_t)r * MLA_LATENT, 1.0f / l[r],
+                (double)m[r] + log2((double)l[r]));
   }
   return conv_next;
 }
@@ -569,6 +625,44 @@ static void qt_range(void *arg, int64_t b, int64_t e, int worker) {
 
 static void merge_range(void *arg, int64_t b, int64_t e, int worker);
 
+/* Merge the row groups of split item it that nobody took yet (all of its
+ * pieces have finished). */
+static void merge_item(const ab_job *J, int it, int worker) {
+  const int rows = J->items[it].nq * J->items[it].nh;
+  const int64_t x0 = (int64_t)it * J->g.rb;
+  for (;;) {
+    const int r = MERGE_ROWS * atomic_fetch_add_explicit(&J->merge_next[it], 1, memory_order_relaxed);
+    if (r >= rows) return;
+    merge_range((void *)J, x0 + r, x0 + (r + MERGE_ROWS < rows ? r + MERGE_ROWS : rows), worker);
+  }
+}
+
+/* A worker without pieces left: take part in the merges of the split
+ * items, waiting (spinning, it has nothing else to do) for those whose
+ * last pieces still run elsewhere. The wait yields the CPU now and then,
+ * for a worker that shares it. */
+static void help_merges(const ab_job *J, int worker) {
+  for (int spins = 0;; spins++) {
+    int waiting = 0;
+    for (int it = 0; it < J->num_items; it++) {
+      if (J->item_num_parts[it] <= 1 ||
+          MERGE_ROWS * atomic_load_explicit(&J->merge_next[it], memory_order_relaxed) >=
+              J->items[it].nq * J->items[it].nh)
+        continue;
+      /* acquire: pairs with the pieces' acq_rel decrements, so every
+       * partial state of the item is visible */
+      if (atomic_load_explicit(&J->item_left[it], memory_order_acquire) != 0) {
+        waiting = 1;
+        continue;
+      }
+      merge_item(J, it, worker);
+    }
+    if (!waiting) return;
+    MLA_CPU_PAUSE();
+    if ((spins & 63) == 63) sched_yield();
+  }
+}
+
 /* One call per worker: the pieces are handed out one at a time from a
  * counter (the pool's chunks are an eighth of the work for 2 workers, and
  * the worker that wakes late leaves up to a chunk of imbalance at the
@@ -588,9 +682,10 @@ static void pieces_worker(void *arg, int64_t b, int64_t e, int worker) {
     /* acq_rel: the last one sees every other piece's partial state */
     if (pc->part >= 0 &&
         atomic_fetch_sub_explicit(&J->item_left[pc->item], 1, memory_order_acq_rel) == 1)
-      merge_range(arg, (int64_t)pc->item * J->g.rb, (int64_t)(pc->item + 1) * J->g.rb, worker);
+      merge_item(J, pc->item, worker);
     p = q;
   }
+  help_merges(J, worker);
 }
 
 /* Merge the partial states of split items: one row = one (token, head). */
@@ -607,10 +702,10 @@ static void merge_range(void *arg, int64_t b, int64_t e, int worker) {
     float mx = -INFINITY;
     for (int p = 0; p < np; p++)
       if (part[p * pst + PART_M] > mx) mx = part[p * pst + PART_M];
-    float o[MLA_LATENT];
-    double lse2 = -INFINITY;
+    const int64_t t = J->plan->qo_indptr[pc->req] + pc->q0 + r / pc->nh;
+    const int h = pc->h0 + r % pc->nh;
     if (mx == -INFINITY) {
-      memset(o, 0, sizeof o);
+      write_row(J, t, h, NULL, 0.0f, -INFINITY);
     } else {
       /* o = sum_p w_p acc_p / sum_p w_p l_p, w_p = 2^(m_p - mx), as one
        * P x V product of the kernels (a row of weights against the
@@ -624,11 +719,8 @@ static void merge_range(void *arg, int64_t b, int64_t e, int worker) {
       }
       memset(acc, 0, sizeof acc);
       J->k->pv(np, 1, w, 1, part, (int)pst, MLA_LATENT, NULL, acc, MLA_LATENT, NULL);
-      finish_row(J->split, acc, (float)(1.0 / den), o);
-      lse2 = (double)mx + log2(den);
+      write_row(J, t, h, acc, (float)(1.0 / den), (double)mx + log2(den));
     }
-    write_row(J, J->plan->qo_indptr[pc->req] + pc->q0 + r / pc->nh, pc->h0 + r % pc->nh, o,
-              lse2);
   }
 }
 
@@ -719,9 +811,19 @@ static mla_status check_plan(mla_ctx *ctx, const mla_kv_cache *cache, const mla_
     }
     return MLA_OK;
   }
+  /* Every slot in [0, num_slots): one unsigned compare per slot (a
+   * negative one wraps above any bound), OR-ed over the request without an
+   * early exit so that the loop vectorises (a decode call with 16K keys
+   * spent ~10 us here, serially, before its workers started); the rare
+   * failure is then located by a second pass. */
+  const uint32_t cap = cache->num_slots >= 0x80000000LL ? 0x80000000u : (uint32_t)cache->num_slots;
   for (int i = 0; i < p->batch_size; i++) {
     const int32_t *idx = p->kv_indices + p->kv_indptr[i];
-    for (int j = 0; j < p->kv_lens[i]; j++)
+    const int n = p->kv_lens[i];
+    unsigned bad = 0;
+    for (int j = 0; j < n; j++) bad |= (uint32_t)idx[j] >= cap;
+    if (!bad) continue;
+    for (int j = 0; j < n; j++)
       if (idx[j] < 0 || idx[j] >= cache->num_slots)
         return mla_fail(eb, MLA_ERR_OUT_OF_RANGE, fn,
                         "plan: key %d of request %d is slot %d, outside the cache's [0, %lld)",
@@ -868,9 +970,14 @@ mla_status mla_cpu_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, i
   J.items = items;
   J.item_first_part = first_part;
   J.item_num_parts = num_parts;
-  atomic_int left[SPLIT_MIN_ITEMS];
-  for (int it = 0; it < ni; it++) atomic_init(&left[it], num_parts[it]);
+  atomic_int left[SPLIT_MIN_ITEMS], merge_next[SPLIT_MIN_ITEMS];
+  for (int it = 0; it < ni; it++) {
+    atomic_init(&left[it], num_parts[it]);
+    atomic_init(&merge_next[it], 0);
+  }
   J.item_left = left;
+  J.merge_next = merge_next;
+  J.num_items = ni;
   /* each item's query block once, shared by its pieces; a few 16-row
    * blocks are built here (microseconds) rather than waking the pool */
   if ((int64_t)ni * g.rb <= 64)

@@ -167,6 +167,19 @@ typedef struct mla_cpu_kernels {
    * calls of qk16p; the accumulators stay in registers across the blocks). */
   void (*qk16pb)(int n, int nb, const float *K, size_t bstride, const float *QTp, float *S2,
                  int accumulate, mla_cpu_conv *cv);
+  /* Optional: an output row, dst [512] = acc [512] * inv stored as f32
+   * (bf16 == 0) or bf16 (round to nearest even, NaN kept quiet: exactly
+   * mla_f32_to_bf16); acc in pair-split order (MLA_CPU_SPLIT32) when split
+   * is non-zero, the natural order otherwise. The same products as the
+   * scalar path, so the results are bit-identical to it. */
+  void (*out512)(const float *acc, int split, float inv, int bf16, void *dst);
+  /* Optional: qt16p (split order) straight from 16 bf16 query rows, no
+   * fp32 staging: QTp [288][2][16] = scale * rows i = 0..15 of [q_nope [512]
+   * at qn[i] | q_rope [64] at qr[i]] (qn[i] == NULL: a zero row). The same
+   * products as loading the rows to fp32 and calling qt16p, so the results
+   * are bit-identical. */
+  void (*qt16p_bf16)(const uint16_t *const *qn, const uint16_t *const *qr, float scale,
+                     float *QTp);
 } mla_cpu_kernels;
 
 /* Pair-split order of bf16 columns: within each aligned group of 32
