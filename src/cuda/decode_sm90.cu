@@ -1053,8 +1053,9 @@ struct RingLay {
 constexpr int kRingThreads = kThreads + 32;  // two consumer warpgroups + the producer warp
 constexpr int kBarCons = 10;                 // the 256 consumer threads (bar 0 would count the producer)
 
-// Per-tensor fp8: the ring region holds the two consumer warpgroups' f16
-// tiles (slots 0-8 and 9-17, each dequantized by its warpgroup) and a raw
+// fp8 caches (per-tensor: f16 tiles; block-scaled: bf16): the ring region
+// holds the two consumer warpgroups' own tiles (slots 0-8 and 9-17, each
+// dequantized by its warpgroup) and a raw
 // ring of kRawSlots slots (18-24) the producer fills with 5 positions per
 // tile (ring_load's k = 0 the rope box, 1-4 the latent pairs). A consumer
 // releases a raw slot as soon as it has read it, so the raw ring holds only
@@ -1083,7 +1084,7 @@ __device__ __forceinline__ RingSrc ring_src(const mla_decode_params &p, int req,
 #pragma unroll
   for (int b = 0; b < 8; b++) s.pages[b] = 0;
   // (fp8: one instantiation for both page classes)
-  if (LM == LOAD_TMA_BIG || (LM == LOAD_FP8_TMA && p.page_size >= 64)) {
+  if (LM == LOAD_TMA_BIG || (lm_fp8(LM) && p.page_size >= 64)) {
     s.page = bt[0];
     s.row0 = kt0 & (p.page_size - 1);
   } else {
@@ -1096,16 +1097,21 @@ __device__ __forceinline__ RingSrc ring_src(const mla_decode_params &p, int req,
 }
 
 // Position k of the tile: 16-bit caches k = 0 the rope chunk 8, then latent
-// chunk k - 1; per-tensor fp8 (the raw ring) k = 0 the rope box (row
-// bytes 448..575: the rope is bytes 64..127 of each 128-byte row), k = 1..4
-// the latent pairs (row bytes 128 (k - 1) .. + 127), raw.
+// chunk k - 1; fp8 (the raw ring) k = 0 the rope box (per-tensor: row bytes
+// 448..575, the rope is bytes 64..127 of each 128-byte row; block format:
+// the bf16 rope, row bytes 528..655, swizzled as a 16-bit chunk), k = 1..4
+// the latent pairs (row bytes 128 (k - 1) .. + 127), raw. maps: the launch's
+// KvMaps (16-bit and per-tensor fp8 read [1], the 128-byte L2 promotion
+// view; the block format [0] and its rope map [2]).
 template <int LM>
-__device__ __forceinline__ void ring_load(const mla_decode_params &p, const CUtensorMap *map, const RingSrc &s,
+__device__ __forceinline__ void ring_load(const mla_decode_params &p, const CUtensorMap *maps, const RingSrc &s,
                                           uint32_t dst, uint32_t bar, int k, uint64_t pol, bool hint) {
   const int c = k == 0 ? 8 : k - 1;
-  if constexpr (LM == LOAD_FP8_TMA) {
+  const CUtensorMap *map = maps + 1;
+  if constexpr (LM == LOAD_FP8_TMA || LM == LOAD_FP8_BLOCK_TMA) {
     const int P = p.page_size, rows = P < 64 ? P : 64, nbox = P < 64 ? s.nbox : 1;
-    const int col = k == 0 ? 448 : 128 * (k - 1);
+    const int col = k == 0 ? (LM == LOAD_FP8_TMA ? 448 : 528) : 128 * (k - 1);
+    if (LM == LOAD_FP8_BLOCK_TMA) map = maps + (k == 0 ? 2 : 0);
     mbar_expect_tx(bar, (uint32_t)(nbox * rows * 128));
 #pragma unroll 1
     for (int b = 0; b < nbox; b++) {
@@ -1162,8 +1168,8 @@ __device__ __forceinline__ void ring_produce(const mla_decode_params &p, const C
                                              int mb, uint32_t ring, uint32_t fullb, uint32_t emptyb, uint32_t iss,
                                              int l2_hint) {
   // Positions per tile, the slots filled (16-bit: all; fp8: the raw ring).
-  constexpr bool kFp8 = LM == LOAD_FP8_TMA;
-  constexpr int kPos = kFp8 ? 5 : 9, kBase = kFp8 ? kRawBase : 0, kN = kFp8 ? kRawSlots : RingLay::kSlots;
+  constexpr bool kRaw = LM == LOAD_FP8_TMA || LM == LOAD_FP8_BLOCK_TMA;
+  constexpr int kPos = kRaw ? 5 : 9, kBase = kRaw ? kRawBase : 0, kN = kRaw ? kRawSlots : RingLay::kSlots;
   const int er = meta[SCHED_END_REQ];
   const uint64_t pol = l2_evict_first();
   const bool hint = l2_hint != 0;
@@ -1227,9 +1233,30 @@ __device__ __forceinline__ uint2 e4m3x4_to_f16x4(uint32_t w) {
 // 8 lanes per row on consecutive pieces: contiguous reads, conflict-free
 // swizzled writes. Each raw slot goes back (one arrival per warp) right after
 // the warp's reads. Rows >= nvalid become zeros.
-__device__ __forceinline__ void ring_dequant_own(uint8_t *ringp, uint8_t *own, uint32_t fullb, uint32_t emptyb,
-                                                 int q0, int w, int lane, int nvalid) {
+//
+// The block format (LM == LOAD_FP8_BLOCK_TMA) instead yields bf16, each value
+// bf16_rn(f32(e4m3) * its row's block scale) as the CPU rounds it (the scale
+// varies along the reduction, so it cannot move to the scores); the scales
+// (16 bytes a row) are read from global memory at the start, one 16-byte
+// load per row of the lane's four; the bf16 rope box is copied as it is.
+template <int LM>
+__device__ __forceinline__ void ring_dequant_own(const mla_decode_params &p, int req, int kt, uint8_t *ringp,
+                                                 uint8_t *own, uint32_t fullb, uint32_t emptyb, int q0, int w,
+                                                 int lane, int nvalid) {
+  constexpr bool kBlock = LM == LOAD_FP8_BLOCK_TMA;
   const int j = lane & 7, rq = lane >> 3, h = j >> 2;
+  float4 bs[4];  // block format: the scales of the lane's rows
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    bs[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    const int r = 4 * (w + 4 * i) + rq;
+    if (kBlock && r < nvalid) {
+      const int key = kt + r, lp = __ffs(p.page_size) - 1;
+      const int page = p.block_table[(size_t)req * p.block_table_width + (key >> lp)];
+      const size_t row = (size_t)page * p.page_size + (key & (p.page_size - 1));
+      bs[i] = __ldg(reinterpret_cast<const float4 *>(static_cast<const uint8_t *>(p.kv) + row * p.row_bytes + 512));
+    }
+  }
 #pragma unroll
   for (int k = 0; k < 5; k++) {
     const int q = q0 + k, sg = kRawBase + q % kRawSlots;
@@ -1239,10 +1266,10 @@ __device__ __forceinline__ void ring_dequant_own(uint8_t *ringp, uint8_t *own, u
 #pragma unroll
     for (int i = 0; i < 4; i++) {
       const int r = 4 * (w + 4 * i) + rq;
-      if (k == 0) {  // rope: raw bytes 64..127; lane j: 64 + 8 j .. + 7 -> f16 piece j
+      if (k == 0 && !kBlock) {  // rope: raw bytes 64..127; lane j: 64 + 8 j .. + 7 -> f16 piece j
         const uint2 x = *reinterpret_cast<const uint2 *>(raw + r * 128 + 64 + 8 * j);
         v[i] = make_uint4(x.x, x.y, 0, 0);
-      } else {
+      } else {  // (block format rope: the swizzled bf16 row, piece j)
         v[i] = *reinterpret_cast<const uint4 *>(raw + r * 128 + 16 * j);
       }
     }
@@ -1252,6 +1279,21 @@ __device__ __forceinline__ void ring_dequant_own(uint8_t *ringp, uint8_t *own, u
     for (int i = 0; i < 4; i++) {
       const int r = 4 * (w + 4 * i) + rq, sw = r & 7;
       const bool zero = r >= nvalid;
+      if constexpr (kBlock) {
+        if (k == 0) {
+          *reinterpret_cast<uint4 *>(own + 8 * kChunk + r * 128 + 16 * j) = zero ? make_uint4(0, 0, 0, 0) : v[i];
+        } else {
+          const float sc = k == 1 ? bs[i].x : k == 2 ? bs[i].y : k == 3 ? bs[i].z : bs[i].w;
+          const uint2 a = dq4_e4m3(v[i].x, sc), b = dq4_e4m3(v[i].y, sc);
+          const uint2 c = dq4_e4m3(v[i].z, sc), d = dq4_e4m3(v[i].w, sc);
+          uint8_t *dst = own + (2 * (k - 1) + h) * kChunk + r * 128;
+          *reinterpret_cast<uint4 *>(dst + (((2 * (j & 3)) ^ sw) << 4)) =
+              zero ? make_uint4(0, 0, 0, 0) : make_uint4(a.x, a.y, b.x, b.y);
+          *reinterpret_cast<uint4 *>(dst + (((2 * (j & 3) + 1) ^ sw) << 4)) =
+              zero ? make_uint4(0, 0, 0, 0) : make_uint4(c.x, c.y, d.x, d.y);
+        }
+        continue;
+      }
       const uint2 a = e4m3x4_to_f16x4(v[i].x), b = e4m3x4_to_f16x4(v[i].y);
       if (k == 0) {
         *reinterpret_cast<uint4 *>(own + 8 * kChunk + r * 128 + ((j ^ sw) << 4)) =
@@ -1369,6 +1411,8 @@ __global__ void __launch_bounds__(kRingThreads, 1)
   constexpr int N = L::N, S = L::kSlots;
   // Per-tensor fp8 runs f16 operands (exact e4m3 values, Q in f16) and
   // writes the activations' bf16; kF16 is the 16-bit f16 cache.
+  // kRaw: an fp8 cache through the raw ring (ring_dequant_own); kFp8: per-tensor, exact f16 operands.
+  constexpr bool kRaw = LM == LOAD_FP8_TMA || LM == LOAD_FP8_BLOCK_TMA;
   constexpr bool kFp8 = LM == LOAD_FP8_TMA, kMF16 = kF16 || kFp8;
   constexpr int NR = N / 2;  // accumulator registers per m64nN tile
   constexpr int NC = N / 4;  // columns (rows of the m-block) per thread
@@ -1391,7 +1435,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
   }
   __syncthreads();
   if (tid >= kThreads) {
-    if (tid == kThreads) ring_produce<LM>(p, kv_maps.m + 1, meta, mb, ring, fullb, emptyb, iss, l2_hint);
+    if (tid == kThreads) ring_produce<LM>(p, kv_maps.m, meta, mb, ring, fullb, emptyb, iss, l2_hint);
     return;
   }
   const int wg = tid >> 7, t128 = tid & 127, wi = (tid >> 5) & 3, lane = tid & 31;
@@ -1460,10 +1504,10 @@ __global__ void __launch_bounds__(kRingThreads, 1)
       const int kt = w.kstart + 64 * t;
       const int nv = min(64, w.kend_blk - kt);
       const bool full = kt + 64 <= lim0;
-      const int q0 = (kFp8 ? 5 : 9) * (gbase + t);  // ring positions q0 (rope), q0 + 1 + c (latent chunk c)
+      const int q0 = (kRaw ? 5 : 9) * (gbase + t);  // ring positions q0 (rope), q0 + 1 + c (latent chunk c)
       int sl[9];
       uint32_t parm = 0;  // bit k: full-barrier parity of position q0 + k
-      if constexpr (kFp8) {
+      if constexpr (kRaw) {
 #pragma unroll
         for (int k = 0; k < 9; k++) sl[k] = 9 * wg + (k == 0 ? 8 : k - 1);  // this warpgroup's f16 tile
       } else {
@@ -1474,21 +1518,21 @@ __global__ void __launch_bounds__(kRingThreads, 1)
       float s[NR];
 #pragma unroll
       for (int i = 0; i < NR; i++) s[i] = 0.f;
-      wait_issued(iss, q0 + (kFp8 ? 5 : 9));  // the tile is issued (ring_produce says why)
-      if constexpr (kFp8) {
+      wait_issued(iss, q0 + (kRaw ? 5 : 9));  // the tile is issued (ring_produce says why)
+      if constexpr (kRaw) {
         // Into this warpgroup's own f16 tile: its last P V (two tiles ago)
         // must have retired in all four warps first. (Three converter warps
         // doing this ahead of the consumers measured slower: 369 vs 316 us
         // at b = 128, s_k = 8192, in-place staging; docs section 3.5.)
         named_bar_sync(nb + NB_MAX - 1, 128);
-        ring_dequant_own(ringp, ringp + 9 * wg * kChunk, fullb, emptyb, q0, wi, lane, nv);
+        ring_dequant_own<LM>(p, req, kt, ringp, ringp + 9 * wg * kChunk, fullb, emptyb, q0, wi, lane, nv);
         fence_proxy_async();
         named_bar_sync(nb + NB_P - 1, 128);
       }
 #pragma unroll
       for (int k = 0; k < 9; k++) {
         const int c = k == 0 ? 8 : k - 1;
-        if constexpr (!kFp8) mbar_wait(fullb + 8 * sl[k], (parm >> k) & 1u);
+        if constexpr (!kRaw) mbar_wait(fullb + 8 * sl[k], (parm >> k) & 1u);
         wgmma_fence();
         const uint32_t sa = ring + sl[k] * kChunk;
 #pragma unroll
@@ -1499,7 +1543,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
       wgmma_commit();
       wgmma_wait<0>();
       reg_fence(s);
-      if (!kFp8 && lane == 0) mbar_arrive(emptyb + 8 * sl[0]);  // the rope slot: read by QK^T only
+      if (!kRaw && lane == 0) mbar_arrive(emptyb + 8 * sl[0]);  // the rope slot: read by QK^T only
 
       // ---- softmax down the columns (as the narrow kernel) ----
       bool need = false;
@@ -1570,7 +1614,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
                     pack2<kMF16>(s[8 * q + 6], s[8 * q + 7]));
         }
       }
-      if (!kFp8 && nv < 64) zero_tail_ring(ringp, q0, nv, t128);  // (fp8: dequantized to zeros)
+      if (!kRaw && nv < 64) zero_tail_ring(ringp, q0, nv, t128);  // (fp8: dequantized to zeros)
       fence_proxy_async();
       named_bar_sync(nb + NB_P - 1, 128);
 
@@ -1589,7 +1633,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
         }
         wgmma_commit();
       }
-      if constexpr (kFp8) {  // (its own tile: nothing goes back to the producer)
+      if constexpr (kRaw) {  // (its own tile: nothing goes back to the producer)
         wgmma_wait<0>();
 #pragma unroll
         for (int mt = 0; mt < 8; mt++) reg_fence(o[mt]);
@@ -1763,7 +1807,7 @@ bool legacy_decode() {
 template <int LM, bool kF16>
 cudaError_t launch_mode(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
   const int rows = mla_decode_rows(p);
-  if constexpr (lm_tma16(LM) || LM == LOAD_FP8_TMA)
+  if constexpr (lm_tma16(LM) || LM == LOAD_FP8_TMA || LM == LOAD_FP8_BLOCK_TMA)
     if (rows <= 16 && !legacy_decode()) return launch_ring<LM, kF16>(p, map, stream);
   if (rows <= 16) return launch_narrow<16, LM, kF16>(p, map, stream);
   if (rows <= 32) return launch_narrow<32, LM, kF16>(p, map, stream);
