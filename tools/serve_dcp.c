@@ -372,32 +372,30 @@ static int fit_workspace(rank *k, const mla_step_desc *sd, void **ws, size_t *by
   return 0;
 }
 
-/* This rank's DECODE step over its shard (prepare and every layer). */
-static mla_step_desc decode_desc(const rank *k) {
-  const sdcp *d = k->d;
+/* A step over the batch with the fields the two modes share. */
+static mla_step_desc batch_desc(const sdcp *d, mla_mode mode, int page_size) {
   mla_step_desc sd;
   memset(&sd, 0, sizeof sd);
-  sd.mode = MLA_MODE_DECODE;
+  sd.mode = mode;
   sd.batch_size = d->bs;
   sd.max_kv_len = d->desc.max_ctx;
   sd.num_heads = d->desc.heads;
-  sd.page_size = d->desc.page_size;
-  sd.dcp_world = d->N;
+  sd.page_size = page_size;
+  return sd;
+}
+
+/* This rank's DECODE step over its shard (prepare and every layer). */
+static mla_step_desc decode_desc(const rank *k) {
+  mla_step_desc sd = batch_desc(k->d, MLA_MODE_DECODE, k->d->desc.page_size);
+  sd.dcp_world = k->d->N;
   sd.dcp_rank = k->id;
   return sd;
 }
 
 /* Rank 0's EXTEND step over the pooled rows (page 1, the batch's token count). */
 static mla_step_desc extend_desc(const rank *k) {
-  const sdcp *d = k->d;
-  mla_step_desc sd;
-  memset(&sd, 0, sizeof sd);
-  sd.mode = MLA_MODE_EXTEND;
-  sd.batch_size = d->bs;
-  sd.max_kv_len = d->desc.max_ctx;
-  sd.num_heads = d->desc.heads;
-  sd.page_size = 1;
-  sd.num_tokens = d->T0;
+  mla_step_desc sd = batch_desc(k->d, MLA_MODE_EXTEND, 1);
+  sd.num_tokens = k->d->T0;
   return sd;
 }
 

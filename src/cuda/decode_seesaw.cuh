@@ -450,11 +450,9 @@ __device__ __forceinline__ void convert_group(uint8_t *kb, int c0, int c1, int t
   const int r = t128 >> 1, h = t128 & 1, sw = r & 7;
   const bool zero = r >= nvalid;
   uint8_t *rb = kb + r * 128;
-  float4 bs = make_float4(kv_scale, kv_scale, kv_scale, kv_scale);
-  if (lm_block(LM)) {
-    bs = *reinterpret_cast<const float4 *>(kb + c0 * kChunk + r * 16);
-    named_bar_sync(bar_id, 128);  // every row's scales read before chunk c0 is written
-  }
+  // (block format from here on: per-tensor went to convert_group_pt)
+  const float4 bs = *reinterpret_cast<const float4 *>(kb + c0 * kChunk + r * 16);
+  named_bar_sync(bar_id, 128);  // every row's scales read before chunk c0 is written
   const int n = (c1 - c0) >> 1;
   // Not unrolled: the kernels' registers are spoken for (O, S, Q rope).
 #pragma unroll 1

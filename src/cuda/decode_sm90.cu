@@ -667,6 +667,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ---------------------------------------------------------------------------
 // Narrow kernel (ladder v10): m-blocks of <= 32 rows, transposed GEMMs.
 // ---------------------------------------------------------------------------
+// The ring kernel's 256 consumer threads (bar 0 would count its producer warp).
+constexpr int kBarCons = 10;
+// Row stride (floats) of the merge scratch: 256 dims + 4, conflict-free column writes.
+constexpr uint32_t kMergeScr = 260;
+
 template <int N>
 struct Lay {
   static constexpr uint32_t kQChunk = N * 128;  // 64 dims of Q: N rows x 128 B (swizzled)
@@ -674,9 +679,8 @@ struct Lay {
   static constexpr uint32_t kOffB0 = 9 * kQChunk;  // 1024-aligned (N = 16, 32)
   static constexpr uint32_t kOffB1 = kOffB0 + kTile;
   static constexpr uint32_t kOffP = kOffB1 + kTile;   // P^T of WG g at kOffP + g * kQChunk
-  static constexpr uint32_t kOffScr = kOffP + 2 * kQChunk;  // merge scratch [N][kScr] fp32
-  static constexpr uint32_t kScr = 260;               // 256 dims + 4: conflict-free column writes
-  static constexpr uint32_t kOffRed = kOffScr + N * kScr * 4;  // float [2][4][N] column maxima
+  static constexpr uint32_t kOffScr = kOffP + 2 * kQChunk;  // merge scratch [N][kMergeScr] fp32
+  static constexpr uint32_t kOffRed = kOffScr + N * kMergeScr * 4;  // float [2][4][N] column maxima
   static constexpr uint32_t kOffRedL = kOffRed + 2 * 4 * N * 4;  // float [2][4][N] column sums
   static constexpr uint32_t kOffMf = kOffRedL + 2 * 4 * N * 4;   // float [2][N] final max per WG
   static constexpr uint32_t kOffLf = kOffMf + 2 * N * 4;         // float [N] 1 / l
@@ -705,6 +709,91 @@ __device__ __forceinline__ void stsm_x4_t(uint32_t addr, uint32_t r0, uint32_t r
                : "memory");
 }
 
+// The column softmax of the transposed kernels (narrow and ring), one tile:
+// S^T (keys x rows, accumulator layout, raw scores) -> P^T in shared memory
+// at sP (rows x keys, stmatrix.trans, kPF16: f16 P, else bf16). Scores scaled
+// to the log2 domain by sl2, keys >= a column's limit masked (only on tiles
+// that are not full); the running max m moves only past kLazy (a warpgroup
+// vote; then the column maxima are exchanged across the four warps through
+// red and O^T and the partial sums lp are rescaled); P = 2^(s - m) summed
+// into lp. All 128 threads of the warpgroup (named barriers nb + NB_* - 1).
+template <int N, bool kPF16>
+__device__ __forceinline__ void col_softmax_p(float (&s)[N / 2], float (&m)[N / 4], float (&lp)[N / 4],
+                                              float (&o)[8][N / 2], const int (&col)[N / 4],
+                                              const int (&limc)[N / 4], float sl2, bool full, int kt, int wg,
+                                              int wi, int lane, int nb, float *red, uint32_t sP) {
+  constexpr int NR = N / 2, NC = N / 4;
+  bool need = false;
+#pragma unroll
+  for (int i = 0; i < NR; i++) {
+    const int j = 2 * (i >> 2) + (i & 1);
+    float x = s[i] * sl2;
+    if (!full) {
+      const int key = kt + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
+      x = key < limc[j] ? x : -INFINITY;
+    }
+    s[i] = x;
+    need |= x > m[j] + kLazy;
+  }
+  if (wg_any(need, nb + NB_VOTE - 1)) {
+    // Exchange the column maxima across the warps; move m, rescale O^T.
+    float mx[NC];
+#pragma unroll
+    for (int j = 0; j < NC; j++) mx[j] = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < NR; i++) {
+      const int j = 2 * (i >> 2) + (i & 1);
+      mx[j] = fmaxf(mx[j], s[i]);
+    }
+#pragma unroll
+    for (int j = 0; j < NC; j++) {
+      mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 4));
+      mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 8));
+      mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 16));
+    }
+    if (lane < 4) {
+#pragma unroll
+      for (int j = 0; j < NC; j++) red[(wg * 4 + wi) * N + col[j]] = mx[j];
+    }
+    named_bar_sync(nb + NB_MAX - 1, 128);
+    float f[NC];
+    bool mv = false;
+#pragma unroll
+    for (int j = 0; j < NC; j++) {
+      const float *rj = red + wg * 4 * N + col[j];
+      const float tm = fmaxf(fmaxf(rj[0], rj[N]), fmaxf(rj[2 * N], rj[3 * N]));
+      const float mn = lazy_max(m[j], tm);
+      f[j] = lazy_scale(m[j], mn);
+      m[j] = mn;
+      lp[j] *= f[j];
+      mv |= f[j] != 1.f;
+    }
+    if (mv) {
+#pragma unroll
+      for (int mt = 0; mt < 8; mt++)
+#pragma unroll
+        for (int i = 0; i < NR; i++) o[mt][i] *= f[2 * (i >> 2) + (i & 1)];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < NR; i++) {
+    const int j = 2 * (i >> 2) + (i & 1);
+    s[i] = ex2(s[i] - (m[j] == -INFINITY ? 0.f : m[j]));
+    lp[j] += s[i];
+  }
+  // ---- P^T -> shared memory (rows x keys), stmatrix.trans ----
+  {
+    const int mi = lane >> 3;
+#pragma unroll
+    for (int q = 0; q < N / 16; q++) {
+      const int cb = 2 * q + (mi >> 1), kh = mi & 1;
+      stsm_x4_t(sP + sw128_off(8 * cb + (lane & 7), 16 * wi + 8 * kh), pack2<kPF16>(s[8 * q], s[8 * q + 1]),
+                pack2<kPF16>(s[8 * q + 2], s[8 * q + 3]), pack2<kPF16>(s[8 * q + 4], s[8 * q + 5]),
+                pack2<kPF16>(s[8 * q + 6], s[8 * q + 7]));
+    }
+  }
+}
+
 template <int N, bool kF16>
 __device__ __forceinline__ void qk_wgmma(float (&s)[N / 2], uint64_t da, uint64_t db, int accum) {
   if constexpr (N == 16 && kF16) wgmma_nr_m64n16k16_ss_h(s, da, db, accum);
@@ -718,6 +807,85 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[N / 2], uint64_t da, uint64_
   else if constexpr (N == 16) wgmma_nr_m64n16k16_ss_ta(o, da, db, 1);
   else if constexpr (kF16) wgmma_nr_m64n32k16_ss_ta_h(o, da, db, 1);
   else wgmma_nr_m64n32k16_ss_ta(o, da, db, 1);
+}
+
+// Both warpgroups (256 threads) at a request's end: merge their (m, l, O^T)
+// states per column (row of the m-block) through the fp32 scratch scr
+// [N][kMergeScr] (two rounds of 256 dims), write the rows (out times osc / l,
+// or the split piece's o_accum) and the LSE. kNamed: the consumers' named
+// barrier (the ring kernel, whose producer warp takes no part), else
+// __syncthreads.
+template <bool kNamed>
+__device__ __forceinline__ void cons_sync() {
+  if constexpr (kNamed) named_bar_sync(kBarCons, kThreads);
+  else __syncthreads();
+}
+template <int N, bool kF16, bool kNamed>
+__device__ __forceinline__ void merge_rows(const mla_decode_params &p, const ReqWork &w, int mb, const float (&lp)[N / 4],
+                                           const float (&m)[N / 4], const float (&o)[8][N / 2],
+                                           const int (&col)[N / 4], float osc, int tid, int wg, int wi, int lane,
+                                           float *redL, float *mfin, float *lfin, float *scr) {
+  constexpr int NR = N / 2, NC = N / 4;
+#pragma unroll
+  for (int j = 0; j < NC; j++) {
+    float v = lp[j];
+    v += __shfl_xor_sync(0xffffffffu, v, 4);
+    v += __shfl_xor_sync(0xffffffffu, v, 8);
+    v += __shfl_xor_sync(0xffffffffu, v, 16);
+    if (lane < 4) redL[(wg * 4 + wi) * N + col[j]] = v;
+    if (wi == 0 && lane < 4) mfin[wg * N + col[j]] = m[j];
+  }
+  cons_sync<kNamed>();
+  float fg[NC];
+#pragma unroll
+  for (int j = 0; j < NC; j++) {
+    const int c = col[j];
+    const float m0 = mfin[c], m1 = mfin[N + c], mf = fmaxf(m0, m1);
+    const float f0 = m0 == -INFINITY ? 0.f : ex2(m0 - mf), f1 = m1 == -INFINITY ? 0.f : ex2(m1 - mf);
+    fg[j] = wg ? f1 : f0;
+    if (wg == 0 && wi == 0 && lane < 4) {
+      float l0 = 0.f, l1 = 0.f;
+#pragma unroll
+      for (int x = 0; x < 4; x++) {
+        l0 += redL[x * N + c];
+        l1 += redL[(4 + x) * N + c];
+      }
+      const float l = l0 * f0 + l1 * f1;
+      lfin[c] = l > 0.f ? osc / l : 0.f;
+      if (c < w.rows) store_lse(p, w, mb, c, l > 0.f ? mf + log2f(l) : -INFINITY);
+    }
+  }
+#pragma unroll
+  for (int half = 0; half < 2; half++) {
+    if (wg == 1) {
+#pragma unroll
+      for (int q = 0; q < 4; q++)
+#pragma unroll
+        for (int i = 0; i < NR; i++) {
+          const int j = 2 * (i >> 2) + (i & 1);
+          const int d = 64 * q + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
+          scr[col[j] * kMergeScr + d] = o[4 * half + q][i] * fg[j];
+        }
+    }
+    cons_sync<kNamed>();
+    if (wg == 0) {
+#pragma unroll
+      for (int q = 0; q < 4; q++)
+#pragma unroll
+        for (int i = 0; i < NR; i++) {
+          const int j = 2 * (i >> 2) + (i & 1);
+          const int d = 64 * q + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
+          scr[col[j] * kMergeScr + d] += o[4 * half + q][i] * fg[j];
+        }
+    }
+    cons_sync<kNamed>();
+    for (int idx = tid; idx < N * 128; idx += kThreads) {
+      const int c = idx >> 7, d = (idx & 127) * 2;
+      if (c < w.rows)
+        store_out_pair<kF16>(p, w, mb, c, 256 * half + d, scr[c * kMergeScr + d], scr[c * kMergeScr + d + 1], lfin[c]);
+    }
+    cons_sync<kNamed>();
+  }
 }
 
 template <int N, int LM, bool kF16>
@@ -859,76 +1027,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       reg_fence(s);
       if (ld.valid) load_group<LM>(p, kv_maps.m, ld, kb, bars + 8, 8, 9, t128);  // rope chunk: read by QK^T only
 
-      // ---- softmax down the columns ----
-      bool need = false;
-#pragma unroll
-      for (int i = 0; i < NR; i++) {
-        const int j = 2 * (i >> 2) + (i & 1);
-        float x = s[i] * sl2;
-        if (!full) {
-          const int key = kt + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
-          x = key < limc[j] ? x : -INFINITY;
-        }
-        s[i] = x;
-        need |= x > m[j] + kLazy;
-      }
-      if (wg_any(need, nb + NB_VOTE - 1)) {
-        // Exchange the column maxima across the warps; move m, rescale O^T.
-        float mx[NC];
-#pragma unroll
-        for (int j = 0; j < NC; j++) mx[j] = -INFINITY;
-#pragma unroll
-        for (int i = 0; i < NR; i++) {
-          const int j = 2 * (i >> 2) + (i & 1);
-          mx[j] = fmaxf(mx[j], s[i]);
-        }
-#pragma unroll
-        for (int j = 0; j < NC; j++) {
-          mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 4));
-          mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 8));
-          mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 16));
-        }
-        if (lane < 4) {
-#pragma unroll
-          for (int j = 0; j < NC; j++) red[(wg * 4 + wi) * N + col[j]] = mx[j];
-        }
-        named_bar_sync(nb + NB_MAX - 1, 128);
-        float f[NC];
-        bool mv = false;
-#pragma unroll
-        for (int j = 0; j < NC; j++) {
-          const float* rj = red + wg * 4 * N + col[j];
-          const float tm = fmaxf(fmaxf(rj[0], rj[N]), fmaxf(rj[2 * N], rj[3 * N]));
-          const float mn = lazy_max(m[j], tm);
-          f[j] = lazy_scale(m[j], mn);
-          m[j] = mn;
-          lp[j] *= f[j];
-          mv |= f[j] != 1.f;
-        }
-        if (mv) {
-#pragma unroll
-          for (int mt = 0; mt < 8; mt++)
-#pragma unroll
-            for (int i = 0; i < NR; i++) o[mt][i] *= f[2 * (i >> 2) + (i & 1)];
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < NR; i++) {
-        const int j = 2 * (i >> 2) + (i & 1);
-        s[i] = ex2(s[i] - (m[j] == -INFINITY ? 0.f : m[j]));
-        lp[j] += s[i];
-      }
-      // ---- P^T -> shared memory (rows x keys), stmatrix.trans ----
-      {
-        const int mi = lane >> 3;
-#pragma unroll
-        for (int q = 0; q < N / 16; q++) {
-          const int cb = 2 * q + (mi >> 1), kh = mi & 1;
-          stsm_x4_t(sP + sw128_off(8 * cb + (lane & 7), 16 * wi + 8 * kh), pack2<kF16>(s[8 * q], s[8 * q + 1]),
-                    pack2<kF16>(s[8 * q + 2], s[8 * q + 3]), pack2<kF16>(s[8 * q + 4], s[8 * q + 5]),
-                    pack2<kF16>(s[8 * q + 6], s[8 * q + 7]));
-        }
-      }
+      // ---- softmax down the columns, P^T -> shared memory ----
+      col_softmax_p<N, kF16>(s, m, lp, o, col, limc, sl2, full, kt, wg, wi, lane, nb, red, sP);
       if (lm_tma16(LM) && nv < 64) zero_tail8(kbp, nv, t128);  // (cp.async modes zero-fill, fp8 converts to 0)
       fence_proxy_async();
       named_bar_sync(nb + NB_P - 1, 128);
@@ -950,66 +1050,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 
     // ---- merge the two warpgroups' states, write the request's rows ----
-#pragma unroll
-    for (int j = 0; j < NC; j++) {
-      float v = lp[j];
-      v += __shfl_xor_sync(0xffffffffu, v, 4);
-      v += __shfl_xor_sync(0xffffffffu, v, 8);
-      v += __shfl_xor_sync(0xffffffffu, v, 16);
-      if (lane < 4) redL[(wg * 4 + wi) * N + col[j]] = v;
-      if (wi == 0 && lane < 4) mfin[wg * N + col[j]] = m[j];
-    }
-    __syncthreads();
-    float fg[NC];
-#pragma unroll
-    for (int j = 0; j < NC; j++) {
-      const int c = col[j];
-      const float m0 = mfin[c], m1 = mfin[N + c], mf = fmaxf(m0, m1);
-      const float f0 = m0 == -INFINITY ? 0.f : ex2(m0 - mf), f1 = m1 == -INFINITY ? 0.f : ex2(m1 - mf);
-      fg[j] = wg ? f1 : f0;
-      if (wg == 0 && wi == 0 && lane < 4) {
-        float l0 = 0.f, l1 = 0.f;
-#pragma unroll
-        for (int x = 0; x < 4; x++) {
-          l0 += redL[x * N + c];
-          l1 += redL[(4 + x) * N + c];
-        }
-        const float l = l0 * f0 + l1 * f1;
-        lfin[c] = l > 0.f ? 1.f / l : 0.f;
-        if (c < w.rows) store_lse(p, w, mb, c, l > 0.f ? mf + log2f(l) : -INFINITY);
-      }
-    }
-#pragma unroll
-    for (int half = 0; half < 2; half++) {
-      if (wg == 1) {
-#pragma unroll
-        for (int q = 0; q < 4; q++)
-#pragma unroll
-          for (int i = 0; i < NR; i++) {
-            const int j = 2 * (i >> 2) + (i & 1);
-            const int d = 64 * q + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
-            scr[col[j] * L::kScr + d] = o[4 * half + q][i] * fg[j];
-          }
-      }
-      __syncthreads();
-      if (wg == 0) {
-#pragma unroll
-        for (int q = 0; q < 4; q++)
-#pragma unroll
-          for (int i = 0; i < NR; i++) {
-            const int j = 2 * (i >> 2) + (i & 1);
-            const int d = 64 * q + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
-            scr[col[j] * L::kScr + d] += o[4 * half + q][i] * fg[j];
-          }
-      }
-      __syncthreads();
-      for (int idx = tid; idx < N * 128; idx += kThreads) {
-        const int c = idx >> 7, d = (idx & 127) * 2;
-        if (c < w.rows)
-          store_out_pair<kF16>(p, w, mb, c, 256 * half + d, scr[c * L::kScr + d], scr[c * L::kScr + d + 1], lfin[c]);
-      }
-      __syncthreads();
-    }
+    merge_rows<N, kF16, false>(p, w, mb, lp, m, o, col, 1.f, tid, wg, wi, lane, redL, mfin, lfin, scr);
   }
 #endif
 }
@@ -1036,7 +1077,6 @@ struct RingLay {
   static constexpr uint32_t kOffQ = 0;                       // Q chunks 0-8; the merge scratch aliases them
   static constexpr uint32_t kOffP = 9 * kQChunk;             // P^T of WG g at kOffP + g * kQChunk
   static constexpr uint32_t kOffRing = kOffP + 2 * kQChunk;  // kSlots slots of 64 rows x 128 B
-  static constexpr uint32_t kScr = 260;                      // merge scratch [N][kScr] fp32
   static constexpr uint32_t kOffRed = kOffRing + kSlots * kChunk;  // float [2][4][N] column maxima
   static constexpr uint32_t kOffRedL = kOffRed + 2 * 4 * N * 4;    // float [2][4][N] column sums
   static constexpr uint32_t kOffMf = kOffRedL + 2 * 4 * N * 4;     // float [2][N] final max per WG
@@ -1046,12 +1086,11 @@ struct RingLay {
   static constexpr uint32_t kOffIss = kOffBar + 2 * kSlots * 8;     // int: ring positions issued
   static constexpr uint32_t kSmem = kOffIss + 8 + 1024;
   static_assert(kOffP % 1024 == 0 && kOffRing % 1024 == 0, "swizzled tiles must be 1024-aligned");
-  static_assert(N * kScr * 4 <= kOffP, "the merge scratch must fit in the Q region");
+  static_assert(N * kMergeScr * 4 <= kOffP, "the merge scratch must fit in the Q region");
   static_assert(kOffBar % 8 == 0, "mbarrier alignment");
   static_assert(kSmem <= 232448, "over the opt-in shared memory of sm_90");
 };
 constexpr int kRingThreads = kThreads + 32;  // two consumer warpgroups + the producer warp
-constexpr int kBarCons = 10;                 // the 256 consumer threads (bar 0 would count the producer)
 
 // fp8 caches (per-tensor: f16 tiles; block-scaled: bf16): the ring region
 // holds the two consumer warpgroups' own tiles (slots 0-8 and 9-17, each
@@ -1414,6 +1453,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
   // kRaw: an fp8 cache through the raw ring (ring_dequant_own); kFp8: per-tensor, exact f16 operands.
   constexpr bool kRaw = LM == LOAD_FP8_TMA || LM == LOAD_FP8_BLOCK_TMA;
   constexpr bool kFp8 = LM == LOAD_FP8_TMA, kMF16 = kF16 || kFp8;
+  constexpr int kPos = kRaw ? 5 : 9;  // ring positions per tile (ring_produce)
   constexpr int NR = N / 2;  // accumulator registers per m64nN tile
   constexpr int NC = N / 4;  // columns (rows of the m-block) per thread
   extern __shared__ uint8_t smem_raw[];
@@ -1504,7 +1544,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
       const int kt = w.kstart + 64 * t;
       const int nv = min(64, w.kend_blk - kt);
       const bool full = kt + 64 <= lim0;
-      const int q0 = (kRaw ? 5 : 9) * (gbase + t);  // ring positions q0 (rope), q0 + 1 + c (latent chunk c)
+      const int q0 = kPos * (gbase + t);  // ring positions q0 (rope), q0 + 1 + c (latent chunk c)
       int sl[9];
       uint32_t parm = 0;  // bit k: full-barrier parity of position q0 + k
       if constexpr (kRaw) {
@@ -1518,7 +1558,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
       float s[NR];
 #pragma unroll
       for (int i = 0; i < NR; i++) s[i] = 0.f;
-      wait_issued(iss, q0 + (kRaw ? 5 : 9));  // the tile is issued (ring_produce says why)
+      wait_issued(iss, q0 + kPos);  // the tile is issued (ring_produce says why)
       if constexpr (kRaw) {
         // Into this warpgroup's own f16 tile: its last P V (two tiles ago)
         // must have retired in all four warps first. (Three converter warps
@@ -1545,75 +1585,8 @@ __global__ void __launch_bounds__(kRingThreads, 1)
       reg_fence(s);
       if (!kRaw && lane == 0) mbar_arrive(emptyb + 8 * sl[0]);  // the rope slot: read by QK^T only
 
-      // ---- softmax down the columns (as the narrow kernel) ----
-      bool need = false;
-#pragma unroll
-      for (int i = 0; i < NR; i++) {
-        const int j = 2 * (i >> 2) + (i & 1);
-        float x = s[i] * sl2;
-        if (!full) {
-          const int key = kt + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
-          x = key < limc[j] ? x : -INFINITY;
-        }
-        s[i] = x;
-        need |= x > m[j] + kLazy;
-      }
-      if (wg_any(need, nb + NB_VOTE - 1)) {
-        float mx[NC];
-#pragma unroll
-        for (int j = 0; j < NC; j++) mx[j] = -INFINITY;
-#pragma unroll
-        for (int i = 0; i < NR; i++) {
-          const int j = 2 * (i >> 2) + (i & 1);
-          mx[j] = fmaxf(mx[j], s[i]);
-        }
-#pragma unroll
-        for (int j = 0; j < NC; j++) {
-          mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 4));
-          mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 8));
-          mx[j] = fmaxf(mx[j], __shfl_xor_sync(0xffffffffu, mx[j], 16));
-        }
-        if (lane < 4) {
-#pragma unroll
-          for (int j = 0; j < NC; j++) red[(wg * 4 + wi) * N + col[j]] = mx[j];
-        }
-        named_bar_sync(nb + NB_MAX - 1, 128);
-        float f[NC];
-        bool mv = false;
-#pragma unroll
-        for (int j = 0; j < NC; j++) {
-          const float *rj = red + wg * 4 * N + col[j];
-          const float tm = fmaxf(fmaxf(rj[0], rj[N]), fmaxf(rj[2 * N], rj[3 * N]));
-          const float mn = lazy_max(m[j], tm);
-          f[j] = lazy_scale(m[j], mn);
-          m[j] = mn;
-          lp[j] *= f[j];
-          mv |= f[j] != 1.f;
-        }
-        if (mv) {
-#pragma unroll
-          for (int mt = 0; mt < 8; mt++)
-#pragma unroll
-            for (int i = 0; i < NR; i++) o[mt][i] *= f[2 * (i >> 2) + (i & 1)];
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < NR; i++) {
-        const int j = 2 * (i >> 2) + (i & 1);
-        s[i] = ex2(s[i] - (m[j] == -INFINITY ? 0.f : m[j]));
-        lp[j] += s[i];
-      }
-      // ---- P^T -> shared memory (rows x keys), stmatrix.trans ----
-      {
-        const int mi = lane >> 3;
-#pragma unroll
-        for (int q = 0; q < N / 16; q++) {
-          const int cb = 2 * q + (mi >> 1), kh = mi & 1;
-          stsm_x4_t(sP + sw128_off(8 * cb + (lane & 7), 16 * wi + 8 * kh), pack2<kMF16>(s[8 * q], s[8 * q + 1]),
-                    pack2<kMF16>(s[8 * q + 2], s[8 * q + 3]), pack2<kMF16>(s[8 * q + 4], s[8 * q + 5]),
-                    pack2<kMF16>(s[8 * q + 6], s[8 * q + 7]));
-        }
-      }
+      // ---- softmax down the columns, P^T -> shared memory ----
+      col_softmax_p<N, kMF16>(s, m, lp, o, col, limc, sl2, full, kt, wg, wi, lane, nb, red, sP);
       if (!kRaw && nv < 64) zero_tail_ring(ringp, q0, nv, t128);  // (fp8: dequantized to zeros)
       fence_proxy_async();
       named_bar_sync(nb + NB_P - 1, 128);
@@ -1665,66 +1638,8 @@ __global__ void __launch_bounds__(kRingThreads, 1)
     gbase += w.n_tiles;
 
     // ---- merge the two warpgroups' states, write the request's rows ----
-#pragma unroll
-    for (int j = 0; j < NC; j++) {
-      float v = lp[j];
-      v += __shfl_xor_sync(0xffffffffu, v, 4);
-      v += __shfl_xor_sync(0xffffffffu, v, 8);
-      v += __shfl_xor_sync(0xffffffffu, v, 16);
-      if (lane < 4) redL[(wg * 4 + wi) * N + col[j]] = v;
-      if (wi == 0 && lane < 4) mfin[wg * N + col[j]] = m[j];
-    }
-    named_bar_sync(kBarCons, kThreads);  // (both warpgroups past their last QK^T: Q becomes the scratch)
-    float fg[NC];
-#pragma unroll
-    for (int j = 0; j < NC; j++) {
-      const int c = col[j];
-      const float m0 = mfin[c], m1 = mfin[N + c], mf = fmaxf(m0, m1);
-      const float f0 = m0 == -INFINITY ? 0.f : ex2(m0 - mf), f1 = m1 == -INFINITY ? 0.f : ex2(m1 - mf);
-      fg[j] = wg ? f1 : f0;
-      if (wg == 0 && wi == 0 && lane < 4) {
-        float l0 = 0.f, l1 = 0.f;
-#pragma unroll
-        for (int x = 0; x < 4; x++) {
-          l0 += redL[x * N + c];
-          l1 += redL[(4 + x) * N + c];
-        }
-        const float l = l0 * f0 + l1 * f1;
-        lfin[c] = l > 0.f ? osc / l : 0.f;
-        if (c < w.rows) store_lse(p, w, mb, c, l > 0.f ? mf + log2f(l) : -INFINITY);
-      }
-    }
-#pragma unroll
-    for (int half = 0; half < 2; half++) {
-      if (wg == 1) {
-#pragma unroll
-        for (int q = 0; q < 4; q++)
-#pragma unroll
-          for (int i = 0; i < NR; i++) {
-            const int j = 2 * (i >> 2) + (i & 1);
-            const int d = 64 * q + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
-            scr[col[j] * L::kScr + d] = o[4 * half + q][i] * fg[j];
-          }
-      }
-      named_bar_sync(kBarCons, kThreads);
-      if (wg == 0) {
-#pragma unroll
-        for (int q = 0; q < 4; q++)
-#pragma unroll
-          for (int i = 0; i < NR; i++) {
-            const int j = 2 * (i >> 2) + (i & 1);
-            const int d = 64 * q + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
-            scr[col[j] * L::kScr + d] += o[4 * half + q][i] * fg[j];
-          }
-      }
-      named_bar_sync(kBarCons, kThreads);
-      for (int idx = tid; idx < N * 128; idx += kThreads) {
-        const int c = idx >> 7, d = (idx & 127) * 2;
-        if (c < w.rows)
-          store_out_pair<kF16>(p, w, mb, c, 256 * half + d, scr[c * L::kScr + d], scr[c * L::kScr + d + 1], lfin[c]);
-      }
-      named_bar_sync(kBarCons, kThreads);
-    }
+    // (the first barrier: both warpgroups past their last QK^T, Q becomes the scratch)
+    merge_rows<N, kF16, true>(p, w, mb, lp, m, o, col, osc, tid, wg, wi, lane, redL, mfin, lfin, scr);
   }
 #endif
 }
