@@ -40,6 +40,8 @@ typedef struct mla_decode_params {
   int kv_dtype;           /* mla_dtype of the cache */
   int act_dtype;          /* mla_dtype of q and out */
   float kv_scale;         /* fp8 per-tensor cache: stored = value / kv_scale (1 otherwise) */
+  int fp8_math;           /* MLA_FLAG_FP8_MATH: per-tensor fp8 cache, > 32 rows per request: e4m3 q and P
+                             on fp8 tensor cores (the wide fp8 kernel); ignored elsewhere */
 
   const int32_t *qo_indptr;   /* [bs+1] */
   const int32_t *kv_lens;     /* [bs] */

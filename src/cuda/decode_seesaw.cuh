@@ -68,9 +68,10 @@ __host__ __device__ constexpr bool lm_tma16(int lm) { return lm <= LOAD_TMA_SMAL
 // The tensor maps of a launch (kernel parameter): [0] the 16-bit cache
 // (SWIZZLE_128B, 64 columns) or the fp8 rows as bytes (128-byte boxes, no
 // swizzle); 16-bit and per-tensor fp8 caches: [1] the same view with
-// 128-byte L2 promotion (the ring kernel's); fp8 block-scaled only: [1] the
-// 16 scale bytes of a row,
-// [2] the bf16 rope as 128 swizzled bytes.
+// 128-byte L2 promotion (the ring kernel's); per-tensor fp8: [2] 128-byte
+// boxes with the 128B swizzle (the fp8 math kernel's K-major tiles); fp8
+// block-scaled only: [1] the 16 scale bytes of a row, [2] the bf16 rope as
+// 128 swizzled bytes.
 struct KvMaps {
   CUtensorMap m[3];
 };

@@ -5,7 +5,9 @@
 //  - m-blocks of <= 32 valid rows (max_q_len * H <= 32): the narrow kernel
 //    (ladder v10): transposed GEMMs (keys = M, rows = N = 16 or 32), two
 //    independent warpgroups merged per request;
-//  - wider m-blocks: the wide seesaw kernel (ladder v9);
+//  - wider m-blocks: the wide seesaw kernel (ladder v9); with
+//    MLA_FLAG_FP8_MATH over a per-tensor fp8 cache (page size >= 8) its fp8
+//    tensor-core variant (decode_wide_fp8.cuh);
 //  - both load K tiles of 16-bit caches with TMA (page size >= 8;
 //    instantiated for P >= 64 and 8 <= P < 64), or, for page sizes 1..4 and
 //    the fp8 caches, with a cp.async row gather by the refilling warpgroup
@@ -19,6 +21,7 @@
 
 #include "decode_seesaw.cuh"
 #include "decode_wgmma_narrow.cuh"
+#include "decode_wide_fp8.cuh"
 #include "mla.h"
 #include "runtime.h"
 
@@ -659,6 +662,206 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (has1) cur1 = nx1;
     }
     epilogue<kF16>(p, w, mb, smem, o, lsA, lsB, wg, rA, rB, cq, lead);
+  }
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// Wide fp8 math kernel (MLA_FLAG_FP8_MATH, per-tensor e4m3 cache, page size
+// >= 8): the seesaw above on fp8 tensor cores (decode_wide_fp8.cuh).
+// ---------------------------------------------------------------------------
+__global__ void __launch_bounds__(kThreads, 1)
+    decode_wide8_kernel(const mla_decode_params p, const __grid_constant__ KvMaps kv_maps) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using L = W8;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t *smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const uint32_t sb = smem_u32(smem);
+  pdl_trigger();
+  const int part = blockIdx.x, mb = blockIdx.y;
+  const int *meta = p.sched_meta + part * SCHED_INTS;
+  if (meta[SCHED_NUM_REQS] == 0) return;
+  const int tid = threadIdx.x, wg = tid >> 7, t128 = tid & 127, wi = (tid >> 5) & 3, lane = tid & 31;
+  const int rA = 16 * wi + (lane >> 2), rB = rA + 8;
+  const int cq = 2 * (lane & 3);
+  const bool lead = (lane & 3) == 0;
+  float *sM = reinterpret_cast<float *>(smem + L::kOffM);
+  float *sS0 = reinterpret_cast<float *>(smem + L::kOffS0);
+  float *sS1 = reinterpret_cast<float *>(smem + L::kOffS1);
+  const int *lim = reinterpret_cast<const int *>(smem + L::kOffLim);
+  const uint32_t bars0 = sb + L::kOffBar, bars1 = bars0 + 3 * 8;  // [latent 0-255, 256-511, rope]
+  const uint32_t kb0 = sb + L::kOffB0, kb1 = sb + L::kOffB1, vt0 = sb + L::kOffV0, vt1 = sb + L::kOffV1;
+  const CUtensorMap *map = &kv_maps.m[2];  // the swizzled byte view
+  const int er = meta[SCHED_END_REQ];
+  const bool issuer = t128 == 0;
+
+  if (tid == 0) {
+    for (int i = 0; i < 6; i++) mbar_init(bars0 + 8 * i, 1);
+    fence_mbar_init();
+  }
+  __syncthreads();
+
+  BufCursor cur0 = cursor_first(p, meta, mb, 0), cur1 = cursor_first(p, meta, mb, 1);
+  if (tid == 0) {
+    const TileSrc s0 = tile_src<LOAD_FP8_TMA>(p, er, cur0, 0), s1 = tile_src<LOAD_FP8_TMA>(p, er, cur1, 0);
+    for (int g = 0; g < 3; g++) {
+      if (s0.valid) load8_group(p, map, s0, kb0, bars0 + 8 * g, g);
+      if (s1.valid) load8_group(p, map, s1, kb1, bars1 + 8 * g, g);
+    }
+  }
+  uint32_t use0 = 0, use1 = 0;  // loads consumed per buffer (barrier parity)
+  uint32_t pairs = 0;           // pairs done (P tile roles)
+
+  for (int req = meta[SCHED_BEGIN_REQ]; req <= er; req++) {
+    const ReqWork w = req_work(p, meta, req, mb);
+    if (w.rows == 0) continue;
+    __syncthreads();  // the last request is done with Q, sM and the row arrays
+    const float sl2 = p.scale * kLog2e * p.kv_scale * load_q8(p, w, mb, sb + L::kOffQ, smem, tid);
+    __syncthreads();
+    const int limA = lim[rA], limB = lim[rB], lim0 = lim[0];  // row 0 has the lowest limit
+
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; i++) o[i] = 0.f;
+    float lsA = 0.f, lsB = 0.f;  // this warpgroup's partial row sums of P' (thread part)
+
+    for (int t0 = 0; t0 < w.n_tiles; t0 += 2, pairs++) {
+      const bool has1 = t0 + 1 < w.n_tiles;
+      const int kt0 = w.kstart + 64 * t0, kt1 = kt0 + 64;
+      const int nv0 = min(64, w.kend_blk - kt0), nv1 = has1 ? min(64, w.kend_blk - kt1) : 0;
+      const bool full0 = kt0 + 64 <= lim0, full1 = kt1 + 64 <= lim0;
+      const uint32_t par0 = use0 & 1, par1 = use1 & 1;
+      const uint32_t sPa = sb + L::kOffP + (pairs & 1) * kChunk, sPb = sb + L::kOffP + ((pairs & 1) ^ 1) * kChunk;
+      BufCursor nx0 = cur0, nx1 = cur1;
+      cursor_next(p, meta, mb, nx0);
+      if (has1) cursor_next(p, meta, mb, nx1);
+      TileSrc ld0, ld1;
+      ld0.valid = ld1.valid = 0;
+      if (issuer) {
+        ld0 = tile_src<LOAD_FP8_TMA>(p, er, nx0, 0);
+        if (has1) ld1 = tile_src<LOAD_FP8_TMA>(p, er, nx1, 0);
+      }
+      float s[32];
+      uint32_t pa[2][4];
+      if (wg == 0) {
+        // ---------------- WG0: tile T0 in B0 ----------------
+        qk8_tile<0>(s, sb + L::kOffQ, kb0, bars0, par0, vt0, nv0, wi, lane);
+        named_bar_sync(BAR_WG0, 128);  // V0_L^T written by all four warps; their Q.K^T reads of B0 retired
+        if (ld0.valid) {  // B0's rope and latent 0-255 are read by nothing else in this pair
+          load8_group(p, map, ld0, kb0, bars0 + 16, 2);
+          load8_group(p, map, ld0, kb0, bars0, 0);
+        }
+        float mxA, mxB;
+        row_max(s, full0, kt0, limA, limB, cq, mxA, mxB);
+        const float mpA = sM[rA], mpB = sM[rB];
+        const float m0A = lazy_max8(mpA, mxA * sl2), m0B = lazy_max8(mpB, mxB * sl2);
+        const float s0A = lazy_scale(mpA, m0A), s0B = lazy_scale(mpB, m0B);
+        float sumA, sumB;
+        exp_rows(s, sl2, m0A, m0B, sumA, sumB);
+        pack_p8(pa, s, 1.f, 1.f);
+        store_p8(sPa, pa, wi, lane);
+        fence_proxy_async();
+        __syncwarp();
+        if (lead) {
+          sM[rA] = m0A;
+          sM[rB] = m0B;
+          sS0[rA] = s0A;
+          sS0[rB] = s0B;
+        }
+        named_bar_arrive(BAR_A, kThreads);
+        if (__any_sync(0xffffffffu, s0A != 1.f || s0B != 1.f)) rescale_o(o, s0A, s0B);
+        lsA = lsA * s0A + sumA;
+        lsB = lsB * s0B + sumB;
+        pv8_rs(o, pa, vt0, 0);  // O_L = s0 O_L + P0 V0_L
+        if (has1) {  // V1_L^T from B1 latent 0-255 while it runs
+          mbar_wait(bars1, par1);
+          transpose_v(kb1, vt1, 0, nv1, wi, lane);
+          fence_proxy_async();
+          named_bar_sync(BAR_WG0, 128);
+        }
+        // WG1's P1 / s1; rows whose max moved get P0' = s1 P0 re-stored.
+        named_bar_sync(BAR_P1, kThreads);
+        const float s1A = sS1[rA], s1B = sS1[rB];
+        const bool mv = s1A != 1.f || s1B != 1.f;
+        if (__any_sync(0xffffffffu, mv)) {
+          uint32_t pb[2][4];
+          pack_p8(pb, s, s1A, s1B);
+          store_p8(sPa, pb, wi, lane);
+          fence_proxy_async();
+        }
+        named_bar_arrive(BAR_P0, kThreads);
+        const bool drain = wg_any(mv, BAR_RED0);  // warpgroup-uniform
+        lsA *= s1A;
+        lsB *= s1B;
+        if (has1) {
+          if (drain) {
+            wgmma_wait<0>();
+            reg_fence(o);
+            keep_alive8(pa);
+            rescale_o(o, s1A, s1B);
+          }
+          pv8_ss(o, sPb, vt1, 0);  // O_L += P1 V1_L
+          // B1 latent 0-255: WG1's Q.K^T retired before BAR_P1, our transpose before BAR_WG0
+          if (ld1.valid) load8_group(p, map, ld1, kb1, bars1, 0);
+        }
+        wgmma_wait<0>();
+        reg_fence(o);
+        keep_alive8(pa);
+      } else {
+        // ---------------- WG1: tile T1 in B1 ----------------
+        float mxA = -INFINITY, mxB = -INFINITY;
+        if (has1) {
+          qk8_tile<1>(s, sb + L::kOffQ, kb1, bars1, par1, vt1, nv1, wi, lane);
+          named_bar_sync(BAR_WG1, 128);
+          if (ld1.valid) {  // B1's rope and latent 256-511: nothing else reads them in this pair
+            load8_group(p, map, ld1, kb1, bars1 + 16, 2);
+            load8_group(p, map, ld1, kb1, bars1 + 8, 1);
+          }
+          row_max(s, full1, kt1, limA, limB, cq, mxA, mxB);
+        }
+        named_bar_sync(BAR_A, kThreads);
+        const float m0A = sM[rA], m0B = sM[rB];
+        const float s0A = sS0[rA], s0B = sS0[rB];
+        const float m1A = lazy_max8(m0A, mxA * sl2), m1B = lazy_max8(m0B, mxB * sl2);
+        const float s1A = lazy_scale(m0A, m1A), s1B = lazy_scale(m0B, m1B);
+        float sumA = 0.f, sumB = 0.f;
+        if (has1) {
+          exp_rows(s, sl2, m1A, m1B, sumA, sumB);
+          pack_p8(pa, s, 1.f, 1.f);
+          store_p8(sPb, pa, wi, lane);
+          fence_proxy_async();
+        }
+        __syncwarp();
+        if (lead) {
+          sM[rA] = m1A;
+          sM[rB] = m1B;
+          sS1[rA] = s1A;
+          sS1[rB] = s1B;
+        }
+        named_bar_arrive(BAR_P1, kThreads);
+        const float fA = s0A * s1A, fB = s0B * s1B;
+        if (__any_sync(0xffffffffu, fA != 1.f || fB != 1.f)) rescale_o(o, fA, fB);
+        lsA = lsA * fA + sumA;
+        lsB = lsB * fB + sumB;
+        if (has1) pv8_rs(o, pa, vt1, 1);  // O_R += P1 V1_R, left in flight
+        // V0_R^T from B0 latent 256-511 meanwhile (WG0's Q.K^T on B0 retired before BAR_A)
+        mbar_wait(bars0 + 8, par0);
+        transpose_v(kb0, vt0, 1, nv0, wi, lane);
+        fence_proxy_async();
+        named_bar_sync(BAR_WG1, 128);
+        if (ld0.valid) load8_group(p, map, ld0, kb0, bars0 + 8, 1);
+        named_bar_sync(BAR_P0, kThreads);
+        pv8_ss(o, sPa, vt0, 1);  // O_R += P0' V0_R
+        wgmma_wait<0>();
+        reg_fence(o);
+        if (has1) keep_alive8(pa);
+      }
+      use0++;
+      if (has1) use1++;
+      cur0 = nx0;
+      if (has1) cur1 = nx1;
+    }
+    epilogue8(p, w, mb, smem, o, lsA, lsB, wg, rA, rB, cq, lead, p.kv_scale);
   }
 #endif
 }
@@ -1682,6 +1885,14 @@ cudaError_t launch_wide(const mla_decode_params *p, const KvMaps &map, cudaStrea
   return cudaGetLastError();
 }
 
+cudaError_t launch_wide8(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
+  static uint64_t smem_set;
+  DEV_CUDA_OK(set_smem_once(decode_wide8_kernel, (int)W8::kSmem, &smem_set));
+  dim3 grid(p->num_sm_parts, mla_decode_m_blocks(p));
+  decode_wide8_kernel<<<grid, kThreads, W8::kSmem, stream>>>(*p, map);
+  return cudaGetLastError();
+}
+
 template <int N, int LM, bool kF16>
 cudaError_t launch_narrow(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
   static uint64_t smem_set;
@@ -1717,11 +1928,19 @@ bool legacy_decode() {
 }
 
 
+// The fp8 math kernel's domain (MLA_FLAG_FP8_MATH): per-tensor fp8 through
+// TMA (page size >= 8), m-blocks wider than the narrow kernels take.
+bool use_fp8_math(const mla_decode_params *p) {
+  return p->fp8_math && p->kv_dtype == MLA_DTYPE_FP8_E4M3 && p->page_size >= 8 && mla_decode_rows(p) > 32;
+}
+
 // One load mode and operand type: narrow for <= 16 / <= 32 rows (the ring
 // kernel for <= 16 rows of a 16-bit cache through TMA), wide above.
 template <int LM, bool kF16>
 cudaError_t launch_mode(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
   const int rows = mla_decode_rows(p);
+  if constexpr (LM == LOAD_FP8_TMA)
+    if (use_fp8_math(p)) return launch_wide8(p, map, stream);
   if constexpr (lm_tma16(LM) || LM == LOAD_FP8_TMA || LM == LOAD_FP8_BLOCK_TMA)
     if (rows <= 16 && !legacy_decode()) return launch_ring<LM, kF16>(p, map, stream);
   if (rows <= 16) return launch_narrow<16, LM, kF16>(p, map, stream);
@@ -1768,6 +1987,7 @@ cudaError_t encode_kv_maps(const mla_decode_params *p, KvMaps *map) {
   cudaError_t e = make_kv_tmap_bytes(p, &map->m[0], 128, false);  // latent pairs (and the per-tensor rope)
   if (e == cudaSuccess && fp8)  // the same boxes for the ring kernel
     e = make_kv_tmap_bytes(p, &map->m[1], 128, false, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
+  if (e == cudaSuccess && fp8) e = make_kv_tmap_bytes(p, &map->m[2], 128, true);  // swizzled: the fp8 math kernel
   if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map->m[1], 16, false);  // block scales
   if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map->m[2], 128, true);  // bf16 rope, swizzled
   return e;
@@ -1832,6 +2052,18 @@ extern "C" const char *mla_cuda_decode_unsupported(int kv_dtype, int act_dtype, 
            "activations, or an fp8 (e4m3 or e4m3 block-scaled) cache with bf16 activations";
   if (!supported_page_size(page_size)) return "the CUDA decode kernels take page sizes that are powers of two 1..256";
   return NULL;
+}
+
+extern "C" const char *mla_cuda_decode_route(const mla_decode_params *p) {
+  if (mla_cuda_decode_unsupported(p->kv_dtype, p->act_dtype, p->page_size) || p->batch_size == 0 ||
+      p->num_sm_parts == 0)
+    return "none";
+  const int rows = mla_decode_rows(p);
+  if (use_fp8_math(p)) return "wide-fp8math";
+  if (p->page_size >= 8 && rows <= 16 && !legacy_decode()) return "ring";
+  if (rows <= 16) return "narrow16";
+  if (rows <= 32) return "narrow32";
+  return "wide";
 }
 
 extern "C" int mla_cuda_decode(const mla_decode_params *p, void *stream_) {
