@@ -1143,6 +1143,13 @@ static void check_row_f64(mla_kv_cache *cache, int layer, const mla_absorbed_arg
 
 /* Absorbed attention over a successful plan; one output row is recomputed in
  * float64 from the cache rows read back. */
+
+/* Absorbed-attention flags from a pick 0..3: LSE_BASE2 and FP8_MATH (a
+ * permission the CPU backend ignores) in every combination. */
+static unsigned fz_flags_absorbed(unsigned v) {
+  return ((v & 1u) ? MLA_FLAG_LSE_BASE2 : 0u) | ((v & 2u) ? MLA_FLAG_FP8_MATH : 0u);
+}
+
 static void run_absorbed(fz *f, world *w, const mla_plan *p) {
   const int H = fz_rare(f, 8) ? fz_wild(f, 1, 4) : 1 + fz_pick(f, 4);
   mla_absorbed_args a;
@@ -1150,7 +1157,8 @@ static void run_absorbed(fz *f, world *w, const mla_plan *p) {
   a.num_heads = H;
   const float sane_scale = 0.04f + 0.02f * (float)fz_pick(f, 8);
   a.scale = fz_float(f, sane_scale);
-  a.flags = fz_rare(f, 8) ? 4u : (unsigned)fz_pick(f, 2);
+  /* bit 0 LSE_BASE2, bit 2 FP8_MATH (a permission the CPU ignores); 8 is unknown */
+  a.flags = fz_rare(f, 8) ? 8u : fz_flags_absorbed((unsigned)fz_pick(f, 4));
   a.act_dtype = fz_act_dtype(f);
   if (fz_rare(f, 16)) a.q_stride_token = -1;
   int layer = fz_rare(f, 8) ? fz_wild(f, 0, w->num_layers - 1) : fz_pick(f, w->num_layers);
@@ -1189,7 +1197,7 @@ static void run_absorbed(fz *f, world *w, const mla_plan *p) {
   for (int64_t j = 0; j < p->num_kv_tokens; j++)
     if (p->kv_indices[j] >= (int64_t)w->num_pages * w->page_size) slots_ok = 0;
   const int expect = cache && layer >= 0 && layer < w->num_layers && valid_h &&
-                     is_act(a.act_dtype) && isfinite(a.scale) && a.scale > 0 && a.flags <= 1 &&
+                     is_act(a.act_dtype) && isfinite(a.scale) && a.scale > 0 && (a.flags & ~(MLA_FLAG_LSE_BASE2 | MLA_FLAG_FP8_MATH)) == 0 &&
                      a.q_stride_token >= 0 && a.q_nope && a.q_rope && a.out &&
                      (T == 0 || (ws.full && slots_ok));
   FZ_ASSERT((st == MLA_OK) == expect, "mla_attention_absorbed returned %s, expected %s: %s",
@@ -2304,7 +2312,8 @@ static void run_step_attention(fz *f, world *w, const fz_step *s, const fz_ws *w
   a.num_heads = fz_rare(f, 16) ? H % 4 + 1 : H;
   const float sane_scale = 0.04f + 0.02f * (float)fz_pick(f, 8);
   a.scale = fz_float(f, sane_scale);
-  a.flags = fz_rare(f, 8) ? 4u : (unsigned)fz_pick(f, 2);
+  /* bit 0 LSE_BASE2, bit 2 FP8_MATH (a permission the CPU ignores); 8 is unknown */
+  a.flags = fz_rare(f, 8) ? 8u : fz_flags_absorbed((unsigned)fz_pick(f, 4));
   a.act_dtype = fz_act_dtype(f);
   if (fz_rare(f, 16)) a.q_stride_token = -1;
   const int layer = fz_rare(f, 8) ? fz_wild(f, 0, w->num_layers - 1) : fz_pick(f, w->num_layers);
@@ -2333,7 +2342,7 @@ static void run_step_attention(fz *f, world *w, const fz_step *s, const fz_ws *w
 
   mla_status st = CTX_CHK(w, mla_step_attention(w->ctx, &d, cache, layer, &a, wp, bytes));
   const int expect = cache && layer >= 0 && layer < w->num_layers && a.num_heads == H &&
-                     is_act(a.act_dtype) && isfinite(a.scale) && a.scale > 0 && a.flags <= 1 &&
+                     is_act(a.act_dtype) && isfinite(a.scale) && a.scale > 0 && (a.flags & ~(MLA_FLAG_LSE_BASE2 | MLA_FLAG_FP8_MATH)) == 0 &&
                      a.q_stride_token >= 0 && a.q_nope && a.q_rope && a.out && wp && bytes >= need;
   FZ_ASSERT((st == MLA_OK) == expect, "mla_step_attention returned %s, expected %s: %s",
             mla_status_string(st), expect ? "MLA_OK" : "a failure", mla_ctx_last_error(w->ctx));
@@ -2714,7 +2723,7 @@ static void run_backend(fz *f, world *w) {
     fa.q_rope = qr;
     fa.out = fz_rare(f, 32) ? NULL : out;
     fa.lse = fz_pick(f, 4) ? lse : NULL;
-    fa.flags = fz_rare(f, 16) ? (unsigned)FZ_ONE_OF(f, 2, 4, INT32_MIN) : (unsigned)fz_pick(f, 2);
+    fa.flags = fz_rare(f, 16) ? (unsigned)FZ_ONE_OF(f, 2, 8, INT32_MIN) : (unsigned)fz_pick(f, 2);
     const int null_args = fz_rare(f, 64);
     st = BE_CHK(be, mla_backend_forward(be, null_args ? NULL : &fa));
     const int fwd_ok = !null_args && fa.layer >= 0 && fa.layer < bd.cache.num_layers && fa.num_new >= 0 &&

@@ -439,6 +439,16 @@ MLA_API mla_status mla_dcp_plan_build(mla_ctx *ctx, int batch_size, const int32_
 #define MLA_FLAG_LSE_BASE2 1u /* lse returned as log2 of the denominator */
 #define MLA_FLAG_OUT_F32 2u   /* mla_attention_ragged: out is fp32 whatever
                                  act_dtype is (for partial states to merge) */
+/* Absorbed attention (mla_attention_absorbed, mla_step_attention,
+ * mla_backend_forward) over an FP8_E4M3 (per-tensor) cache: permission to
+ * run Q.K^T and P.V on fp8 tensor cores. q is quantized to e4m3 on the fly
+ * (one power-of-two scale per 64-row block of (query token, head) rows of a
+ * request) and the softmax weights P are rounded to e4m3; expect a relative
+ * error of the output up to ~2e-2 instead of the exact path's ~4e-3. Used by
+ * the CUDA backend where it pays (blocks of more than 32 rows, i.e.
+ * max_q_len * H > 32, page size >= 8); everywhere else (other caches, the
+ * CPU backend, few heads) the call computes exactly as without the flag. */
+#define MLA_FLAG_FP8_MATH 4u
 
 /* Absorbed MLA over the paged latent cache, for every mode the plan
  * describes: query row t of request i (qo_indptr[i] <= t < qo_indptr[i+1])

@@ -488,7 +488,7 @@ static void bad_args(void) {
     expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &w.plan, &a, ws, need),
                 MLA_ERR_INVALID_ARGUMENT, &b, "bad scale");
   }
-  a = a0, a.flags = 4;
+  a = a0, a.flags = 8; /* (4 is MLA_FLAG_FP8_MATH) */
   expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &w.plan, &a, ws, need),
               MLA_ERR_INVALID_ARGUMENT, &b, "unknown flag");
   a = a0, a.q_stride_token = -1;

@@ -29,8 +29,26 @@
  * it (P = 1, l = 1); it must equal the CPU's dequantization rounded to the
  * operand type bit for bit (NaN aside: none there).
  * Also the refusals (fp8 cache or bf16 cache with f16 activations, f16 cache
- * with bf16 activations: UNSUPPORTED, outputs untouched). Skips (passing)
- * without CUDA or without a GPU. */
+ * with bf16 activations: UNSUPPORTED, outputs untouched).
+ *
+ * MLA_FLAG_FP8_MATH (fp8m_case): per-tensor fp8 caches at more than 32 rows
+ * per request, page sizes 64 and 16, H 64 / 128 with DECODE, TARGET_VERIFY
+ * and DRAFT_EXTEND (fixed window) at 1, 2, 4 query tokens, and H = 3 with 16
+ * tokens (48 rows); lengths 0, 1, 63, 64, 65, a few thousand and random ones
+ * (DRAFT_EXTEND's short requests have queries that see no key). The route
+ * must be "wide-fp8math". Oracle: float64 over the dequantized cache (not
+ * rounded) and q as given (not quantized), so the measure is the whole error
+ * of the fp8 math (q and P in e4m3): per request ||o - ref|| / ||ref|| over its
+ * rows, per row max |o - ref| / max |ref|, and the lse's absolute error, each
+ * printed per case and bounded by FP8M_* below; rows without a visible key
+ * must give o = 0 exactly and lse = -inf, rows with one visible key that key's
+ * latent row (P = 1). q scaled by 2^20 and 2^-20 (the softmax scale by the
+ * inverse, so the logits stay as they were: the kernel's per-block power of
+ * two for q must adapt), and a peaky request (one key ~8-16 above the rest,
+ * late in a split request: the running max jumps, the other P are tiny). The
+ * flag must leave everything else bit for bit as it was (flag_noop_case):
+ * bf16 and block-scaled fp8 caches, per-tensor fp8 at <= 32 rows or page 4.
+ * Skips (passing) without CUDA or without a GPU. */
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -49,6 +67,7 @@ int main(void) {
 }
 #else
 #include "cuda_util.h"
+#include "cuda/decode_sm90.h" /* white box: mla_cuda_decode_route */
 
 #define O_ATOL 8e-4
 #define O_RTOL (2.0 / 128.0)
@@ -59,10 +78,24 @@ int main(void) {
 #define MAXB 8
 #define NPAD 5
 #define NTHREADS 8 /* oracle threads */
+/* MLA_FLAG_FP8_MATH against the exact answer. q in e4m3 (3 mantissa bits)
+ * moves each logit by ~0.045 rms at these scales and P in e4m3 each weight
+ * by ~2.6 %; on this data (independent N(0, 1) q and keys: the output is the
+ * weights' noise, so it sees their relative error undamped) a model of that
+ * math gives per-request relative errors of 0.035-0.045 (0.06 when P is not
+ * scaled up before rounding), row maxima up to ~0.16 and lse errors up to
+ * ~0.19 (rows with 1-3 keys or one peak: the lse is then one rounded
+ * logit); q rounding alone measured 0.041 / 0.16 / 0.185 over these cases.
+ * The exact path gives ~2e-3 / 4e-3 / 1e-5. */
+#define FP8M_REL_L2 1e-1
+#define FP8M_ROW 3e-1
+#define FP8M_LSE 3e-1
+#define FP8M_LSE_REL 2e-2 /* e4m3 q: a logit s moves by up to ~|s| 2^-5 */
 
 static const double SCALE = 0.0721687836; /* 192^-0.5 */
 static tu_rng rng;
 static mla_ctx *cpu, *gpu;
+static int small_run; /* --small: short requests (compute-sanitizer) */
 
 typedef struct world {
   mla_mode mode;
@@ -70,6 +103,9 @@ typedef struct world {
   float kv_scale; /* FP8_E4M3 layer scale */
   int ndt, P, H, bs;
   int q_log2; /* q scaled by 2^q_log2 (exact in bf16) */
+  int fp8m;   /* MLA_FLAG_FP8_MATH case: oracle over the unrounded dequantized cache, softmax scale 2^-q_log2 */
+  int peaky;  /* fp8m: one key of request 0 stands out (make_peaky) */
+  float scale; /* softmax scale the call passes */
   mla_kv_cache *cache;  /* CPU */
   mla_kv_cache *dcache; /* GPU, same bytes */
   mla_req_table *rt;
@@ -82,6 +118,12 @@ typedef struct world {
   double *qn_d, *qr_d, *c_d, *r_d, *o_ref, *lse_ref, *pbound;
   double p_unit; /* unit roundoff of P: 2^-8 (bf16) or 2^-11 (f16) */
 } world;
+
+static int q_len_of(const world *w) { return w->mode == MLA_MODE_DECODE ? 1 : w->ndt; }
+
+static const char *mode_str(mla_mode m) {
+  return m == MLA_MODE_DECODE ? "decode" : m == MLA_MODE_TARGET_VERIFY ? "verify" : "draft_extend";
+}
 
 static const char *dt_name(mla_dtype t) {
   switch (t) {
@@ -98,30 +140,67 @@ static const char *dt_name(mla_dtype t) {
  * tokens x heads <= 16; MLA_DECODE_LEGACY=1 routes it to the older kernel). */
 static int exact_fp8(const world *w) {
   const char *legacy = getenv("MLA_DECODE_LEGACY");
-  const int q = w->mode == MLA_MODE_TARGET_VERIFY ? w->ndt : 1;
+  const int q = q_len_of(w);
   return w->kv == MLA_DTYPE_FP8_E4M3 && w->P >= 8 && q * w->H <= 16 && !(legacy && legacy[0] && legacy[0] != '0');
 }
 
 static void case_str(const world *w, char *buf, size_t n) {
-  snprintf(buf, n, "%s kv=%s act=%s P=%d H=%d bs=%d q*2^%d%s", w->mode == MLA_MODE_DECODE ? "decode" : "verify",
-           dt_name(w->kv), dt_name(w->act), w->P, w->H, w->bs, w->q_log2, exact_fp8(w) ? " (exact fp8)" : "");
+  snprintf(buf, n, "%s%s ndt=%d kv=%s act=%s P=%d H=%d bs=%d q*2^%d%s%s", w->fp8m ? "fp8-math " : "",
+           mode_str(w->mode), w->ndt, dt_name(w->kv), dt_name(w->act), w->P, w->H, w->bs, w->q_log2,
+           w->peaky ? " peaky" : "", !w->fp8m && exact_fp8(w) ? " (exact fp8)" : "");
 }
 
 /* The kernel's operand type for keys of this cache (F32: not rounded). */
 static mla_dtype operand_dtype(const world *w) {
-  if (exact_fp8(w)) return MLA_DTYPE_F32;
+  if (w->fp8m || exact_fp8(w)) return MLA_DTYPE_F32;
   return w->kv == MLA_DTYPE_F16 ? MLA_DTYPE_F16 : MLA_DTYPE_BF16;
+}
+
+/* fp8m: q of request 0's rows pulled toward one of its keys (late, visible
+ * to every row): 20 added to that key's logit puts it ~8-16 above the
+ * next one. */
+static void make_peaky(world *w) {
+  const int K = w->kv_len[0], Q = w->q_len[0];
+  if (K - Q < 8) return;
+  const int j = K - Q - tu_randint(&rng, 0, (K - Q) / 8);
+  const double *c = w->c_d + (int64_t)j * MLA_LATENT, *r = w->r_d + (int64_t)j * MLA_ROPE;
+  double n2 = 0;
+  for (int d = 0; d < MLA_LATENT; d++) n2 += c[d] * c[d];
+  for (int d = 0; d < MLA_ROPE; d++) n2 += r[d] * r[d];
+  const double lambda = 20.0 / ((double)w->scale * n2); /* scale * lambda * |k|^2 = 20 */
+  const int64_t rows = (int64_t)Q * w->H;
+  float *tn = malloc(sizeof(float) * (size_t)rows * MLA_LATENT), *tr = malloc(sizeof(float) * (size_t)rows * MLA_ROPE);
+  for (int64_t i = 0; i < rows; i++) {
+    for (int d = 0; d < MLA_LATENT; d++) tn[i * MLA_LATENT + d] = (float)(w->qn_d[i * MLA_LATENT + d] + lambda * c[d]);
+    for (int d = 0; d < MLA_ROPE; d++) tr[i * MLA_ROPE + d] = (float)(w->qr_d[i * MLA_ROPE + d] + lambda * r[d]);
+  }
+  /* request 0's rows are the first ones */
+  tu_to_dtype(w->act, tn, w->qn, rows * MLA_LATENT);
+  tu_from_dtype(w->act, w->qn, w->qn_d, rows * MLA_LATENT);
+  tu_to_dtype(w->act, tr, w->qr, rows * MLA_ROPE);
+  tu_from_dtype(w->act, w->qr, w->qr_d, rows * MLA_ROPE);
+  free(tn);
+  free(tr);
 }
 
 static int world_build(world *w) {
   /* request 0 long (the schedule splits it), request 1 empty (decode) or the
-   * shortest verify, requests 2 and 3 a single key (decode), the rest random */
+   * shortest verify, requests 2 and 3 a single key (decode), the rest random.
+   * fp8m: request 0 a few thousand keys, then 0, 1, 63, 64, 65, random. */
+  static const int fp8m_lens[5] = {0, 1, 63, 64, 65};
   for (int i = 0; i < w->bs; i++) {
     int kv = i == 0 ? tu_randint(&rng, 1550, 1750) : i == 1 ? 0 : tu_randint(&rng, 1, 300);
     if (w->mode == MLA_MODE_DECODE && (i == 2 || i == 3)) kv = 1;
+    if (w->fp8m)
+      kv = i == 0 ? (small_run ? tu_randint(&rng, 500, 700) : tu_randint(&rng, 2500, 4000))
+                  : i <= 5 ? fp8m_lens[i - 1] : tu_randint(&rng, 1, 300);
     if (w->mode == MLA_MODE_DECODE) {
       w->seq[i] = kv;
       w->q_len[i] = 1;
+      w->kv_len[i] = kv;
+    } else if (w->mode == MLA_MODE_DRAFT_EXTEND) { /* a fixed window; kv < ndt: early queries see nothing */
+      w->seq[i] = kv;
+      w->q_len[i] = w->ndt;
       w->kv_len[i] = kv;
     } else {
       w->seq[i] = kv > w->ndt ? kv - w->ndt : 0;
@@ -159,7 +238,7 @@ static int world_build(world *w) {
   b->batch_size = w->bs;
   b->req_ids = w->req_ids;
   b->seq_lens = w->seq;
-  if (w->mode == MLA_MODE_TARGET_VERIFY) b->num_draft_tokens = w->ndt;
+  if (w->mode != MLA_MODE_DECODE) b->num_draft_tokens = w->ndt;
   mla_plan_limits lim = {w->bs, w->Tq + 1, w->Tk + 1, maxkv, w->P, 132, 0};
   size_t pb = 0;
   TU_STATUS(mla_plan_workspace_size(cpu, &lim, &pb), MLA_OK);
@@ -183,6 +262,7 @@ static int world_build(world *w) {
     }
     free(tmp);
   }
+  if (w->peaky) make_peaky(w);
   w->p_unit = w->act == MLA_DTYPE_F16 || exact_fp8(w) ? 1.0 / 2048.0 : 1.0 / 256.0;
   return 0;
 }
@@ -204,7 +284,7 @@ static void oracle_item(world *w, int req, int h0) {
     k0 += w->kv_len[i];
   }
   const int Q = w->q_len[req], K = w->kv_len[req];
-  const double sc = (double)(float)SCALE;
+  const double sc = (double)w->scale;
   double *qn = malloc(sizeof(double) * (size_t)Q * nh * MLA_LATENT + 8);
   double *qr = malloc(sizeof(double) * (size_t)Q * nh * MLA_ROPE + 8);
   double *o = malloc(sizeof(double) * (size_t)Q * nh * MLA_LATENT + 8);
@@ -223,7 +303,7 @@ static void oracle_item(world *w, int req, int h0) {
       memcpy(w->o_ref + row * MLA_LATENT, o + ((size_t)t * nh + h) * MLA_LATENT, sizeof(double) * MLA_LATENT);
       w->lse_ref[row] = lse[(size_t)t * nh + h];
       const int vis = w->plan.causal ? K - Q + t + 1 : K;
-      if (vis <= 0) continue;
+      if (vis <= 0 || w->fp8m) continue; /* fp8m: no P-rounding bound */
       tu_row_softmax(qn + ((size_t)t * nh + h) * MLA_LATENT, qr + ((size_t)t * nh + h) * MLA_ROPE,
                      w->c_d + k0 * MLA_LATENT, w->r_d + k0 * MLA_ROPE, vis, sc, s);
       tu_p_round_bound(s, w->c_d + k0 * MLA_LATENT, vis, w->p_unit, w->pbound + row * MLA_LATENT);
@@ -319,7 +399,7 @@ static mla_absorbed_args args_for(const world *w, dbufs *d, int base2) {
   mla_absorbed_args a;
   memset(&a, 0, sizeof a);
   a.num_heads = w->H;
-  a.scale = (float)SCALE;
+  a.scale = w->scale;
   a.act_dtype = w->act;
   a.q_nope = d->qn;
   a.q_rope = d->qr;
@@ -382,7 +462,9 @@ static void check(const world *w, dbufs *d, int base2) {
     got[i] = l[i];
     ref[i] = (double)(float)(w->lse_ref[i] * (base2 ? 1.4426950408889634 : 1.0));
   }
-  c = ref_compare(got, ref, nq, LSE_ATOL, LSE_RTOL);
+  /* q * 2^20: logits ~1e5, and fp32 accumulation of 576 products of that
+   * size (tensor cores) leaves ~2e-5 of them (measured 0.22 at lse -9624) */
+  c = ref_compare(got, ref, nq, LSE_ATOL, w->q_log2 > 0 ? 1e-4 : LSE_RTOL);
   TU_CHECK(c.bad == 0 && c.nonfinite_mismatch == 0,
            "%s lse: %lld bad, %lld nonfinite mismatches of %lld (first %lld: got %g ref %g)", cs, (long long)c.bad,
            (long long)c.nonfinite_mismatch, (long long)nq, (long long)c.first_bad,
@@ -406,6 +488,7 @@ static void run_case(mla_mode mode, mla_dtype kv, int P, int H, int q_log2) {
   /* per-tensor scale: N(0, 1) / scale stays inside e4m3's +-448 mostly, the
    * tail saturates (the CPU quantizer's business; the oracle reads back) */
   w.kv_scale = (float)(0.004 + 0.02 * tu_uniform(&rng));
+  w.scale = (float)SCALE;
   w.ndt = mode == MLA_MODE_TARGET_VERIFY ? 2 : 0;
   w.P = P;
   w.H = H;
@@ -428,11 +511,257 @@ static void run_case(mla_mode mode, mla_dtype kv, int P, int H, int q_log2) {
   world_free(&w);
 }
 
+/* ---- MLA_FLAG_FP8_MATH ---------------------------------------------------- */
+
+/* The route mla_cuda_decode takes for a plan of this shape (what the
+ * attention call hands it, metadata aside). */
+static const char *route_of(int bs, int H, int max_q_len, int P, mla_dtype kv, int fp8_math) {
+  mla_decode_params p;
+  memset(&p, 0, sizeof p);
+  p.batch_size = bs;
+  p.num_heads = H;
+  p.max_q_len = max_q_len;
+  p.page_size = P;
+  p.kv_dtype = (int)kv;
+  p.act_dtype = MLA_DTYPE_BF16;
+  p.num_sm_parts = 1;
+  p.fp8_math = fp8_math;
+  return mla_cuda_decode_route(&p);
+}
+
+/* Where the flag takes the fp8 kernel and where it is a no-op (host code:
+ * runs without a GPU too). */
+static void route_checks(void) {
+  static const struct {
+    int H, q, P;
+    mla_dtype kv;
+    int flag;
+    const char *want, *alt; /* alt: the other acceptable answer (MLA_DECODE_LEGACY: no ring) */
+  } c[] = {
+      {64, 1, 64, MLA_DTYPE_FP8_E4M3, 1, "wide-fp8math", NULL},
+      {128, 1, 16, MLA_DTYPE_FP8_E4M3, 1, "wide-fp8math", NULL},
+      {64, 2, 16, MLA_DTYPE_FP8_E4M3, 1, "wide-fp8math", NULL},
+      {128, 4, 64, MLA_DTYPE_FP8_E4M3, 1, "wide-fp8math", NULL},
+      {3, 16, 64, MLA_DTYPE_FP8_E4M3, 1, "wide-fp8math", NULL},
+      {33, 1, 8, MLA_DTYPE_FP8_E4M3, 1, "wide-fp8math", NULL},
+      {128, 1, 64, MLA_DTYPE_FP8_E4M3, 0, "wide", NULL},          /* no flag */
+      {16, 1, 64, MLA_DTYPE_FP8_E4M3, 1, "ring", "narrow16"},     /* <= 16 rows: a no-op */
+      {16, 2, 64, MLA_DTYPE_FP8_E4M3, 1, "narrow32", NULL},       /* 32 rows: not > 32 */
+      {128, 1, 4, MLA_DTYPE_FP8_E4M3, 1, "wide", NULL},           /* page < 8 (cp.async) */
+      {128, 1, 64, MLA_DTYPE_BF16, 1, "wide", NULL},              /* bf16 cache */
+      {128, 2, 16, MLA_DTYPE_FP8_E4M3_BLOCK, 1, "wide", NULL},    /* block-scaled fp8 */
+  };
+  for (size_t i = 0; i < sizeof c / sizeof c[0]; i++) {
+    const char *r = route_of(4, c[i].H, c[i].q, c[i].P, c[i].kv, c[i].flag);
+    TU_CHECK(strcmp(r, c[i].want) == 0 || (c[i].alt && strcmp(r, c[i].alt) == 0),
+             "route of H=%d q=%d P=%d kv=%s flag=%d: %s, expected %s", c[i].H, c[i].q, c[i].P, dt_name(c[i].kv),
+             c[i].flag, r, c[i].want);
+  }
+  TU_CHECK(strcmp(route_of(0, 128, 1, 64, MLA_DTYPE_FP8_E4M3, 1), "none") == 0, "an empty batch routes nowhere");
+}
+
+/* The fp8-math measures (file comment); prints one line per case. */
+static void check_fp8m(const world *w, dbufs *d, int base2, const char *route) {
+  char cs[200];
+  case_str(w, cs, sizeof cs);
+  const int H = w->H;
+  const int64_t nq = (int64_t)w->Tq * H, no = nq * MLA_LATENT;
+  unsigned char *ob = malloc(d->o_bytes + GUARD * 4), *lb = malloc(d->lse_bytes + GUARD * 4);
+  CK(cudaMemcpy(ob, d->o, d->o_bytes + GUARD * 4, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(lb, d->lse, d->lse_bytes + GUARD * 4, cudaMemcpyDeviceToHost));
+  double *got = malloc(sizeof(double) * (size_t)(no + 1));
+  tu_from_dtype(w->act, ob, got, no);
+  const float *l = (const float *)lb;
+  const double to_base = base2 ? 1.4426950408889634 : 1.0;
+  double worst_rel = 0, worst_row = 0, worst_lse = 0;
+  int64_t bad_rel = 0, bad_row = 0, bad_lse = 0, bad_empty = 0, bad_one = 0, n_empty = 0, n_one = 0;
+  int64_t t0 = 0, k0 = 0;
+  for (int i = 0; i < w->bs; i++) {
+    const int Q = w->q_len[i], K = w->kv_len[i];
+    double e2 = 0, r2 = 0;
+    for (int t = 0; t < Q; t++) {
+      const int vis = w->plan.causal ? K - Q + t + 1 : K;
+      for (int h = 0; h < H; h++) {
+        const int64_t row = (t0 + t) * H + h;
+        const double *g = got + row * MLA_LATENT, *ref = w->o_ref + row * MLA_LATENT;
+        if (vis <= 0) { /* no visible key: o = 0 exactly, lse = -inf */
+          int nz = 0;
+          for (int dd = 0; dd < MLA_LATENT; dd++) nz += g[dd] != 0.0;
+          n_empty++;
+          bad_empty += nz != 0 || !(isinf(l[row]) && l[row] < 0);
+          continue;
+        }
+        double emax = 0, rmax = 0;
+        for (int dd = 0; dd < MLA_LATENT; dd++) {
+          const double e = fabs(g[dd] - ref[dd]); /* NaN fails below */
+          e2 += e * e;
+          r2 += ref[dd] * ref[dd];
+          if (!(e <= emax)) emax = e;
+          if (fabs(ref[dd]) > rmax) rmax = fabs(ref[dd]);
+        }
+        const double row_err = rmax > 0 ? emax / rmax : emax;
+        if (!(row_err <= worst_row)) worst_row = row_err;
+        bad_row += !(row_err <= FP8M_ROW);
+        const double lref = w->lse_ref[row] * to_base, le = fabs((double)l[row] - lref);
+        if (!(le <= worst_lse)) worst_lse = le;
+        bad_lse += !(le <= FP8M_LSE * to_base + FP8M_LSE_REL * fabs(lref)); /* peaky rows: one big rounded logit */
+        if (vis == 1) { /* P = 1: the key's latent row as dequantized, rounded once to the output */
+          n_one++;
+          int miss = 0;
+          for (int dd = 0; dd < MLA_LATENT; dd++) {
+            const double want = tu_round_to(w->act, w->c_d[k0 * MLA_LATENT + dd]);
+            miss += !(fabs(g[dd] - want) <= fabs(want) * (1.0 / 256.0));
+          }
+          bad_one += miss != 0;
+        }
+      }
+    }
+    if (r2 > 0) {
+      const double rel = sqrt(e2 / r2);
+      if (!(rel <= worst_rel)) worst_rel = rel;
+      bad_rel += !(rel <= FP8M_REL_L2);
+    }
+    t0 += Q;
+    k0 += K;
+  }
+  printf("  %s: route %s: max rel L2 %.3e (<= %.2g), max row %.3e (<= %.2g), max lse err %.3e (<= %.2g)\n", cs,
+         route, worst_rel, FP8M_REL_L2, worst_row, FP8M_ROW, worst_lse / to_base, FP8M_LSE);
+  TU_CHECK(bad_rel == 0, "%s: %lld requests over the relative L2 bound (worst %.3e)", cs, (long long)bad_rel,
+           worst_rel);
+  TU_CHECK(bad_row == 0, "%s: %lld rows over the row bound (worst %.3e)", cs, (long long)bad_row, worst_row);
+  TU_CHECK(bad_lse == 0, "%s: %lld lse over the bound (worst %.3e, natural log)", cs, (long long)bad_lse,
+           worst_lse / to_base);
+  TU_CHECK(bad_empty == 0, "%s: %lld of %lld rows without a key not o = 0, lse = -inf", cs, (long long)bad_empty,
+           (long long)n_empty);
+  TU_CHECK(bad_one == 0, "%s: %lld of %lld one-key rows differ from the key's row", cs, (long long)bad_one,
+           (long long)n_one);
+  TU_CHECK(tu_all_poisoned(ob + d->o_bytes, GUARD * 4), "%s: out written past its end", cs);
+  TU_CHECK(tu_all_poisoned(lb + d->lse_bytes, GUARD * 4), "%s: lse written past its end", cs);
+  free(ob);
+  free(lb);
+  free(got);
+}
+
+/* One MLA_FLAG_FP8_MATH case over a per-tensor fp8 cache. ndt: query tokens
+ * per request (TARGET_VERIFY, DRAFT_EXTEND). */
+static void fp8m_case(mla_mode mode, int ndt, int P, int H, int q_log2, int peaky) {
+  world w;
+  memset(&w, 0, sizeof w);
+  w.fp8m = 1;
+  w.peaky = peaky;
+  w.q_log2 = q_log2;
+  w.mode = mode;
+  w.kv = MLA_DTYPE_FP8_E4M3;
+  w.act = MLA_DTYPE_BF16;
+  w.kv_scale = (float)(0.004 + 0.02 * tu_uniform(&rng));
+  w.scale = ldexpf((float)SCALE, -q_log2); /* the logits stay as for q * 1 */
+  w.ndt = mode == MLA_MODE_DECODE ? 0 : ndt;
+  w.P = P;
+  w.H = H;
+  w.bs = tu_randint(&rng, 6, MAXB);
+  if (world_build(&w) != 0) {
+    world_free(&w);
+    return;
+  }
+  char cs[200];
+  case_str(&w, cs, sizeof cs);
+  const char *route = route_of(w.bs, H, (int)w.plan.max_q_len, P, w.kv, 1);
+  TU_CHECK(strcmp(route, "wide-fp8math") == 0, "%s: route %s, expected wide-fp8math", cs, route);
+  oracle(&w);
+  dbufs d = dbufs_new(&w);
+  const int base2 = case_no++ & 1;
+  mla_absorbed_args a = args_for(&w, &d, base2);
+  a.flags |= MLA_FLAG_FP8_MATH;
+  mla_status st = mla_attention_absorbed(gpu, w.dcache, 0, &w.plan, &a, d.ws, d.ws_bytes);
+  TU_CHECK(st == MLA_OK, "%s: mla_attention_absorbed: %s (%s)", cs, mla_status_string(st), mla_ctx_last_error(gpu));
+  TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
+  if (st == MLA_OK) check_fp8m(&w, &d, base2, route);
+  dbufs_free(&d);
+  world_free(&w);
+}
+
+/* Outside its domain the flag changes nothing: out and lse bit for bit as
+ * without it (and the call is checked against the oracle as usual). */
+static void flag_noop_case(mla_mode mode, mla_dtype kv, int P, int H) {
+  world w;
+  memset(&w, 0, sizeof w);
+  w.mode = mode;
+  w.kv = kv;
+  w.act = MLA_DTYPE_BF16;
+  w.kv_scale = (float)(0.004 + 0.02 * tu_uniform(&rng));
+  w.scale = (float)SCALE;
+  w.ndt = mode == MLA_MODE_TARGET_VERIFY ? 2 : 0;
+  w.P = P;
+  w.H = H;
+  w.bs = tu_randint(&rng, 4, 5);
+  if (world_build(&w) != 0) {
+    world_free(&w);
+    return;
+  }
+  char cs[200];
+  case_str(&w, cs, sizeof cs);
+  const char *route = route_of(w.bs, H, (int)w.plan.max_q_len, P, kv, 1);
+  TU_CHECK(strcmp(route, "wide-fp8math") != 0, "%s: route %s with the flag outside its domain", cs, route);
+  oracle(&w);
+  dbufs d = dbufs_new(&w), e = dbufs_new(&w);
+  mla_absorbed_args a = args_for(&w, &d, 0), b = args_for(&w, &e, 0);
+  b.flags |= MLA_FLAG_FP8_MATH;
+  TU_STATUS(mla_attention_absorbed(gpu, w.dcache, 0, &w.plan, &a, d.ws, d.ws_bytes), MLA_OK);
+  mla_status st = mla_attention_absorbed(gpu, w.dcache, 0, &w.plan, &b, e.ws, e.ws_bytes);
+  TU_CHECK(st == MLA_OK, "%s: with MLA_FLAG_FP8_MATH: %s (%s)", cs, mla_status_string(st), mla_ctx_last_error(gpu));
+  TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
+  check(&w, &d, 0);
+  unsigned char *o1 = malloc(d.o_bytes + d.lse_bytes), *o2 = malloc(d.o_bytes + d.lse_bytes);
+  CK(cudaMemcpy(o1, d.o, d.o_bytes, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(o1 + d.o_bytes, d.lse, d.lse_bytes, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(o2, e.o, e.o_bytes, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(o2 + e.o_bytes, e.lse, e.lse_bytes, cudaMemcpyDeviceToHost));
+  TU_CHECK(memcmp(o1, o2, d.o_bytes + d.lse_bytes) == 0, "%s: route %s: MLA_FLAG_FP8_MATH changed out or lse", cs,
+           route);
+  free(o1);
+  free(o2);
+  dbufs_free(&d);
+  dbufs_free(&e);
+  world_free(&w);
+}
+
+/* An unknown flag bit next to MLA_FLAG_FP8_MATH: INVALID_ARGUMENT, nothing
+ * written. */
+static void fp8m_refusal(void) {
+  world w;
+  memset(&w, 0, sizeof w);
+  w.mode = MLA_MODE_DECODE;
+  w.kv = MLA_DTYPE_FP8_E4M3;
+  w.act = MLA_DTYPE_BF16;
+  w.kv_scale = 0.01f;
+  w.scale = (float)SCALE;
+  w.P = 64;
+  w.H = 64;
+  w.bs = 4;
+  if (world_build(&w) != 0) {
+    world_free(&w);
+    return;
+  }
+  dbufs d = dbufs_new(&w);
+  mla_absorbed_args a = args_for(&w, &d, 0);
+  a.flags = MLA_FLAG_FP8_MATH | 8u;
+  TU_STATUS(mla_attention_absorbed(gpu, w.dcache, 0, &w.plan, &a, d.ws, d.ws_bytes), MLA_ERR_INVALID_ARGUMENT);
+  TU_CHECK(strstr(mla_ctx_last_error(gpu), "flags") != NULL, "unknown flag bit: message %s", mla_ctx_last_error(gpu));
+  TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
+  unsigned char *ob = malloc(d.o_bytes + GUARD * 4);
+  CK(cudaMemcpy(ob, d.o, d.o_bytes + GUARD * 4, cudaMemcpyDeviceToHost));
+  TU_CHECK(tu_all_poisoned(ob, d.o_bytes + GUARD * 4), "a refused fp8-math call wrote the output");
+  free(ob);
+  dbufs_free(&d);
+  world_free(&w);
+}
+
 /* Refused combinations: UNSUPPORTED with a message naming the dtypes, and
  * the output untouched. */
 static void refusals(void) {
   world w;
   memset(&w, 0, sizeof w);
+  w.scale = (float)SCALE;
   w.mode = MLA_MODE_DECODE;
   w.kv = MLA_DTYPE_BF16;
   w.act = MLA_DTYPE_BF16;
@@ -476,6 +805,7 @@ static void refusals(void) {
 
 int main(int argc, char **argv) {
   rng.s = tu_seed("test_cuda_decode_dtypes", 43);
+  route_checks(); /* host code: runs without a GPU too */
   mla_ctx_desc gd = {MLA_DEVICE_CUDA, 1, 0};
   mla_status st = mla_ctx_create(&gd, &gpu);
   if (st == MLA_ERR_DEVICE) {
@@ -488,7 +818,10 @@ int main(int argc, char **argv) {
   TU_STATUS(mla_ctx_create(&cd, &cpu), MLA_OK);
   /* "--small": a case per new load path (for compute-sanitizer) */
   const int small = argc > 1 && strcmp(argv[1], "--small") == 0;
+  small_run = small;
   if (small) {
+    fp8m_case(MLA_MODE_DECODE, 0, 64, 128, 0, 0);
+    fp8m_case(MLA_MODE_TARGET_VERIFY, 2, 16, 64, 0, 1);
     run_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3, 1, 16, 0);
     run_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3, 64, 1, 0);
     run_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3, 16, 16, 20); /* ring kernel, small pages */
@@ -512,7 +845,34 @@ int main(int argc, char **argv) {
     run_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3, 64, 1, 20);
     run_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3, 64, 16, 20);
     run_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3_BLOCK, 64, 16, 20);
+    /* MLA_FLAG_FP8_MATH: both TMA page classes, s_q 1, 2, 4, H 64 / 128 */
+    printf("test_cuda_decode_dtypes: MLA_FLAG_FP8_MATH against the exact answer:\n");
+    const int fPs[2] = {64, 16}, fHs[2] = {64, 128};
+    for (int pi = 0; pi < 2; pi++)
+      for (int hi = 0; hi < 2; hi++) {
+        fp8m_case(MLA_MODE_DECODE, 0, fPs[pi], fHs[hi], 0, 0);
+        for (int q = 2; q <= 4; q += 2) {
+          fp8m_case(MLA_MODE_TARGET_VERIFY, q, fPs[pi], fHs[hi], 0, 0);
+          fp8m_case(MLA_MODE_DRAFT_EXTEND, q, fPs[pi], fHs[hi], 0, 0);
+        }
+      }
+    fp8m_case(MLA_MODE_DRAFT_EXTEND, 16, 64, 3, 0, 0); /* 48 rows */
+    fp8m_case(MLA_MODE_TARGET_VERIFY, 16, 16, 3, 0, 0);
+    fp8m_case(MLA_MODE_DECODE, 0, 64, 128, 20, 0); /* q's block scale must adapt */
+    fp8m_case(MLA_MODE_TARGET_VERIFY, 2, 16, 64, -20, 0);
+    fp8m_case(MLA_MODE_DECODE, 0, 64, 128, 0, 1); /* peaky softmax */
+    fp8m_case(MLA_MODE_TARGET_VERIFY, 4, 16, 64, 0, 1);
+    fp8m_case(MLA_MODE_DRAFT_EXTEND, 2, 64, 128, 0, 1);
+    /* the flag outside its domain: bit for bit as without it */
+    flag_noop_case(MLA_MODE_DECODE, MLA_DTYPE_BF16, 64, 128);
+    flag_noop_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_BF16, 16, 64);
+    flag_noop_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3_BLOCK, 64, 128);
+    flag_noop_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3_BLOCK, 16, 64);
+    flag_noop_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3, 64, 16);  /* 16 rows: the ring */
+    flag_noop_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3, 64, 16); /* 32 rows */
+    flag_noop_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3, 4, 128);  /* page 4: cp.async */
   }
+  fp8m_refusal();
   refusals();
   mla_ctx_destroy(cpu);
   mla_ctx_destroy(gpu);

@@ -2,7 +2,10 @@
  * (mla_step_prepare once, then mla_step_attention timed), on the shapes of
  * the decode issue: b = 128, s_k in {4096, 8192, 16384}, H in {16, 128}, s_q in
  * {1, 2} (DECODE / TARGET_VERIFY), page 64, every cache dtype the library
- * takes on the GPU (refused ones are listed with the library's reason).
+ * takes on the GPU (refused ones are listed with the library's reason). The
+ * `fp8-math` rows are the fp8 calls again with MLA_FLAG_FP8_MATH, right after
+ * the fp8 rows of the same H (same cache, same run), for the shapes where the
+ * flag takes effect (s_q * H > 32: H = 128 by default); same formulas.
  *
  * Time: CUDA events around one attention call, L2 flushed before each
  * (a 256 MiB memset), median of --runs after warm-ups. `graph_us` is one
@@ -86,7 +89,9 @@ typedef struct bc_opts {
   int b, runs, csv, quick, P, no_prefill, no_kv_write;
   int sk[8], nsk, H[4], nh, sq[4], nsq;
   mla_dtype dt[4];
+  int dt_plain[4]; /* 1: the dtype's own rows (0: fp8 only for its fp8-math rows) */
   int ndt;
+  int fp8_math;    /* `fp8-math` rows after the fp8 ones */
 } bc_opts;
 
 /* One cache (all requests' pages, shuffled) and its req_to_token, shared by
@@ -157,7 +162,7 @@ typedef struct bc_result {
   char note[200];
 } bc_result;
 
-static int run_case(mla_ctx *ctx, const bc_opts *o, const bc_world *w, int sk, int H, int sq, mla_dtype dt,
+static int run_case(mla_ctx *ctx, const bc_opts *o, const bc_world *w, int sk, int H, int sq, unsigned flags,
                     void *flush, size_t flush_bytes, uint64_t *seed, bc_result *res) {
   memset(res, 0, sizeof *res);
   const int b = o->b, Tq = b * sq;
@@ -198,6 +203,7 @@ static int run_case(mla_ctx *ctx, const bc_opts *o, const bc_world *w, int sk, i
   memset(&a, 0, sizeof a);
   a.num_heads = H;
   a.scale = 0.0721687836f;
+  a.flags = flags;
   a.act_dtype = MLA_DTYPE_BF16;
   a.q_nope = qn;
   a.q_rope = qr;
@@ -595,7 +601,8 @@ static int bc_usage(FILE *f) {
           "  --sk LIST      kv lengths, comma-separated (default 4096,8192,16384)\n"
           "  --h LIST       query heads (default 16,128)\n"
           "  --sq LIST      queries per request, 1 = DECODE, more = TARGET_VERIFY (default 1,2)\n"
-          "  --dtype LIST   cache dtypes: bf16, f16, fp8, fp8-block (default bf16,fp8)\n"
+          "  --dtype LIST   cache dtypes: bf16, f16, fp8, fp8-block, and fp8-math (the fp8 cache with\n"
+          "                 MLA_FLAG_FP8_MATH, where s_q * H > 32) (default bf16,fp8,fp8-math)\n"
           "  --page-size P  (default 64)\n"
           "  --runs N       timed runs per case (default 30, quick 5)\n"
           "  --quick        s_k 8192 only, few runs\n"
@@ -636,7 +643,9 @@ int bench_cuda_main(int argc, char **argv) {
   o.nsq = parse_list("1,2", o.sq, 4, 1, 64);
   o.dt[0] = MLA_DTYPE_BF16;
   o.dt[1] = MLA_DTYPE_FP8_E4M3;
+  o.dt_plain[0] = o.dt_plain[1] = 1;
   o.ndt = 2;
+  o.fp8_math = 1;
   for (int i = 0; i < argc; i++) {
     const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     int x[8];
@@ -672,12 +681,25 @@ int bench_cuda_main(int argc, char **argv) {
       char buf[128];
       snprintf(buf, sizeof buf, "%s", v);
       o.ndt = 0;
-      for (char *tok = strtok(buf, ","); tok && o.ndt < 4; tok = strtok(NULL, ",")) {
-        if (!strcmp(tok, "bf16")) o.dt[o.ndt++] = MLA_DTYPE_BF16;
-        else if (!strcmp(tok, "f16")) o.dt[o.ndt++] = MLA_DTYPE_F16;
-        else if (!strcmp(tok, "fp8")) o.dt[o.ndt++] = MLA_DTYPE_FP8_E4M3;
-        else if (!strcmp(tok, "fp8-block")) o.dt[o.ndt++] = MLA_DTYPE_FP8_E4M3_BLOCK;
+      o.fp8_math = 0;
+      for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+        mla_dtype t;
+        const int math = !strcmp(tok, "fp8-math");
+        if (!strcmp(tok, "bf16")) t = MLA_DTYPE_BF16;
+        else if (!strcmp(tok, "f16")) t = MLA_DTYPE_F16;
+        else if (!strcmp(tok, "fp8") || math) t = MLA_DTYPE_FP8_E4M3;
+        else if (!strcmp(tok, "fp8-block")) t = MLA_DTYPE_FP8_E4M3_BLOCK;
         else return bc_usage(stderr);
+        /* one cache per dtype: fp8-math shares fp8's (its rows follow fp8's) */
+        int k = 0;
+        while (k < o.ndt && o.dt[k] != t) k++;
+        if (k == o.ndt) {
+          if (o.ndt == 4) return bc_usage(stderr);
+          o.dt[o.ndt] = t;
+          o.dt_plain[o.ndt++] = 0;
+        }
+        if (math) o.fp8_math = 1;
+        else o.dt_plain[k] = 1;
       }
       i++;
     } else {
@@ -720,25 +742,34 @@ int bench_cuda_main(int argc, char **argv) {
       bc_world w;
       char why[256] = "";
       if (world_make(ctx, &o, o.sk[si], o.dt[di], &seed, &w, why, sizeof why) != 0) {
-        printf("%5d %4s %4s %6d %-9s %s\n", o.b, "-", "-", o.sk[si], dt_name(o.dt[di]), why);
+        printf("%5d %4s %4s %6d %-9s %s\n", o.b, "-", "-", o.sk[si],
+               o.dt_plain[di] ? dt_name(o.dt[di]) : "fp8-math", why);
         world_free(&w);
         continue;
       }
+      /* per H: the dtype's rows, then (fp8) the same calls with MLA_FLAG_FP8_MATH */
       for (int hi = 0; hi < o.nh; hi++)
-        for (int qi = 0; qi < o.nsq; qi++) {
-          bc_result r;
-          if (run_case(ctx, &o, &w, o.sk[si], o.H[hi], o.sq[qi], o.dt[di], flush, flush_bytes, &seed, &r) != 0)
-            rc = 1;
-          if (o.csv)
-            printf("%d,%d,%d,%d,%s,%.2f,%.1f,%.0f,%.2f,%.2f,%.2f,\"%s\"\n", o.b, o.H[hi], o.sq[qi], o.sk[si],
-                   dt_name(o.dt[di]), r.us, r.tflops, r.gbs, r.prep_us, r.graph_us, r.host_us, r.note);
-          else if (r.note[0])
-            printf("%5d %4d %4d %6d %-9s %10s %9s %8s %11s %10s %8s  %s\n", o.b, o.H[hi], o.sq[qi], o.sk[si],
-                   dt_name(o.dt[di]), "-", "-", "-", "-", "-", "-", r.note);
-          else
-            printf("%5d %4d %4d %6d %-9s %10.1f %9.1f %8.0f %11.1f %10.1f %8.1f\n", o.b, o.H[hi], o.sq[qi], o.sk[si],
-                   dt_name(o.dt[di]), r.us, r.tflops, r.gbs, r.prep_us, r.graph_us, r.host_us);
-          fflush(stdout);
+        for (int pass = 0; pass < 2; pass++) {
+          const int math = pass == 1;
+          if (math ? !(o.fp8_math && o.dt[di] == MLA_DTYPE_FP8_E4M3) : !o.dt_plain[di]) continue;
+          const char *name = math ? "fp8-math" : dt_name(o.dt[di]);
+          for (int qi = 0; qi < o.nsq; qi++) {
+            if (math && o.sq[qi] * o.H[hi] <= 32) continue; /* the flag is a no-op there */
+            bc_result r;
+            if (run_case(ctx, &o, &w, o.sk[si], o.H[hi], o.sq[qi], math ? MLA_FLAG_FP8_MATH : 0u, flush,
+                         flush_bytes, &seed, &r) != 0)
+              rc = 1;
+            if (o.csv)
+              printf("%d,%d,%d,%d,%s,%.2f,%.1f,%.0f,%.2f,%.2f,%.2f,\"%s\"\n", o.b, o.H[hi], o.sq[qi], o.sk[si],
+                     name, r.us, r.tflops, r.gbs, r.prep_us, r.graph_us, r.host_us, r.note);
+            else if (r.note[0])
+              printf("%5d %4d %4d %6d %-9s %10s %9s %8s %11s %10s %8s  %s\n", o.b, o.H[hi], o.sq[qi], o.sk[si], name,
+                     "-", "-", "-", "-", "-", "-", r.note);
+            else
+              printf("%5d %4d %4d %6d %-9s %10.1f %9.1f %8.0f %11.1f %10.1f %8.1f\n", o.b, o.H[hi], o.sq[qi],
+                     o.sk[si], name, r.us, r.tflops, r.gbs, r.prep_us, r.graph_us, r.host_us);
+            fflush(stdout);
+          }
         }
       world_free(&w);
     }

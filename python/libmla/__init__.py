@@ -19,9 +19,9 @@ what runs on CUDA contexts.
 """
 
 from . import _lib
-from ._lib import (BLOCK_TABLE_PAD, FLAG_LSE_BASE2, FLAG_OUT_F32, FP8_BLOCK, FP8_BLOCK_ROW_BYTES,
-                   LATENT, MAX_HEAD_DIM, MAX_HEADS, MAX_PAGE_SIZE, REQ_PAD, ROPE, ROW, SLOT_UNUSED,
-                   DType, Device, ExtendImpl, Mode, Sched, Status)
+from ._lib import (BLOCK_TABLE_PAD, FLAG_FP8_MATH, FLAG_LSE_BASE2, FLAG_OUT_F32, FP8_BLOCK,
+                   FP8_BLOCK_ROW_BYTES, LATENT, MAX_HEAD_DIM, MAX_HEADS, MAX_PAGE_SIZE, REQ_PAD, ROPE,
+                   ROW, SLOT_UNUSED, DType, Device, ExtendImpl, Mode, Sched, Status)
 from .api import (Backend, ChunkPlan, ChunkPlanner, Context, DcpPlan, DcpPlanner, DevicePlan, DraftPlan,
                   DraftPlanner, KVCache, MLAError, Plan, Planner, RequestTable, Step, StepMetadata,
                   attention_absorbed, attention_ragged, batch, bf16_to_f32, convert, dcp_gather_table, dcp_plan,
@@ -39,6 +39,6 @@ __all__ = [
     "SglangMLAMultiStepDraftBackend", "Status", "attention_absorbed", "attention_ragged", "batch",
     "bf16_to_f32", "convert", "dcp_gather_table", "dcp_plan", "expand_kv", "f32_to_bf16", "gather_latent",
     "merge_states", "plan", "LATENT", "ROPE", "ROW", "REQ_PAD", "SLOT_UNUSED", "BLOCK_TABLE_PAD",
-    "FLAG_LSE_BASE2", "FLAG_OUT_F32", "FP8_BLOCK", "FP8_BLOCK_ROW_BYTES", "MAX_HEADS",
+    "FLAG_FP8_MATH", "FLAG_LSE_BASE2", "FLAG_OUT_F32", "FP8_BLOCK", "FP8_BLOCK_ROW_BYTES", "MAX_HEADS",
     "MAX_HEAD_DIM", "MAX_PAGE_SIZE", "library_path", "library_version",
 ]

@@ -31,6 +31,7 @@ SCHED_FIXED_OVERHEAD = 5
 SCHED_META_INTS = 8
 FLAG_LSE_BASE2 = 1
 FLAG_OUT_F32 = 2
+FLAG_FP8_MATH = 4  # absorbed attention: fp8 tensor-core math allowed (CUDA, per-tensor fp8 cache)
 PLAN_PAGES_ONLY = 1  # mla_plan_limits.flags: no token-level kv_indices
 VERSION_MAJOR = 0  # the header this binding was written against
 VERSION_MINOR = 2

@@ -1078,8 +1078,8 @@ def _act_of(t_dtype, dtype, name):
     return mla_dtype(t_dtype)
 
 
-def _flags(lse_base2):
-    return _lib.FLAG_LSE_BASE2 if lse_base2 else 0
+def _flags(lse_base2, fp8_math=False):
+    return (_lib.FLAG_LSE_BASE2 if lse_base2 else 0) | (_lib.FLAG_FP8_MATH if fp8_math else 0)
 
 
 def _q_strides(tn, tr, name_n, name_r):
@@ -1111,13 +1111,15 @@ def _q_strides(tn, tr, name_n, name_r):
 
 
 def attention_absorbed(ctx, cache, layer, plan_, q_nope, q_rope, *, scale, out=None, lse=None,
-                       return_lse=False, lse_base2=False, dtype=None):
+                       return_lse=False, lse_base2=False, fp8_math=False, dtype=None):
     """Absorbed MLA over the paged latent cache for every mode a plan describes.
 
     q_nope [Tq, H, 512] and q_rope [Tq, H, 64] (contiguous, or views sharing
     strides such as q[..., :512] and q[..., 512:] of one [Tq, H, 576] tensor);
     out [Tq, H, 512] in q's dtype; lse [Tq, H] fp32 (natural log unless
-    lse_base2). Returns out, or (out, lse) when return_lse or lse is given.
+    lse_base2). fp8_math: MLA_FLAG_FP8_MATH, fp8 tensor-core math allowed
+    (CUDA, per-tensor fp8 cache, more than 32 rows per request; exact
+    elsewhere). Returns out, or (out, lse) when return_lse or lse is given.
     """
     if not isinstance(plan_, Plan):
         raise ValueError("argument 'plan': expected a libmla.Plan, got %s" % type(plan_).__name__)
@@ -1149,8 +1151,8 @@ def attention_absorbed(ctx, cache, layer, plan_, q_nope, q_rope, *, scale, out=N
         lse = empty_like_kind(q_nope, (T, H), "f32")
     lse_ptr = ptr_of(lse, "lse", dtypes=("f32",), shape=(T, H), device=dev, writable=True) \
         if lse is not None else None
-    a = _lib.AbsorbedArgs(H, float(scale), _flags(lse_base2), int(act), tn.ptr, qr_ptr, st_tok,
-                          st_head, out_ptr, lse_ptr)
+    a = _lib.AbsorbedArgs(H, float(scale), _flags(lse_base2, fp8_math), int(act), tn.ptr, qr_ptr,
+                          st_tok, st_head, out_ptr, lse_ptr)
     need = plan_._ws_need.get(H)
     if need is None:  # once per plan and head count
         n = ctypes.c_size_t()
@@ -1659,7 +1661,7 @@ class Step:
         self.desc.step = step
 
     def attention(self, cache, layer, q_nope, q_rope, out=None, lse=None, *, scale=None,
-                  return_lse=False, lse_base2=False, dtype=None, step=0):
+                  return_lse=False, lse_base2=False, fp8_math=False, dtype=None, step=0):
         """One layer's absorbed attention over the prepared step.
 
         q_nope [bs * q_len, H, 512] and q_rope [bs * q_len, H, 64] (contiguous, or
@@ -1668,7 +1670,8 @@ class Step:
         given; pass it when capturing a graph); lse [bs * q_len, H] fp32 (natural
         log unless lse_base2). Rows of padding requests hold what the padding row
         read. step: which draft step (Step(num_steps=N): step i attends seq_len + i + 1
-        keys). Returns out, or (out, lse) when return_lse or lse is given.
+        keys). fp8_math: MLA_FLAG_FP8_MATH (see attention_absorbed). Returns out, or
+        (out, lse) when return_lse or lse is given.
         """
         self._select(step)
         dev = self._dev
@@ -1718,7 +1721,7 @@ class Step:
                         ctx._stream = s
         a = self._args
         a.scale = scale
-        a.flags = _lib.FLAG_LSE_BASE2 if lse_base2 else 0
+        a.flags = _flags(lse_base2, fp8_math)
         a.act_dtype = act
         a.q_nope, a.q_rope, a.q_stride_token, a.q_stride_head = qn, qr, st_tok, st_head
         a.out, a.lse = op, lp
@@ -2094,7 +2097,7 @@ class Backend(_Handle):
 
     def forward(self, layer, *, new_slots=None, new_c=None, new_r=None, q_nope=None, q_rope=None,
                 q=None, k=None, v=None, kv_b_proj=None, out=None, lse=None, return_lse=False,
-                lse_base2=False):
+                lse_base2=False, fp8_math=False):
         """Run one layer of the planned batch.
 
         new_slots [N] int32, new_c [N, 512], new_r [N, 64]: this step's latent
@@ -2103,7 +2106,8 @@ class Backend(_Handle):
         q_nope [Tq, H, 512], q_rope [Tq, H, 64], out [Tq, H, 512]. MHA
         (uses_mha): q [Tq, H, nope+64], k [Tq, H, nope+64], v [Tq, H, v_dim],
         out [Tq, H, v_dim], plus kv_b_proj [H, nope+v_dim, 512] when chunked.
-        lse [Tq, H] fp32. Returns out, or (out, lse).
+        lse [Tq, H] fp32. fp8_math: MLA_FLAG_FP8_MATH for the absorbed modes (see
+        attention_absorbed; the MHA modes ignore it). Returns out, or (out, lse).
         """
         if self._plan is None:
             raise MLAError(Status.ERR_BAD_STATE, "mla_backend_forward", "no plan: call plan() first")
@@ -2111,7 +2115,7 @@ class Backend(_Handle):
         acts, bf = self._acts, self._bf
         a = self._args
         a.layer = int(layer)
-        a.flags = _lib.FLAG_LSE_BASE2 if lse_base2 else 0
+        a.flags = _flags(lse_base2, fp8_math)
         if new_slots is not None or new_c is not None or new_r is not None:
             if self._cuda:  # device slots, as the CUDA cache write reads them
                 n = check(new_c, "new_c", dtypes=acts, shape=(None, _lib.LATENT), device=dev,

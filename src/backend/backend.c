@@ -947,8 +947,8 @@ mla_status mla_backend_forward(mla_backend *be, const mla_forward_args *a) {
   MLA_REQUIRE(eb, a->layer >= 0 && a->layer < be->desc.cache.num_layers, MLA_ERR_OUT_OF_RANGE,
               "layer = %d, expected 0..%d", a->layer, be->desc.cache.num_layers - 1);
   MLA_REQUIRE(eb, a->num_new >= 0, MLA_ERR_INVALID_ARGUMENT, "num_new = %d", a->num_new);
-  MLA_REQUIRE(eb, (a->flags & ~MLA_FLAG_LSE_BASE2) == 0, MLA_ERR_INVALID_ARGUMENT, "flags = 0x%x",
-              a->flags);
+  MLA_REQUIRE(eb, (a->flags & ~(MLA_FLAG_LSE_BASE2 | MLA_FLAG_FP8_MATH)) == 0, MLA_ERR_INVALID_ARGUMENT,
+              "flags = 0x%x has unknown bits", a->flags);
   const mla_plan *p = &be->plan;
   int rows = p->num_q_tokens;
   int uses_mha = 0;
@@ -978,7 +978,10 @@ mla_status mla_backend_forward(mla_backend *be, const mla_forward_args *a) {
   if (!uses_mha) return run_absorbed(be, a);
   if (chunked) return run_mha_chunked(be, a);
   mla_ragged_args r = extend_ragged(be, a);
-  r.flags = a->flags;
+  /* MLA_FLAG_FP8_MATH is a permission for the absorbed kernels: an engine
+   * sets it once for every forward, so the MHA steps drop it (computing
+   * exactly) rather than refuse it. */
+  r.flags = a->flags & ~MLA_FLAG_FP8_MATH;
   mla_status st = mla_attention_ragged(be->ctx, &r);
   if (st != MLA_OK) return forward_fail(be, st, __func__, mla_ctx_last_error(be->ctx));
   return MLA_OK;

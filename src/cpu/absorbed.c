@@ -853,7 +853,9 @@ mla_status mla_cpu_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, i
   }
   MLA_REQUIRE(eb, isfinite(args->scale) && args->scale > 0.0f, MLA_ERR_INVALID_ARGUMENT,
               "args->scale = %g, expected finite and > 0", (double)args->scale);
-  MLA_REQUIRE(eb, (args->flags & ~MLA_FLAG_LSE_BASE2) == 0, MLA_ERR_INVALID_ARGUMENT,
+  /* MLA_FLAG_FP8_MATH is a permission the CPU never uses: it computes
+   * exactly, bit-identical to the call without the flag. */
+  MLA_REQUIRE(eb, (args->flags & ~(MLA_FLAG_LSE_BASE2 | MLA_FLAG_FP8_MATH)) == 0, MLA_ERR_INVALID_ARGUMENT,
               "args->flags = 0x%x has unknown bits", args->flags);
   MLA_REQUIRE(eb, args->q_stride_token >= 0 && args->q_stride_head >= 0,
               MLA_ERR_INVALID_ARGUMENT, "args->q_stride_token / q_stride_head are negative");

@@ -191,8 +191,8 @@ static mla_status check_args(mla_errbuf *eb, const char *fn, const mla_kv_cache 
       mla_dtype_name(cache->dtype), mla_dtype_name(args->act_dtype), cache->page_size, why);
   REQ(eb, isfinite(args->scale) && args->scale > 0.0f, MLA_ERR_INVALID_ARGUMENT,
       "args->scale = %g, expected finite and > 0", (double)args->scale);
-  REQ(eb, (args->flags & ~MLA_FLAG_LSE_BASE2) == 0, MLA_ERR_INVALID_ARGUMENT, "args->flags = 0x%x has unknown bits",
-      args->flags);
+  REQ(eb, (args->flags & ~(MLA_FLAG_LSE_BASE2 | MLA_FLAG_FP8_MATH)) == 0, MLA_ERR_INVALID_ARGUMENT,
+      "args->flags = 0x%x has unknown bits", args->flags);
   REQ(eb, args->q_stride_token >= 0 && args->q_stride_head >= 0, MLA_ERR_INVALID_ARGUMENT,
       "args->q_stride_token / q_stride_head are negative");
   REQ(eb, args->q_nope, MLA_ERR_INVALID_ARGUMENT, "args->q_nope is NULL");
@@ -221,6 +221,9 @@ static mla_status check_args(mla_errbuf *eb, const char *fn, const mla_kv_cache 
   p->num_pages = cache->num_pages;
   p->scale = args->scale;
   p->lse_base2 = (args->flags & MLA_FLAG_LSE_BASE2) != 0;
+  /* A permission only: mla_cuda_decode takes the fp8 math kernel where it
+   * pays (per-tensor fp8 cache, > 32 rows, TMA pages) and ignores it elsewhere. */
+  p->fp8_math = (args->flags & MLA_FLAG_FP8_MATH) != 0;
   p->q_nope = (const uint16_t *)args->q_nope;
   p->q_rope = (const uint16_t *)args->q_rope;
   p->q_nope_stride_token = nope_st;
