@@ -260,13 +260,14 @@ if want libsan; then
   {
     [ -n "$PREBUILT" ] || { cmake -S "$ROOT" -B "$LIB" -DMLA_CUDA=ON -DCMAKE_BUILD_TYPE=Release > /dev/null \
       && cmake --build "$LIB" -j"$JOBS" --target test_cuda_prefill_paged test_cuda_ragged test_cuda_cache \
-        test_cuda_step > /dev/null; }
-    for t in "test_cuda_prefill_paged small" "test_cuda_ragged small" "test_cuda_cache" "test_cuda_step"; do
+        test_cuda_step test_cuda_decode_dtypes > /dev/null; }
+    for t in "test_cuda_prefill_paged small" "test_cuda_ragged small" "test_cuda_cache" "test_cuda_step" \
+        "test_cuda_decode_dtypes --small"; do
       echo "== memcheck $t"
       timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 "$LIB/tests/"$t 2>&1 | tail -3
       echo "exit ${PIPESTATUS[0]}"
     done
-    for t in "test_cuda_prefill_paged small" "test_cuda_ragged small"; do
+    for t in "test_cuda_prefill_paged small" "test_cuda_ragged small" "test_cuda_decode_dtypes --small"; do
       echo "== racecheck $t"
       timeout 300 compute-sanitizer --tool racecheck --print-limit 6 "$LIB/tests/"$t 2>&1 \
         | grep -v "^  [a-z]" | head -60
