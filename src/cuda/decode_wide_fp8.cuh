@@ -130,6 +130,7 @@ __device__ __forceinline__ void transpose_v(uint32_t kb, uint32_t vt, int half, 
            (k0 + 9 < nvalid ? 0xff000000u : 0u);
   }
   const bool lo = lane < 16;
+  const uint32_t selA = lo ? 0x6420u : 0x7531u, selB = lo ? 0x7531u : 0x6420u;  // even / odd dims of a pair
   const int drel = 16 * (m >> 1) + 2 * i + (((m & 1) ^ (i >= 4 ? 1 : 0)) ? 1 : 0);  // the stmatrix row (dim) it addresses
   const uint32_t unit = 4 * half + wi;
   // Per chunk the four loads first, then the four stores: a load-permute-
@@ -142,11 +143,12 @@ __device__ __forceinline__ void transpose_v(uint32_t kb, uint32_t vt, int half, 
       ldsm_x4_trans(kb + (2 * half + c) * kChunk + key * 128 + (((2 * g + (m >> 1)) ^ (key & 7)) << 4), r[g]);
 #pragma unroll
     for (int g = 0; g < 4; g++) {
-      const uint32_t e0 = __byte_perm(r[g][0], r[g][1], 0x6420) & keep, o0 = __byte_perm(r[g][0], r[g][1], 0x7531) & keep;
-      const uint32_t e1 = __byte_perm(r[g][2], r[g][3], 0x6420) & keep, o1 = __byte_perm(r[g][2], r[g][3], 0x7531) & keep;
+      // (even dims for matrix 0 / 2 from lanes < 16, odd ones from the rest:
+      // the selector itself differs per lane, no select needed)
+      const uint32_t w0 = __byte_perm(r[g][0], r[g][1], selA) & keep, w1 = __byte_perm(r[g][0], r[g][1], selB) & keep;
+      const uint32_t w2 = __byte_perm(r[g][2], r[g][3], selA) & keep, w3 = __byte_perm(r[g][2], r[g][3], selB) & keep;
       const int n = 128 * c + 32 * g + drel;
-      stsm_x4(vt + (n >> 3) * 1024 + (n & 7) * 128 + ((unit ^ (uint32_t)(n & 7)) << 4), lo ? e0 : o0, lo ? o0 : e0,
-              lo ? e1 : o1, lo ? o1 : e1);
+      stsm_x4(vt + (n >> 3) * 1024 + (n & 7) * 128 + ((unit ^ (uint32_t)(n & 7)) << 4), w0, w1, w2, w3);
     }
   }
 }
