@@ -186,6 +186,26 @@ __device__ __forceinline__ void exp_rows(float (&s)[32], float sl2, float mA, fl
   }
 }
 
+// A warpgroup's hand-off of its rows' running max and scale (one lane per
+// quad), before the named-barrier arrival that publishes them.
+__device__ __forceinline__ void publish_rows(float *sM, float *sS, int rA, int rB, float mA, float mB, float sA,
+                                             float sB, bool lead) {
+  if (lead) {
+    sM[rA] = mA;
+    sM[rB] = mB;
+    sS[rA] = sA;
+    sS[rB] = sB;
+  }
+}
+// O and the partial row sums taken to a new max (factors fA / fB) plus this
+// tile's sums; the 128-wide rescale only when a row of the warp moved.
+__device__ __forceinline__ void rescale_acc(float (&o)[128], float &lsA, float &lsB, float fA, float fB, float sumA,
+                                            float sumB) {
+  if (__any_sync(0xffffffffu, fA != 1.f || fB != 1.f)) rescale_o(o, fA, fB);
+  lsA = lsA * fA + sumA;
+  lsB = lsB * fB + sumB;
+}
+
 // Next tile of one buffer: tiles t with t % 2 == buf, over the part's requests.
 struct BufCursor {
   int req, t;
@@ -613,11 +633,13 @@ __device__ __forceinline__ void load_q(const mla_decode_params &p, const ReqWork
 // Epilogue of one request: l = both warpgroups' partial sums; m is the final
 // running max in shared memory.
 template <bool kF16>
+// osc: the output's factor (the fp8 math kernel's cache scale); offL / offM:
+// where the layout keeps the row sums and the running max.
 __device__ __forceinline__ void epilogue(const mla_decode_params &p, const ReqWork &w, int mb, uint8_t *smem,
                                          const float (&o)[128], float lsA, float lsB, int wg, int rA, int rB, int cq,
-                                         bool lead) {
-  float *sL = reinterpret_cast<float *>(smem + kOffL);
-  const float *sM = reinterpret_cast<const float *>(smem + kOffM);
+                                         bool lead, float osc = 1.f, uint32_t offL = kOffL, uint32_t offM = kOffM) {
+  float *sL = reinterpret_cast<float *>(smem + offL);
+  const float *sM = reinterpret_cast<const float *>(smem + offM);
   lsA += __shfl_xor_sync(0xffffffffu, lsA, 1);
   lsA += __shfl_xor_sync(0xffffffffu, lsA, 2);
   lsB += __shfl_xor_sync(0xffffffffu, lsB, 1);
@@ -628,7 +650,7 @@ __device__ __forceinline__ void epilogue(const mla_decode_params &p, const ReqWo
   }
   __syncthreads();
   const float tA = sL[rA] + sL[64 + rA], tB = sL[rB] + sL[64 + rB];
-  const float iA = tA > 0.f ? 1.f / tA : 0.f, iB = tB > 0.f ? 1.f / tB : 0.f;
+  const float iA = tA > 0.f ? osc / tA : 0.f, iB = tB > 0.f ? osc / tB : 0.f;
 #pragma unroll
   for (int i = 0; i < 128; i += 2) {
     const bool rowB = (i >> 1) & 1;

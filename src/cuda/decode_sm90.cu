@@ -531,16 +531,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         store_p(sPa, pa, wi, lane);
         fence_proxy_async();
         __syncwarp();
-        if (lead) {
-          sM[rA] = m0A;
-          sM[rB] = m0B;
-          sS0[rA] = s0A;
-          sS0[rB] = s0B;
-        }
+        publish_rows(sM, sS0, rA, rB, m0A, m0B, s0A, s0B, lead);
         named_bar_arrive(BAR_A, kThreads);
-        if (__any_sync(0xffffffffu, s0A != 1.f || s0B != 1.f)) rescale_o(o, s0A, s0B);
-        lsA = lsA * s0A + sumA;
-        lsB = lsB * s0B + sumB;
+        rescale_acc(o, lsA, lsB, s0A, s0B, sumA, sumB);
         // O_L = s0 O_L + P0 V0_L
         if (lm_tma16(LM) && nv0 < 64) {  // (cp.async modes zero-fill those rows, fp8 dequantizes them to 0)
           zero_tail(smem + kOffB0, nv0, 0, t128);
@@ -617,17 +610,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           fence_proxy_async();
         }
         __syncwarp();
-        if (lead) {
-          sM[rA] = m1A;
-          sM[rB] = m1B;
-          sS1[rA] = s1A;
-          sS1[rB] = s1B;
-        }
+        publish_rows(sM, sS1, rA, rB, m1A, m1B, s1A, s1B, lead);
         named_bar_arrive(BAR_P1, kThreads);
         const float fA = s0A * s1A, fB = s0B * s1B;
-        if (__any_sync(0xffffffffu, fA != 1.f || fB != 1.f)) rescale_o(o, fA, fB);
-        lsA = lsA * fA + sumA;
-        lsB = lsB * fB + sumB;
+        rescale_acc(o, lsA, lsB, fA, fB, sumA, sumB);
         if (has1) {
           // O_R += P1 V1_R (P1 from registers), left in flight.
           if (lm_tma16(LM) && nv1 < 64) {
@@ -762,16 +748,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         store_p8(sPa, pa, wi, lane);
         fence_proxy_async();
         __syncwarp();
-        if (lead) {
-          sM[rA] = m0A;
-          sM[rB] = m0B;
-          sS0[rA] = s0A;
-          sS0[rB] = s0B;
-        }
+        publish_rows(sM, sS0, rA, rB, m0A, m0B, s0A, s0B, lead);
         named_bar_arrive(BAR_A, kThreads);
-        if (__any_sync(0xffffffffu, s0A != 1.f || s0B != 1.f)) rescale_o(o, s0A, s0B);
-        lsA = lsA * s0A + sumA;
-        lsB = lsB * s0B + sumB;
+        rescale_acc(o, lsA, lsB, s0A, s0B, sumA, sumB);
         pv8_rs(o, pa, vt0, 0);  // O_L = s0 O_L + P0 V0_L
         if (has1) {  // V1_L^T from B1 latent 0-255 while it runs
           mbar_wait(bars1, par1);
@@ -832,17 +811,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           fence_proxy_async();
         }
         __syncwarp();
-        if (lead) {
-          sM[rA] = m1A;
-          sM[rB] = m1B;
-          sS1[rA] = s1A;
-          sS1[rB] = s1B;
-        }
+        publish_rows(sM, sS1, rA, rB, m1A, m1B, s1A, s1B, lead);
         named_bar_arrive(BAR_P1, kThreads);
         const float fA = s0A * s1A, fB = s0B * s1B;
-        if (__any_sync(0xffffffffu, fA != 1.f || fB != 1.f)) rescale_o(o, fA, fB);
-        lsA = lsA * fA + sumA;
-        lsB = lsB * fB + sumB;
+        rescale_acc(o, lsA, lsB, fA, fB, sumA, sumB);
         if (has1) pv8_rs(o, pa, vt1, 1);  // O_R += P1 V1_R, left in flight
         // V0_R^T from B0 latent 256-511 meanwhile (WG0's Q.K^T on B0 retired before BAR_A)
         mbar_wait(bars0 + 8, par0);
@@ -861,7 +833,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       cur0 = nx0;
       if (has1) cur1 = nx1;
     }
-    epilogue8(p, w, mb, smem, o, lsA, lsB, wg, rA, rB, cq, lead, p.kv_scale);
+    epilogue<false>(p, w, mb, smem, o, lsA, lsB, wg, rA, rB, cq, lead, p.kv_scale, L::kOffL, L::kOffM);
   }
 #endif
 }

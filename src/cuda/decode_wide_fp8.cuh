@@ -308,34 +308,4 @@ __device__ __forceinline__ float load_q8(const mla_decode_params &p, const ReqWo
   return __uint_as_float((uint32_t)(127 - e) << 23);
 }
 
-// Epilogue of one request (the wide kernel's, on this layout): l = both
-// warpgroups' partial sums of P'; the output times osc (the cache scale) / l.
-__device__ __forceinline__ void epilogue8(const mla_decode_params &p, const ReqWork &w, int mb, uint8_t *smem,
-                                          const float (&o)[128], float lsA, float lsB, int wg, int rA, int rB,
-                                          int cq, bool lead, float osc) {
-  float *sL = reinterpret_cast<float *>(smem + W8::kOffL);
-  const float *sM = reinterpret_cast<const float *>(smem + W8::kOffM);
-  lsA += __shfl_xor_sync(0xffffffffu, lsA, 1);
-  lsA += __shfl_xor_sync(0xffffffffu, lsA, 2);
-  lsB += __shfl_xor_sync(0xffffffffu, lsB, 1);
-  lsB += __shfl_xor_sync(0xffffffffu, lsB, 2);
-  if (lead) {
-    sL[wg * 64 + rA] = lsA;
-    sL[wg * 64 + rB] = lsB;
-  }
-  __syncthreads();
-  const float tA = sL[rA] + sL[64 + rA], tB = sL[rB] + sL[64 + rB];
-  const float iA = tA > 0.f ? osc / tA : 0.f, iB = tB > 0.f ? osc / tB : 0.f;
-#pragma unroll
-  for (int i = 0; i < 128; i += 2) {
-    const bool rowB = (i >> 1) & 1;
-    const int r = rowB ? rB : rA;
-    if (r < w.rows) store_out_pair<false>(p, w, mb, r, 256 * wg + 8 * (i >> 2) + cq, o[i], o[i + 1], rowB ? iB : iA);
-  }
-  if (wg == 0 && lead) {
-    if (rA < w.rows) store_lse(p, w, mb, rA, tA > 0.f ? sM[rA] + log2f(tA) : -INFINITY);
-    if (rB < w.rows) store_lse(p, w, mb, rB, tB > 0.f ? sM[rB] + log2f(tB) : -INFINITY);
-  }
-}
-
 }  // namespace seesaw
