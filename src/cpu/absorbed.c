@@ -46,8 +46,11 @@
  * all, each >= SPLIT_MIN_KEYS keys) that run in parallel and write partial
  * (o, lse) states into the workspace; the worker that finishes an item's
  * last piece merges them, with the workers that have no pieces left
- * (help_merges), a few rows at a time. The items' query blocks are built
- * once, before the pieces run; the pieces are handed out one at a time
+ * (help_merges), a few rows at a time. Each worker builds the query block
+ * of the item its piece belongs to in its own scratch, once per item in a
+ * row (built once by the caller and shared, it took 4-6 us of the call's
+ * serial start and was read from the other core); the pieces are handed
+ * out one at a time
  * (pieces_worker). The decision depends only on the plan and the head
  * count, never on the thread count, and a row's merge does not depend on
  * which worker runs it, so results are bit-identical for any number of
@@ -121,7 +124,14 @@ static geom geom_for(int num_heads, int max_q_len) {
   return g;
 }
 
-/* Per-worker scratch layout (offsets in floats, each 64-byte aligned). */
+/* Per-worker scratch layout (offsets in floats, each 64-byte aligned).
+ * Every worker's scratch starts on a page and spans whole pages, so all
+ * workers' buffers sit at the same offsets within their pages. With a
+ * stride of 65 pages + 384 bytes (H = 16) the second worker's pieces ran
+ * 4-5 % slower than the first's, whichever thread ran them (2-core
+ * AVX-512 VM, 2026-11-30: swapping the scratches swapped the slow
+ * worker); at split decode's end the first then waited for the second. */
+#define SCRATCH_PAGE ((size_t)4096)
 typedef struct scratch_layout {
   size_t kt, qt, stage, s, s2, acc, m, l, alpha, alphad, lim, total;
 } scratch_layout;
@@ -142,22 +152,20 @@ static scratch_layout layout_for(int rb) {
   L.alpha = o, o += al16((size_t)rb);
   L.alphad = o, o += 32; /* alpha in pv16p's pair layout [2][16] */
   L.lim = o, o += al16((size_t)rb); /* int32 per row, same size as a float */
-  L.total = o;
+  L.total = (o + SCRATCH_PAGE / sizeof(float) - 1) & ~(SCRATCH_PAGE / sizeof(float) - 1);
   return L;
 }
 
 /* Workspace: [workers x scratch][split partials: SPLIT_MAX_PIECES x rb x
- * PART_W][split items' query blocks: SPLIT_MIN_ITEMS x 576 x rb]. */
-static size_t carve(mla_ws *w, int workers, geom g, float **scratch, float **partial,
-                    float **item_qt) {
+ * PART_W]. */
+static size_t carve(mla_ws *w, int workers, geom g, float **scratch, float **partial) {
   scratch_layout L = layout_for(g.rb);
   size_t pw = L.total * sizeof(float);
-  float *a = mla_ws_take(w, pw * (size_t)workers);
+  float *a = mla_ws_take(w, pw * (size_t)workers + SCRATCH_PAGE);
+  if (a) a = (float *)(((uintptr_t)a + SCRATCH_PAGE - 1) & ~(uintptr_t)(SCRATCH_PAGE - 1));
   float *b = mla_ws_take(w, (size_t)SPLIT_MAX_PIECES * g.rb * PART_W * sizeof(float));
-  float *c = mla_ws_take(w, (size_t)SPLIT_MIN_ITEMS * MLA_ROW * g.rb * sizeof(float));
   if (scratch) *scratch = a;
   if (partial) *partial = b;
-  if (item_qt) *item_qt = c;
   return L.total;
 }
 
@@ -182,7 +190,6 @@ typedef struct ab_job {
   float *scratch;
   size_t scratch_floats;
   float *partial;
-  float *item_qt; /* split path: each item's query block, built once */
   int num_heads_blocks;
   /* split path: the pieces, and for the merge the items before cutting */
   const piece *pieces;
@@ -361,7 +368,7 @@ static void finish_row(int split, const float *acc, float inv, float *o) {
  * first tile was prefetched / converted that way. Returns whether it
  * converted next's first tile. */
 static int run_piece(const ab_job *J, const piece *pc, int worker, const piece *next,
-                     int prefetched, int converted) {
+                     int prefetched, int converted, int *qt_item) {
   const mla_plan *P = J->plan;
   const mla_cpu_kernels *k = J->k;
   scratch_layout L = layout_for(J->g.rb);
@@ -406,10 +413,9 @@ static int run_piece(const ab_job *J, const piece *pc, int worker, const piece *
       if (pn > 0) prefetch_rows(&J->rows, ps, pn);
     }
   const float *QT = QTs;
-  if (pc->item >= 0) {
-    QT = J->item_qt + (size_t)pc->item * MLA_ROW * J->g.rb;
-  } else {
+  if (!qt_item || pc->item < 0 || *qt_item != pc->item) { /* (unsplit pieces carry item -1: always built) */
     build_qt(J, pc, base + L.stage, QTs);
+    if (qt_item) *qt_item = pc->item;
   }
   for (int r = 0; r < rb; r++) {
     m[r] = -INFINITY;
@@ -612,15 +618,8 @@ static void items_range(void *arg, int64_t b, int64_t e, int worker) {
       nx = piece_of(J, i, it + 1 - first);
       have_next = 1;
     }
-    conv = run_piece(J, &pc, worker, have_next ? &nx : NULL, it > b, it > b && conv);
+    conv = run_piece(J, &pc, worker, have_next ? &nx : NULL, it > b, it > b && conv, NULL);
   }
-}
-
-static void qt_range(void *arg, int64_t b, int64_t e, int worker) {
-  const ab_job *J = arg;
-  float *stage = J->scratch + (size_t)worker * J->scratch_floats + layout_for(J->g.rb).stage;
-  for (int64_t it = b; it < e; it++)
-    build_qt(J, &J->items[it], stage, J->item_qt + (size_t)it * MLA_ROW * J->g.rb);
 }
 
 static void merge_range(void *arg, int64_t b, int64_t e, int worker);
@@ -673,12 +672,12 @@ static void pieces_worker(void *arg, int64_t b, int64_t e, int worker) {
   (void)b;
   (void)e;
   int p = atomic_fetch_add_explicit(J->next_piece, 1, memory_order_relaxed);
-  int conv = 0;
+  int conv = 0, qt_item = -1;
   for (int first = 1; p < J->num_pieces; first = 0) {
     const int q = atomic_fetch_add_explicit(J->next_piece, 1, memory_order_relaxed);
     const piece *pc = &J->pieces[p];
     conv = run_piece(J, pc, worker, q < J->num_pieces ? &J->pieces[q] : NULL, !first,
-                     !first && conv);
+                     !first && conv, &qt_item);
     /* acq_rel: the last one sees every other piece's partial state */
     if (pc->part >= 0 &&
         atomic_fetch_sub_explicit(&J->item_left[pc->item], 1, memory_order_acq_rel) == 1)
@@ -740,7 +739,7 @@ mla_status mla_cpu_attention_absorbed_workspace_size(mla_ctx *ctx, const mla_pla
   MLA_REQUIRE(&ctx->err, plan->max_q_len >= 0, MLA_ERR_INVALID_ARGUMENT,
               "plan->max_q_len = %d is negative", (int)plan->max_q_len);
   mla_ws w = mla_ws_counter();
-  carve(&w, mla_ctx_workers(ctx), geom_for(num_heads, plan->max_q_len), NULL, NULL, NULL);
+  carve(&w, mla_ctx_workers(ctx), geom_for(num_heads, plan->max_q_len), NULL, NULL);
   if (!plan->kv_indices) /* MLA_PLAN_PAGES_ONLY: the slots, derived from the block table */
     mla_ws_take(&w, sizeof(int32_t) * (size_t)(plan->num_kv_tokens > 0 ? plan->num_kv_tokens : 0));
   *bytes = mla_ws_total(&w);
@@ -879,7 +878,7 @@ mla_status mla_cpu_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, i
   const size_t nslots = plan->kv_indices ? 0 : (size_t)plan->num_kv_tokens;
   {
     mla_ws w = mla_ws_counter();
-    carve(&w, workers, g, NULL, NULL, NULL);
+    carve(&w, workers, g, NULL, NULL);
     if (!plan->kv_indices) mla_ws_take(&w, sizeof(int32_t) * nslots);
     need = mla_ws_total(&w);
   }
@@ -903,7 +902,7 @@ mla_status mla_cpu_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, i
   J.rope_st = args->q_stride_token ? args->q_stride_token : (int64_t)H * MLA_ROPE;
   J.rope_sh = args->q_stride_head ? args->q_stride_head : MLA_ROPE;
   mla_ws w = mla_ws_over(workspace, workspace_bytes);
-  J.scratch_floats = carve(&w, workers, g, &J.scratch, &J.partial, &J.item_qt);
+  J.scratch_floats = carve(&w, workers, g, &J.scratch, &J.partial);
   mla_plan paged; /* a pages-only plan with the slots filled in */
   if (!plan->kv_indices) {
     int32_t *slots = mla_ws_take(&w, sizeof(int32_t) * nslots);
@@ -980,12 +979,6 @@ mla_status mla_cpu_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, i
   J.item_left = left;
   J.merge_next = merge_next;
   J.num_items = ni;
-  /* each item's query block once, shared by its pieces; a few 16-row
-   * blocks are built here (microseconds) rather than waking the pool */
-  if ((int64_t)ni * g.rb <= 64)
-    qt_range(&J, 0, ni, 0);
-  else
-    mla_parallel_for(ctx, ni, 1, qt_range, &J);
   /* the last piece of a split item merges it */
   atomic_int next_piece;
   atomic_init(&next_piece, 0);
