@@ -1900,24 +1900,41 @@ bool legacy_decode() {
 }
 
 
-// The fp8 math kernel's domain (MLA_FLAG_FP8_MATH): per-tensor fp8 through
-// TMA (page size >= 8), m-blocks wider than the narrow kernels take.
-bool use_fp8_math(const mla_decode_params *p) {
-  return p->fp8_math && p->kv_dtype == MLA_DTYPE_FP8_E4M3 && p->page_size >= 8 && mla_decode_rows(p) > 32;
+// Which split kernel a launch takes: the one decision behind both
+// launch_mode and mla_cuda_decode_route. fp8 math: MLA_FLAG_FP8_MATH over a
+// per-tensor fp8 cache through TMA (page size >= 8), m-blocks wider than the
+// narrow kernels take. Ring: <= 16 rows of any cache through TMA (page size
+// >= 8: the TMA load modes) unless MLA_DECODE_LEGACY. Then narrow for <= 16
+// / <= 32 rows, wide above.
+enum DecodeRoute { ROUTE_WIDE8, ROUTE_RING, ROUTE_NARROW16, ROUTE_NARROW32, ROUTE_WIDE };
+DecodeRoute route_of(const mla_decode_params *p) {
+  const int rows = mla_decode_rows(p);
+  if (p->fp8_math && p->kv_dtype == MLA_DTYPE_FP8_E4M3 && p->page_size >= 8 && rows > 32) return ROUTE_WIDE8;
+  if (p->page_size >= 8 && rows <= 16 && !legacy_decode()) return ROUTE_RING;
+  return rows <= 16 ? ROUTE_NARROW16 : rows <= 32 ? ROUTE_NARROW32 : ROUTE_WIDE;
 }
 
-// One load mode and operand type: narrow for <= 16 / <= 32 rows (the ring
-// kernel for <= 16 rows of a 16-bit cache through TMA), wide above.
+// One load mode and operand type, the kernel route_of picks (the TMA modes
+// are exactly the page sizes >= 8, so the ring and fp8 math routes only
+// reach their instantiations).
 template <int LM, bool kF16>
 cudaError_t launch_mode(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
-  const int rows = mla_decode_rows(p);
-  if constexpr (LM == LOAD_FP8_TMA)
-    if (use_fp8_math(p)) return launch_wide8(p, map, stream);
-  if constexpr (lm_tma16(LM) || LM == LOAD_FP8_TMA || LM == LOAD_FP8_BLOCK_TMA)
-    if (rows <= 16 && !legacy_decode()) return launch_ring<LM, kF16>(p, map, stream);
-  if (rows <= 16) return launch_narrow<16, LM, kF16>(p, map, stream);
-  if (rows <= 32) return launch_narrow<32, LM, kF16>(p, map, stream);
-  return launch_wide<LM, kF16>(p, map, stream);
+  switch (route_of(p)) {
+    case ROUTE_WIDE8:
+      if constexpr (LM == LOAD_FP8_TMA) return launch_wide8(p, map, stream);
+      break;
+    case ROUTE_RING:
+      if constexpr (lm_tma16(LM) || LM == LOAD_FP8_TMA || LM == LOAD_FP8_BLOCK_TMA)
+        return launch_ring<LM, kF16>(p, map, stream);
+      break;
+    case ROUTE_NARROW16:
+      return launch_narrow<16, LM, kF16>(p, map, stream);
+    case ROUTE_NARROW32:
+      return launch_narrow<32, LM, kF16>(p, map, stream);
+    case ROUTE_WIDE:
+      return launch_wide<LM, kF16>(p, map, stream);
+  }
+  return cudaErrorNotSupported;  // (a route outside this load mode's kernels: not reached)
 }
 
 // Tensor maps of a cache layer, kept across calls: a map is a pure function
@@ -2030,12 +2047,8 @@ extern "C" const char *mla_cuda_decode_route(const mla_decode_params *p) {
   if (mla_cuda_decode_unsupported(p->kv_dtype, p->act_dtype, p->page_size) || p->batch_size == 0 ||
       p->num_sm_parts == 0)
     return "none";
-  const int rows = mla_decode_rows(p);
-  if (use_fp8_math(p)) return "wide-fp8math";
-  if (p->page_size >= 8 && rows <= 16 && !legacy_decode()) return "ring";
-  if (rows <= 16) return "narrow16";
-  if (rows <= 32) return "narrow32";
-  return "wide";
+  static const char *const names[] = {"wide-fp8math", "ring", "narrow16", "narrow32", "wide"};
+  return names[route_of(p)];
 }
 
 extern "C" int mla_cuda_decode(const mla_decode_params *p, void *stream_) {
