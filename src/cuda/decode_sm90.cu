@@ -22,6 +22,7 @@
 #include "decode_seesaw.cuh"
 #include "decode_wgmma_narrow.cuh"
 #include "decode_wide_fp8.cuh"
+#include "launch_once.cuh"
 #include "mla.h"
 #include "runtime.h"
 
@@ -1820,33 +1821,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
 }
 
 
-// ---- host-side state kept across calls --------------------------------------
-// Per-device facts found once, as bits of a mask (device ordinals 0..63; a
-// larger ordinal is checked on every call). A bit is set only after the
-// fact was established on that device, with release ordering: a thread that
-// sees it set may skip the work; two threads racing both do it (it is
-// idempotent), so no lock is needed.
-constexpr int kMaskDevices = 64;
-
-bool device_bit_set(const uint64_t *mask, int dev) {
-  return dev >= 0 && dev < kMaskDevices && ((__atomic_load_n(mask, __ATOMIC_ACQUIRE) >> dev) & 1u);
-}
-void device_bit_mark(uint64_t *mask, int dev) {
-  if (dev >= 0 && dev < kMaskDevices) __atomic_fetch_or(mask, (uint64_t)1 << dev, __ATOMIC_RELEASE);
-}
-
-// Opts a kernel into its dynamic shared memory once per device: the
-// attribute belongs to the function as loaded on the current device, so a
-// process-wide "done" flag would be wrong with several devices.
-template <typename Kernel>
-cudaError_t set_smem_once(Kernel kernel, int bytes, uint64_t *done) {
-  int dev = -1;
-  DEV_CUDA_OK(cudaGetDevice(&dev));
-  if (device_bit_set(done, dev)) return cudaSuccess;
-  DEV_CUDA_OK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  device_bit_mark(done, dev);
-  return cudaSuccess;
-}
+// ---- host-side state kept across calls: launch_once.cuh --------------------
 
 template <int LM, bool kF16>
 cudaError_t launch_wide(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
@@ -2005,16 +1980,7 @@ cudaError_t kv_maps_cached(const mla_decode_params *p, KvMaps *map) {
 // the kernel bodies are compiled out), found once per device.
 uint64_t g_arch_ok;
 
-cudaError_t check_arch(void) {
-  int dev = -1;
-  DEV_CUDA_OK(cudaGetDevice(&dev));
-  if (device_bit_set(&g_arch_ok, dev)) return cudaSuccess;
-  cudaFuncAttributes fa;
-  DEV_CUDA_OK(cudaFuncGetAttributes(&fa, decode_wide_kernel<LOAD_TMA_BIG, false>));
-  if (fa.binaryVersion < 90) return cudaErrorNotSupported;
-  device_bit_mark(&g_arch_ok, dev);
-  return cudaSuccess;
-}
+cudaError_t check_arch(void) { return check_sm90_once(decode_wide_kernel<LOAD_TMA_BIG, false>, &g_arch_ok); }
 
 }  // namespace
 

@@ -42,6 +42,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "launch_once.cuh"
 #include "mla.h"
 #include "prefill.h"
 
@@ -938,7 +939,8 @@ template <int DQK, bool F16, bool CAP, int MODE>
 cudaError_t launch(const mla_prefill_params *p, int grid, cudaStream_t stream, const TmaMaps &maps) {
   auto kern = prefill_kernel<DQK, 128, F16, CAP, MODE>;
   const int smem = Lay<DQK, 128>::kSmem;
-  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  static uint64_t smem_set;  // per instantiation and device
+  const cudaError_t e = set_smem_once(kern, smem, &smem_set);
   if (e != cudaSuccess) return e;
   mla_prefill_params q = *p;
   q.head_group = head_group();
@@ -1017,10 +1019,9 @@ extern "C" int mla_cuda_prefill_launch(const mla_prefill_params *p, int grid, vo
   if (p->batch_size <= 0) return (int)cudaSuccess;
   if (p->batch_size > MLA_CUDA_PREFILL_MAX_BATCH) return (int)cudaErrorNotSupported;
   // Built without sm_90a code the kernel bodies are empty: refuse.
-  cudaFuncAttributes fa;
-  cudaError_t e = cudaFuncGetAttributes(&fa, prefill_kernel<192, 128, false, false, 0>);
+  static uint64_t arch_ok;
+  cudaError_t e = check_sm90_once(prefill_kernel<192, 128, false, false, 0>, &arch_ok);
   if (e != cudaSuccess) return (int)e;
-  if (fa.binaryVersion < 90) return (int)cudaErrorNotSupported;
   const bool f16 = p->act_dtype == MLA_DTYPE_F16;
   const int mode = kernel_mode();
   if (p->qk_dim == 192)
