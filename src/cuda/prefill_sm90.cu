@@ -482,18 +482,6 @@ __device__ __forceinline__ void ovl_step(float (&o)[64], float (&s)[64], uint32_
   kv_it++;
 }
 
-// ---------------------------------------------------------------------------
-// The kernel
-// ---------------------------------------------------------------------------
-// MODE 0: plain loop (scores, softmax, P V in sequence); 1: overlapped (next
-// tile's scores and this tile's P V issued together, softmax while P V
-// runs); 2: overlapped with the two consumer warpgroups taking turns at the
-// tensor cores (named barriers), so one's softmax runs under the other's
-// matrix work; 3: MODE 1 with registers 40 / 232 (producer_regs /
-// consumer_regs).
-// MODE & 7 is the consumer loop, MODE & 8 the TMA producer, MODE & 16 the
-// softmax pinned above the P V wait, MODE & 32 O rescaled before the P V
-// issue (PIN and ES: ovl_step; overlapped loops only).
 // The item's O rows t_lo, t_lo + 8 of this thread, o / l in 16-bit, as
 // 8-byte stores. A thread holds columns 8 c + 2 (lane % 4) and + 1 of each
 // group c; lanes 2i and 2i + 1 swap one word per two groups (one shuffle), so
@@ -523,6 +511,18 @@ __device__ __forceinline__ void store_o_pairs(const mla_prefill_params &p, const
   }
 }
 
+// ---------------------------------------------------------------------------
+// The kernel
+// ---------------------------------------------------------------------------
+// MODE 0: plain loop (scores, softmax, P V in sequence); 1: overlapped (next
+// tile's scores and this tile's P V issued together, softmax while P V
+// runs); 2: overlapped with the two consumer warpgroups taking turns at the
+// tensor cores (named barriers), so one's softmax runs under the other's
+// matrix work; 3: MODE 1 with registers 40 / 232 (producer_regs /
+// consumer_regs).
+// MODE & 7 is the consumer loop, MODE & 8 the TMA producer, MODE & 16 the
+// softmax pinned above the P V wait, MODE & 32 O rescaled before the P V
+// issue (PIN and ES: ovl_step; overlapped loops only).
 template <int DQK, int DV, bool F16, bool CAP, int MODE>
 __global__ void __launch_bounds__(kThreads, 1)
     prefill_kernel(const mla_prefill_params p, const __grid_constant__ TmaMaps maps) {
