@@ -1,6 +1,7 @@
 /* White-box test of the AVX-512 16-row pair kernels (src/cpu/cpu.h:
- * qk16pb, pdup16p, pv16p, unpack16p) against the kernels they stand in for
- * (qk16p, pv). They compute the same sums in the same order, so the
+ * qk16pb, pdup16p, pv16p, unpack16p, merge16p) against the kernels they
+ * stand in for (qk16p, pv; merge16p: unpack16p, then pv with a row of
+ * weights). They compute the same sums in the same order, so the
  * results must be bit-identical, for every key count (the 12 / 10 / 8 /
  * 4 / 2 / 1-key blocks, odd counts). With a pending bf16 conversion
  * (mla_cpu_conv, the fast form with row addresses and the general one)
@@ -154,6 +155,54 @@ int main(void) {
     }
     free(ap);
     free(rowsf);
+  }
+  /* merge16p against unpack16p + pv (the split-KV merge's two forms): 1
+   * to 9 pieces, a padded piece stride, both halves of the pair layout
+   * taken apart as the absorbed kernel stores them; the weights in
+   * [0, 1), some exactly 0 (an empty piece's) */
+  if (k->merge16p) {
+    enum { MAXP = 9, PST = 16 * 528 };
+    float *accps = aligned_alloc(64, sizeof(float) * MAXP * 16 * 512); /* [MAXP][256][2][16] */
+    float *parts = aligned_alloc(64, sizeof(float) * MAXP * PST);       /* [MAXP][2][256][16] + pad */
+    float *rowsp = aligned_alloc(64, sizeof(float) * MAXP * 16 * 512);
+    float *mg = aligned_alloc(64, sizeof(float) * 8 * 520), *ref = aligned_alloc(64, sizeof(float) * 512);
+    if (accps && parts && rowsp && mg && ref) {
+      fill(accps, (size_t)MAXP * 16 * 512);
+      fill(parts, (size_t)MAXP * PST);
+      for (int p = 0; p < MAXP; p++) {
+        const float *ap = accps + (size_t)p * 16 * 512;
+        k->unpack16p(ap, 512, rowsp + (size_t)p * 16 * 512, 512);
+        for (int v = 0; v < 2; v++)
+          for (int q = 0; q < 256; q++)
+            memcpy(parts + (size_t)p * PST + (size_t)v * 4096 + (size_t)q * 16, ap + (size_t)q * 32 + 16 * v,
+                   16 * sizeof(float));
+      }
+      for (int np = 1; np <= MAXP; np++)
+        for (int half = 0; half < 2; half++) {
+          float wd[MAXP][16], w[16][MAXP];
+          for (int p = 0; p < np; p++)
+            for (int i = 0; i < 8; i++) {
+              const float x = (p + i) % 5 == 3 ? 0.0f : (float)tu_uniform(&rng);
+              wd[p][2 * i] = wd[p][2 * i + 1] = w[8 * half + i][p] = x;
+            }
+          k->merge16p(np, parts + (size_t)half * 4096, PST, &wd[0][0], mg, 520);
+          int bad = 0;
+          for (int i = 0; i < 8; i++) {
+            const int r = 8 * half + i;
+            memset(ref, 0, sizeof(float) * 512);
+            k->pv(np, 1, w[r], 1, rowsp + (size_t)r * 512, 16 * 512, 512, NULL, ref, 512, NULL);
+            bad += !same(ref, mg + (size_t)i * 520, 512);
+          }
+          TU_CHECK(bad == 0, "merge16p np=%d half %d: %d of 8 rows differ from unpack16p + pv", np, half, bad);
+        }
+    } else {
+      TU_CHECK(0, "out of memory");
+    }
+    free(accps);
+    free(parts);
+    free(rowsp);
+    free(mg);
+    free(ref);
   }
   free(K);
   free(QTp);

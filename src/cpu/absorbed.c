@@ -34,12 +34,15 @@
  * calls spent ~15 % of their time starting and ending), P x V with the
  * query rows as the vector lanes (pv16p: every value element is loaded
  * once, as a 64-bit broadcast feeding two FMAs; acc in a pair layout,
- * turned back into rows once per piece), and a schedule where the P x V
- * steps convert the next tile's blocks 8, 0 .. 6 and the first score call
- * block 7; a piece's last tile converts the first tile of the piece its
- * worker runs next (converted without overlap, that tile's 8 blocks cost
- * ~5 % of a 16-tile piece). The steps sit between unrolled pairs of FMA
- * iterations (a test and a branch per iteration cost ~10 % of the scores).
+ * turned back into rows once per piece, or for a split piece once per
+ * item by the merge), and a schedule where the P x V steps convert the
+ * next tile's blocks 8, 0 .. 6 and the first score call block 7; a
+ * piece's last tile converts the first tile of the piece its worker runs
+ * next (converted without overlap, that tile's 8 blocks cost ~5 % of a
+ * 16-tile piece; a worker's first tile, which nothing converted, runs its
+ * scores block by block, each call converting the next block). The steps
+ * sit between unrolled pairs of FMA iterations (a test and a branch per
+ * iteration cost ~10 % of the scores).
  *
  * Split-KV: when a batch has fewer than SPLIT_MIN_ITEMS items (small-batch
  * decode), each item's keys are cut into pieces (at most SPLIT_MAX_PIECES in
@@ -89,11 +92,12 @@
 #define SPLIT_MIN_KEYS 512
 #define SPLIT_PIECE_KEYS 1024
 #define SPLIT_WANT_PIECES 16
-/* Rows of a split item merged as one unit of work: the worker that
- * finishes the item's last piece and any worker without pieces left take
- * such groups from a counter, so the merge (reads of every piece's
- * partial state, ~10-14 us for 16 rows x 8 pieces) is shared instead of
- * running alone while the other workers wait for the call to end. */
+/* Rows of a split item merged as one unit of work (items of 16 padded
+ * rows on the pair path: MERGE_ROWS_PAIR): the worker that finishes the
+ * item's last piece and any worker without pieces left take such groups
+ * from a counter, so the merge (reads of every piece's partial state,
+ * ~10-14 us for 16 rows x 8 pieces) is shared instead of running alone
+ * while the other workers wait for the call to end. */
 #define MERGE_ROWS 2
 #define COLS 64 /* columns of a tile converted at a time (divides 512 and 576) */
 /* A split piece's partial state per row: the unnormalised accumulator
@@ -102,6 +106,20 @@
 #define PART_W (MLA_LATENT + 16)
 #define PART_M MLA_LATENT
 #define PART_L (MLA_LATENT + 1)
+/* A 16-row piece of the pair path (pairv) leaves its state in pv16p's
+ * pair layout instead, split by halves: [2][256][16] (vector v of every
+ * column pair, rows 8v .. 8v + 7, then the other), then m [16] and l [16]
+ * (within the 16 x PART_W floats of its slot). The merge (merge16p) reads
+ * it as it is, 8 rows per vector, and unpacks once per item instead of
+ * once per piece: at H = 16 s_k = 4096 on 2 threads the merge took
+ * ~7.5-8.5 us instead of ~10.5-13 (2-core AVX-512 VM). With the halves in
+ * alternate 64-byte lines (the accumulator's own layout) both workers
+ * fetched every line and it took ~14. */
+#define PAIR_M (16 * MLA_LATENT)
+#define PAIR_L (PAIR_M + 16)
+/* Rows of a pair-layout item merged as one unit: a vector of the layout
+ * holds 8 rows (cpu.h, pv16p), so an item is two units, one per half. */
+#define MERGE_ROWS_PAIR 8
 #define NBLK (MLA_ROW / COLS) /* column blocks of a tile */
 /* How many tiles ahead the kernels' steps prefetch (1: the next tile,
  * whose P x V conversions then overtake the prefetch in the last rows).
@@ -244,6 +262,36 @@ static void prefetch_rows(const mla_cpu_rows *R, const int32_t *slots, int n) {
     const unsigned char *p = R->base + (size_t)slots[i] * R->row_bytes;
     for (size_t off = 0; off < R->row_bytes; off += 64) MLA_CPU_PREFETCH_L2(p + off);
   }
+}
+
+/* Request a cache line for writing (prefetchw: the line arrives owned, so
+ * a store to it needs no further round trip; a hint, a no-op on x86
+ * processors without the instruction). */
+static inline void prefetch_w(const void *p) {
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+  __asm__ volatile("prefetchw %0" : : "m"(*(const char *)p));
+#elif defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 1, 3);
+#else
+  (void)p;
+#endif
+}
+
+/* The lines of a split piece's partial-state slot, requested for writing
+ * a few at a time between the piece's kernel calls (p .. end, n per
+ * call), so that the state written at its end finds them owned. The slot
+ * was last read by whichever worker merged it in the previous call, and
+ * writing the state stalled on every line (the other core's copy
+ * invalidated first): ~1.8 us a piece at H = 16, ~1.1 with these
+ * requests (2-core AVX-512 VM); a burst of the 528 requests would stall
+ * on the fill buffers as long. */
+typedef struct wpf {
+  const unsigned char *p, *end;
+  int n;
+} wpf;
+
+static void wpf_step(wpf *w) {
+  for (int i = 0; i < w->n && w->p < w->end; i++, w->p += 64) prefetch_w(w->p);
 }
 
 /* Columns [c0, c0 + COLS) of n rows -> blk [n, COLS]. For a bf16 cache the
@@ -389,7 +437,7 @@ static int run_piece(const ab_job *J, const piece *pc, int worker, const piece *
   /* 16 rows where the build has the whole set: the scores over all the
    * column blocks in one call (qk16pb), P x V with the rows as lanes and
    * acc in pv16p's pair layout */
-  const int pairv = pair && k->pv16p && k->qk16pb;
+  const int pairv = pair && k->pv16p && k->qk16pb && k->merge16p;
 
   /* Causal limits first: they bound the keys, whose first tile is
    * prefetched while the query block is built. */
@@ -452,6 +500,15 @@ static int run_piece(const ab_job *J, const piece *pc, int worker, const piece *
   /* The addresses of this tile's and the next tile's rows (the kernels'
    * conversion and prefetch steps walk them with a pointer). */
   const unsigned char *rowp_a[MLA_CPU_KEYS], *rowp_b[MLA_CPU_KEYS], *rp_pf[MLA_CPU_KEYS];
+  /* a split piece's slot (rows x PART_W floats), over its tiles' calls */
+  wpf own = {NULL, NULL, 0};
+  if (pc->part >= 0 && kend > pc->k0) {
+    const int calls = (pairv ? 9 : 2 * NBLK) * ((kend - pc->k0 + MLA_CPU_KEYS - 1) / MLA_CPU_KEYS);
+    const size_t lines = (size_t)rows * PART_W * sizeof(float) / 64;
+    own.p = (const unsigned char *)(J->partial + (size_t)pc->part * J->g.rb * PART_W);
+    own.end = own.p + lines * 64;
+    own.n = (int)((lines + (size_t)calls - 1) / (size_t)calls);
+  }
   const unsigned char **rp_cur = rowp_a, **rp_next = rowp_b;
   for (int j = 0; pc->k0 + j < kend && j < MLA_CPU_KEYS; j++)
     rp_cur[j] = J->rows.base + (size_t)slots[pc->k0 + j] * J->rows.row_bytes;
@@ -469,19 +526,34 @@ static int run_piece(const ab_job *J, const piece *pc, int worker, const piece *
     for (int j = 0; j < cn; j++)
       rp_next[j] = J->rows.base + (size_t)cs[j] * J->rows.row_bytes;
     if (nn == 0 && cn > 0) conv_next = 1;
-    if (pairv) {
-      /* The last tile's P x V converted every block but 7 (a piece's first
-       * tile: none, converted here); block 7 is converted during the
-       * first 12-key block of the scores, which reads its own rows of it
-       * last (after ~224 of its 288 pair steps, the conversion steps a
-       * row every 2 or 4), and the later key blocks find it complete. */
-      if (have == 0)
-        for (int b = 0; b < NBLK; b++)
-          if (b != 7) {
-            start_block(J, slots + kt, n, b * COLS, blk[b], &cv, NULL, rp_cur, NULL);
-            mla_cpu_conv_finish(k, &cv);
-          }
+    if (pairv && have == 0) {
+      /* A piece's first tile, which no earlier tile converted: block by
+       * block through qk16p (the same sums in the same order as qk16pb,
+       * so bit-identical), each call converting the next block, so only
+       * block 0 is converted without overlap. Converting the 8 blocks
+       * first (the rows arriving from L3 while nothing else ran) and then
+       * running qk16pb, a worker's first tile took 22-24 us against ~15.7
+       * for the others at H = 16 s_k = 4096 (2-core AVX-512 VM), this way
+       * 20-21. */
+      start_block(J, slots + kt, n, 0, blk[0], &cv, NULL, rp_cur, NULL);
+      mla_cpu_conv_finish(k, &cv);
+      for (int b = 0; b < NBLK; b++) {
+        if (b + 1 < NBLK)
+          start_block(J, slots + kt, n, (b + 1) * COLS, blk[b + 1], &cv, &pf, rp_cur, rp_pf);
+        else
+          idle_conv(&cv, &pf, rp_pf);
+        wpf_step(&own);
+        k->qk16p(n, COLS, blk[b], QT + (size_t)b * COLS * 16, S2, b > 0, &cv);
+        mla_cpu_conv_finish(k, &cv);
+      }
+    } else if (pairv) {
+      /* The last tile's P x V converted every block but 7; block 7 is
+       * converted during the first 12-key block of the scores, which
+       * reads its own rows of it last (after ~224 of its 288 pair steps,
+       * the conversion steps a row every 2 or 4), and the later key
+       * blocks find it complete. */
       start_block(J, slots + kt, n, 7 * COLS, blk[7], &cv, &pf, rp_cur, rp_pf);
+      wpf_step(&own);
       k->qk16pb(n, NBLK, Kt, (size_t)MLA_CPU_KEYS * COLS, QT, S2, 0, &cv);
       mla_cpu_conv_finish(k, &cv);
     } else if (have == 0) { /* a piece's first tile: nothing converted it yet */
@@ -495,6 +567,7 @@ static int run_piece(const ab_job *J, const piece *pc, int worker, const piece *
         start_block(J, slots + kt, n, have * COLS, blk[have], &cv, &pf, rp_cur, rp_pf);
       else
         idle_conv(&cv, &pf, rp_pf);
+      wpf_step(&own);
       if (pair)
         k->qk16p(n, COLS, blk[b], QT + (size_t)c0 * 16, S2, c0 > 0, &cv);
       else
@@ -528,6 +601,7 @@ static int run_piece(const ab_job *J, const piece *pc, int worker, const piece *
       } else {
         idle_conv(&cv, &pf, rp_pf);
       }
+      wpf_step(&own);
       if (pairv)
         k->pv16p(n, pvP, blk[b], pva, acc + (size_t)b * COLS * 16, &cv);
       else
@@ -540,13 +614,14 @@ static int run_piece(const ab_job *J, const piece *pc, int worker, const piece *
     rp_next = t;
   }
 
-  if (pairv && pc->part >= 0) { /* the raw state, straight from the pair layout */
+  if (pairv && pc->part >= 0) { /* the raw state, in the pair layout (PAIR_M) */
     float *o = J->partial + (size_t)pc->part * J->g.rb * PART_W;
-    k->unpack16p(acc, MLA_LATENT, o, PART_W);
-    for (int r = 0; r < rows; r++) {
-      o[(size_t)r * PART_W + PART_M] = m[r];
-      o[(size_t)r * PART_W + PART_L] = l[r];
-    }
+    for (int v = 0; v < 2; v++) /* the halves apart (PAIR_M) */
+      for (int q = 0; q < MLA_LATENT / 2; q++)
+        memcpy(o + (size_t)v * 8 * MLA_LATENT + (size_t)q * 16, acc + (size_t)q * 32 + 16 * v,
+               16 * sizeof(float));
+    memcpy(o + PAIR_M, m, 16 * sizeof(float));
+    memcpy(o + PAIR_L, l, 16 * sizeof(float));
     return conv_next;
   }
   if (pairv) { /* back to rows [16, 512] (in the tile's column order) */
@@ -623,16 +698,33 @@ static void items_range(void *arg, int64_t b, int64_t e, int worker) {
 }
 
 static void merge_range(void *arg, int64_t b, int64_t e, int worker);
+static void merge_pair(const ab_job *J, int it, int r0, int worker);
+
+/* Whether split item it's pieces leave their states in the pair layout
+ * (run_piece's pairv: 16 padded rows and the kernels for them). */
+static int item_pair(const ab_job *J, int it) {
+  const mla_cpu_kernels *k = J->k;
+  return mla_cpu_round_up(J->items[it].nq * J->items[it].nh, MLA_CPU_ROW_ALIGN) == 16 &&
+         k->qk16p && k->pv16p && k->qk16pb && k->merge16p;
+}
+
+static int merge_unit_rows(const ab_job *J, int it) {
+  return item_pair(J, it) ? MERGE_ROWS_PAIR : MERGE_ROWS;
+}
 
 /* Merge the row groups of split item it that nobody took yet (all of its
  * pieces have finished). */
 static void merge_item(const ab_job *J, int it, int worker) {
   const int rows = J->items[it].nq * J->items[it].nh;
   const int64_t x0 = (int64_t)it * J->g.rb;
+  const int pair = item_pair(J, it), unit = pair ? MERGE_ROWS_PAIR : MERGE_ROWS;
   for (;;) {
-    const int r = MERGE_ROWS * atomic_fetch_add_explicit(&J->merge_next[it], 1, memory_order_relaxed);
+    const int r = unit * atomic_fetch_add_explicit(&J->merge_next[it], 1, memory_order_relaxed);
     if (r >= rows) return;
-    merge_range((void *)J, x0 + r, x0 + (r + MERGE_ROWS < rows ? r + MERGE_ROWS : rows), worker);
+    if (pair)
+      merge_pair(J, it, r, worker);
+    else
+      merge_range((void *)J, x0 + r, x0 + (r + unit < rows ? r + unit : rows), worker);
   }
 }
 
@@ -645,7 +737,7 @@ static void help_merges(const ab_job *J, int worker) {
     int waiting = 0;
     for (int it = 0; it < J->num_items; it++) {
       if (J->item_num_parts[it] <= 1 ||
-          MERGE_ROWS * atomic_load_explicit(&J->merge_next[it], memory_order_relaxed) >=
+          merge_unit_rows(J, it) * atomic_load_explicit(&J->merge_next[it], memory_order_relaxed) >=
               J->items[it].nq * J->items[it].nh)
         continue;
       /* acquire: pairs with the pieces' acq_rel decrements, so every
@@ -720,6 +812,49 @@ static void merge_range(void *arg, int64_t b, int64_t e, int worker) {
       J->k->pv(np, 1, w, 1, part, (int)pst, MLA_LATENT, NULL, acc, MLA_LATENT, NULL);
       write_row(J, t, h, acc, (float)(1.0 / den), (double)mx + log2(den));
     }
+  }
+}
+
+/* Rows r0 .. r0 + 7 of split item it, whose pieces left their states in
+ * the pair layout: the same weights, sums and output as merge_range on
+ * the unpacked rows (merge16p's sums are pv's), so the results do not
+ * depend on the layout. */
+static void merge_pair(const ab_job *J, int it, int r0, int worker) {
+  const piece *pc = &J->items[it];
+  const int rows = pc->nq * pc->nh;
+  const int p0 = J->item_first_part[it], np = J->item_num_parts[it];
+  const float *part = J->partial + (size_t)p0 * J->g.rb * PART_W;
+  const size_t pst = (size_t)J->g.rb * PART_W; /* from one piece's state to the next's */
+  float wd[SPLIT_MAX_PIECES][16], mx[8];
+  double den[8];
+  for (int i = 0; i < 8; i++) {
+    const int r = r0 + i;
+    mx[i] = -INFINITY;
+    den[i] = 0.0;
+    for (int p = 0; p < np; p++)
+      if (part[p * pst + PAIR_M + r] > mx[i]) mx[i] = part[p * pst + PAIR_M + r];
+    for (int p = 0; p < np; p++) {
+      const float mp = part[p * pst + PAIR_M + r];
+      /* (a row without keys, mx = -inf: every weight 0, written as zeros) */
+      const float w = mp == -INFINITY ? 0.0f : (float)exp2((double)mp - (double)mx[i]);
+      wd[p][2 * i] = wd[p][2 * i + 1] = w;
+      den[i] += (double)w * part[p * pst + PAIR_L + r];
+    }
+  }
+  /* the 8 merged rows [8, 512] in the worker's staging rows (free between
+   * pieces: build_qt uses them only while it runs) */
+  scratch_layout L = layout_for(J->g.rb);
+  float *acc = J->scratch + (size_t)worker * J->scratch_floats + L.stage;
+  J->k->merge16p(np, part + (size_t)(r0 / 8) * 8 * MLA_LATENT, pst, &wd[0][0], acc, MLA_LATENT);
+  for (int i = 0; i < 8 && r0 + i < rows; i++) {
+    const int r = r0 + i;
+    const int64_t t = J->plan->qo_indptr[pc->req] + pc->q0 + r / pc->nh;
+    const int h = pc->h0 + r % pc->nh;
+    if (mx[i] == -INFINITY)
+      write_row(J, t, h, NULL, 0.0f, -INFINITY);
+    else
+      write_row(J, t, h, acc + (size_t)i * MLA_LATENT, (float)(1.0 / den[i]),
+                (double)mx[i] + log2(den[i]));
   }
 }
 

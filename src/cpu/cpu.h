@@ -180,6 +180,16 @@ typedef struct mla_cpu_kernels {
    * are bit-identical. */
   void (*qt16p_bf16)(const uint16_t *const *qn, const uint16_t *const *qr, float scale,
                      float *QTp);
+  /* Optional: the split-KV merge of 8 rows of np partial accumulators,
+   * each one half of pv16p's pair layout taken apart: piece p's at part +
+   * p * pstride, [256][16], vector q = column pair q of the 8 rows (lane
+   * 2i + e = row i at column 2q + e). rows [8, ldr] (columns [0, 512), row-major) =
+   * sum_p wd[p] * piece p's rows, wd [np][16] the weights in the same lane
+   * order. Each sum is an FMA chain in piece order starting from 0, the
+   * operations pv performs on the unpacked rows with a row of weights, so
+   * the results are bit-identical to unpack16p followed by pv. */
+  void (*merge16p)(int np, const float *part, size_t pstride, const float *wd, float *rows,
+                   int ldr);
 } mla_cpu_kernels;
 
 /* Pair-split order of bf16 columns: within each aligned group of 32

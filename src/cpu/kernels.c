@@ -114,7 +114,7 @@ static const mla_cpu_kernels k_scalar = {MLA_CPU_ISA_SCALAR, "scalar",    qk_sca
                                          NULL,               NULL,
                                          NULL,               NULL,
                                          NULL,               NULL,
-                                         NULL};
+                                         NULL,               NULL};
 
 void mla_cpu_load_act(const mla_cpu_kernels *k, mla_dtype t, const void *src, int64_t offset,
                       int n, float *dst) {

@@ -234,7 +234,7 @@ static const mla_cpu_kernels k_avx2 = {MLA_CPU_ISA_AVX2, "avx2",  qk_avx2,      
                                        NULL,             NULL,           NULL,
                                        NULL,             NULL,           NULL,
                                        NULL,             NULL,
-                                       NULL};
+                                       NULL,             NULL};
 
 const mla_cpu_kernels *mla_cpu_kernels_avx2(void) { return &k_avx2; }
 

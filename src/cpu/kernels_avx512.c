@@ -617,6 +617,44 @@ static TGT void unpack16p_avx512(const float *accp /* [w / 2][2][16] */, int w,
     }
 }
 
+/* cpu.h: merge16p. For each 16 columns, the 8 column pairs' vectors are
+ * merged over the pieces (FMAs on 8 rows at once) and then transposed as
+ * in unpack16p, so the pieces' states need no unpacking of their own and
+ * the merge's arithmetic is a sixteenth of pv's on single rows. */
+static TGT void merge16p_avx512(int np, const float *part /* np x [256][16] */, size_t pstride,
+                                const float *wd /* [np][16] */, float *rows /* [8, ldr] */,
+                                int ldr) {
+  const __m512i i0 = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
+  const __m512i i1 = _mm512_add_epi64(i0, _mm512_set1_epi64(2));
+  for (int c0 = 0; c0 < MLA_LATENT; c0 += 16) {
+    __m512d x[8], t[8];
+    const float *src = part + (size_t)(c0 / 2) * 16;
+    __m512 a[8];
+    for (int q = 0; q < 8; q++) a[q] = _mm512_setzero_ps();
+    for (int p = 0; p < np; p++) {
+      const __m512 w = _mm512_loadu_ps(wd + (size_t)p * 16);
+      const float *s = src + (size_t)p * pstride;
+      for (int q = 0; q < 8; q++)
+        a[q] = _mm512_fmadd_ps(w, _mm512_loadu_ps(s + (size_t)q * 16), a[q]);
+    }
+    for (int q = 0; q < 8; q++) x[q] = _mm512_castps_pd(a[q]);
+    for (int q = 0; q < 8; q += 2) {
+      t[q] = _mm512_unpacklo_pd(x[q], x[q + 1]);
+      t[q + 1] = _mm512_unpackhi_pd(x[q], x[q + 1]);
+    }
+    for (int q = 0; q < 8; q += 4)
+      for (int e = 0; e < 2; e++) {
+        x[q + e] = _mm512_permutex2var_pd(t[q + e], i0, t[q + e + 2]);
+        x[q + e + 2] = _mm512_permutex2var_pd(t[q + e], i1, t[q + e + 2]);
+      }
+    for (int e = 0; e < 4; e++) {
+      t[e] = _mm512_shuffle_f64x2(x[e], x[e + 4], 0x44);
+      t[e + 4] = _mm512_shuffle_f64x2(x[e], x[e + 4], 0xee);
+    }
+    for (int i = 0; i < 8; i++) _mm512_storeu_pd((double *)(rows + (size_t)i * ldr + c0), t[i]);
+  }
+}
+
 static TGT void f16_avx512(const uint16_t *src, float *dst, int n) {
   int i = 0;
   for (; i + 16 <= n; i += 16)
@@ -843,7 +881,7 @@ static const mla_cpu_kernels k_avx512 = {MLA_CPU_ISA_AVX512, "avx512",  qk_avx51
                                          red16p_avx512,      pdup16p_avx512,
                                          pv16p_avx512,       unpack16p_avx512,
                                          qk16pb_avx512,      out512_avx512,
-                                         qt16p_bf16_avx512};
+                                         qt16p_bf16_avx512,  merge16p_avx512};
 
 const mla_cpu_kernels *mla_cpu_kernels_avx512(void) { return &k_avx512; }
 
