@@ -585,33 +585,39 @@ static TGT void pdup16p_avx512(int n, const float *P /* [n, 16] */, const float 
   }
 }
 
+/* t = the 8 x 8 transpose of x's 64-bit lanes (lane q of t[i] = lane i of
+ * x[q]): 2 x 2 blocks of 64-bit lanes, then 4 x 4 of 128-bit, then 8 x 8.
+ * x is clobbered. Pure data movement (unpack16p, merge16p). */
+static TGT inline void transpose8_pd(__m512d x[8], __m512d t[8]) {
+  const __m512i i0 = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
+  const __m512i i1 = _mm512_add_epi64(i0, _mm512_set1_epi64(2));
+  for (int q = 0; q < 8; q += 2) {
+    t[q] = _mm512_unpacklo_pd(x[q], x[q + 1]);
+    t[q + 1] = _mm512_unpackhi_pd(x[q], x[q + 1]);
+  }
+  for (int q = 0; q < 8; q += 4)
+    for (int e = 0; e < 2; e++) {
+      x[q + e] = _mm512_permutex2var_pd(t[q + e], i0, t[q + e + 2]);
+      x[q + e + 2] = _mm512_permutex2var_pd(t[q + e], i1, t[q + e + 2]);
+    }
+  for (int e = 0; e < 4; e++) { /* low and high 256 bits of x[e], x[e + 4] */
+    t[e] = _mm512_shuffle_f64x2(x[e], x[e + 4], 0x44);
+    t[e + 4] = _mm512_shuffle_f64x2(x[e], x[e + 4], 0xee);
+  }
+}
+
 /* 8 column pairs x 2 vectors = rows 0..15 x 16 columns: the vectors v of
  * pairs q = 0..7, read as 8 64-bit lanes i (the pair's two columns for row
  * 8v + i), are transposed 8 x 8 so that lane q of result i holds row
  * 8v + i's pair q: 16 consecutive columns of that row. */
 static TGT void unpack16p_avx512(const float *accp /* [w / 2][2][16] */, int w,
                                  float *acc /* [16, lda] */, int lda) {
-  const __m512i i0 = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
-  const __m512i i1 = _mm512_add_epi64(i0, _mm512_set1_epi64(2));
   for (int c0 = 0; c0 < w; c0 += 16)
     for (int v = 0; v < 2; v++) {
       __m512d x[8], t[8];
       for (int q = 0; q < 8; q++)
         x[q] = _mm512_castps_pd(_mm512_loadu_ps(accp + (size_t)(c0 / 2 + q) * 32 + 16 * v));
-      /* 2 x 2 blocks of 64-bit lanes, then 4 x 4 of 128-bit, then 8 x 8 */
-      for (int q = 0; q < 8; q += 2) {
-        t[q] = _mm512_unpacklo_pd(x[q], x[q + 1]);
-        t[q + 1] = _mm512_unpackhi_pd(x[q], x[q + 1]);
-      }
-      for (int q = 0; q < 8; q += 4)
-        for (int e = 0; e < 2; e++) {
-          x[q + e] = _mm512_permutex2var_pd(t[q + e], i0, t[q + e + 2]);
-          x[q + e + 2] = _mm512_permutex2var_pd(t[q + e], i1, t[q + e + 2]);
-        }
-      for (int e = 0; e < 4; e++) { /* low and high 256 bits of x[e], x[e + 4] */
-        t[e] = _mm512_shuffle_f64x2(x[e], x[e + 4], 0x44);
-        t[e + 4] = _mm512_shuffle_f64x2(x[e], x[e + 4], 0xee);
-      }
+      transpose8_pd(x, t);
       for (int i = 0; i < 8; i++)
         _mm512_storeu_pd((double *)(acc + (size_t)(8 * v + i) * lda + c0), t[i]);
     }
@@ -624,8 +630,6 @@ static TGT void unpack16p_avx512(const float *accp /* [w / 2][2][16] */, int w,
 static TGT void merge16p_avx512(int np, const float *part /* np x [256][16] */, size_t pstride,
                                 const float *wd /* [np][16] */, float *rows /* [8, ldr] */,
                                 int ldr) {
-  const __m512i i0 = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
-  const __m512i i1 = _mm512_add_epi64(i0, _mm512_set1_epi64(2));
   for (int c0 = 0; c0 < MLA_LATENT; c0 += 16) {
     __m512d x[8], t[8];
     const float *src = part + (size_t)(c0 / 2) * 16;
@@ -638,19 +642,7 @@ static TGT void merge16p_avx512(int np, const float *part /* np x [256][16] */, 
         a[q] = _mm512_fmadd_ps(w, _mm512_loadu_ps(s + (size_t)q * 16), a[q]);
     }
     for (int q = 0; q < 8; q++) x[q] = _mm512_castps_pd(a[q]);
-    for (int q = 0; q < 8; q += 2) {
-      t[q] = _mm512_unpacklo_pd(x[q], x[q + 1]);
-      t[q + 1] = _mm512_unpackhi_pd(x[q], x[q + 1]);
-    }
-    for (int q = 0; q < 8; q += 4)
-      for (int e = 0; e < 2; e++) {
-        x[q + e] = _mm512_permutex2var_pd(t[q + e], i0, t[q + e + 2]);
-        x[q + e + 2] = _mm512_permutex2var_pd(t[q + e], i1, t[q + e + 2]);
-      }
-    for (int e = 0; e < 4; e++) {
-      t[e] = _mm512_shuffle_f64x2(x[e], x[e + 4], 0x44);
-      t[e + 4] = _mm512_shuffle_f64x2(x[e], x[e + 4], 0xee);
-    }
+    transpose8_pd(x, t);
     for (int i = 0; i < 8; i++) _mm512_storeu_pd((double *)(rows + (size_t)i * ldr + c0), t[i]);
   }
 }
