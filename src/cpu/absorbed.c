@@ -277,6 +277,15 @@ static inline void prefetch_w(const void *p) {
 #endif
 }
 
+/* Whether rb padded rows take the pair path: 16 rows where the build has
+ * the whole set, the scores over all the column blocks in one call
+ * (qk16pb), P x V with the rows as lanes and acc in pv16p's pair layout,
+ * a split piece's state left in that layout for merge16p. run_piece and
+ * the merge both decide by it. */
+static int pair_path(const mla_cpu_kernels *k, int rb) {
+  return rb == 16 && k->qk16p && k->pv16p && k->qk16pb && k->merge16p;
+}
+
 /* The lines of a split piece's partial-state slot, requested for writing
  * a few at a time between the piece's kernel calls (p .. end, n per
  * call), so that the state written at its end finds them owned. The slot
@@ -434,10 +443,7 @@ static int run_piece(const ab_job *J, const piece *pc, int worker, const piece *
   const int rb = mla_cpu_round_up(rows, MLA_CPU_ROW_ALIGN);
   const int32_t *slots = P->kv_indices + P->kv_indptr[req];
   const int pair = rb == 16 && k->qk16p; /* 16 rows: the pair-layout scores (build_qt) */
-  /* 16 rows where the build has the whole set: the scores over all the
-   * column blocks in one call (qk16pb), P x V with the rows as lanes and
-   * acc in pv16p's pair layout */
-  const int pairv = pair && k->pv16p && k->qk16pb && k->merge16p;
+  const int pairv = pair_path(k, rb);
 
   /* Causal limits first: they bound the keys, whose first tile is
    * prefetched while the query block is built. */
@@ -700,12 +706,28 @@ static void items_range(void *arg, int64_t b, int64_t e, int worker) {
 static void merge_range(void *arg, int64_t b, int64_t e, int worker);
 static void merge_pair(const ab_job *J, int it, int r0, int worker);
 
+/* A split row's merge weights: over the np pieces' maxima m [np] and sums
+ * l [np] (stride floats apart), w [np] = 2^(m_p - mx) (0 for an empty
+ * piece, m_p = -inf) and *den = sum_p w_p l_p in double; returns mx, -inf
+ * when no piece saw a key. merge_range and merge_pair both weigh by it, so
+ * the two layouts give the same results. */
+static float merge_weights(const float *m, const float *l, size_t stride, int np, float *w, double *den) {
+  float mx = -INFINITY;
+  for (int p = 0; p < np; p++)
+    if (m[p * stride] > mx) mx = m[p * stride];
+  *den = 0.0;
+  for (int p = 0; p < np; p++) {
+    const float mp = m[p * stride];
+    w[p] = mp == -INFINITY ? 0.0f : (float)exp2((double)mp - (double)mx);
+    *den += (double)w[p] * l[p * stride];
+  }
+  return mx;
+}
+
 /* Whether split item it's pieces leave their states in the pair layout
  * (run_piece's pairv: 16 padded rows and the kernels for them). */
 static int item_pair(const ab_job *J, int it) {
-  const mla_cpu_kernels *k = J->k;
-  return mla_cpu_round_up(J->items[it].nq * J->items[it].nh, MLA_CPU_ROW_ALIGN) == 16 &&
-         k->qk16p && k->pv16p && k->qk16pb && k->merge16p;
+  return pair_path(J->k, mla_cpu_round_up(J->items[it].nq * J->items[it].nh, MLA_CPU_ROW_ALIGN));
 }
 
 static int merge_unit_rows(const ab_job *J, int it) {
@@ -790,24 +812,18 @@ static void merge_range(void *arg, int64_t b, int64_t e, int worker) {
     const int p0 = J->item_first_part[it], np = J->item_num_parts[it];
     const float *part = J->partial + ((size_t)p0 * J->g.rb + r) * PART_W;
     const size_t pst = (size_t)J->g.rb * PART_W; /* from one piece's row to the next's */
-    float mx = -INFINITY;
-    for (int p = 0; p < np; p++)
-      if (part[p * pst + PART_M] > mx) mx = part[p * pst + PART_M];
     const int64_t t = J->plan->qo_indptr[pc->req] + pc->q0 + r / pc->nh;
     const int h = pc->h0 + r % pc->nh;
+    float w[SPLIT_MAX_PIECES];
+    double den;
+    const float mx = merge_weights(part + PART_M, part + PART_L, pst, np, w, &den);
     if (mx == -INFINITY) {
       write_row(J, t, h, NULL, 0.0f, -INFINITY);
     } else {
-      /* o = sum_p w_p acc_p / sum_p w_p l_p, w_p = 2^(m_p - mx), as one
-       * P x V product of the kernels (a row of weights against the
-       * pieces' rows); an empty piece (m_p = -inf) has w_p = 0, acc_p = 0. */
-      float w[SPLIT_MAX_PIECES], acc[MLA_LATENT];
-      double den = 0.0;
-      for (int p = 0; p < np; p++) {
-        const float mp = part[p * pst + PART_M];
-        w[p] = mp == -INFINITY ? 0.0f : (float)exp2((double)mp - (double)mx);
-        den += (double)w[p] * part[p * pst + PART_L];
-      }
+      /* o = sum_p w_p acc_p / sum_p w_p l_p as one P x V product of the
+       * kernels (a row of weights against the pieces' rows); an empty
+       * piece (m_p = -inf) has w_p = 0, acc_p = 0. */
+      float acc[MLA_LATENT];
       memset(acc, 0, sizeof acc);
       J->k->pv(np, 1, w, 1, part, (int)pst, MLA_LATENT, NULL, acc, MLA_LATENT, NULL);
       write_row(J, t, h, acc, (float)(1.0 / den), (double)mx + log2(den));
@@ -828,18 +844,10 @@ static void merge_pair(const ab_job *J, int it, int r0, int worker) {
   float wd[SPLIT_MAX_PIECES][16], mx[8];
   double den[8];
   for (int i = 0; i < 8; i++) {
-    const int r = r0 + i;
-    mx[i] = -INFINITY;
-    den[i] = 0.0;
-    for (int p = 0; p < np; p++)
-      if (part[p * pst + PAIR_M + r] > mx[i]) mx[i] = part[p * pst + PAIR_M + r];
-    for (int p = 0; p < np; p++) {
-      const float mp = part[p * pst + PAIR_M + r];
-      /* (a row without keys, mx = -inf: every weight 0, written as zeros) */
-      const float w = mp == -INFINITY ? 0.0f : (float)exp2((double)mp - (double)mx[i]);
-      wd[p][2 * i] = wd[p][2 * i + 1] = w;
-      den[i] += (double)w * part[p * pst + PAIR_L + r];
-    }
+    /* (a row without keys, mx = -inf: every weight 0, written as zeros) */
+    float w[SPLIT_MAX_PIECES];
+    mx[i] = merge_weights(part + PAIR_M + r0 + i, part + PAIR_L + r0 + i, pst, np, w, &den[i]);
+    for (int p = 0; p < np; p++) wd[p][2 * i] = wd[p][2 * i + 1] = w[p];
   }
   /* the 8 merged rows [8, 512] in the worker's staging rows (free between
    * pieces: build_qt uses them only while it runs) */
