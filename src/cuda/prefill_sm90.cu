@@ -833,14 +833,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         const bool empty = !(l[r] > 0.0f);
         const float inv = empty ? 0.0f : 1.0f / l[r];
         const int64_t orow = ((int64_t)(it.q0 + t) * p.num_heads + it.h) * DV;
+        if (!pair_ok) {  // (else store_o_pairs wrote the rows)
 #pragma unroll
-        for (int c = 0; c < 16 && !pair_ok; c++) {
-          const int col = 8 * c + 2 * (lane & 3);
-          const float v0 = empty ? 0.0f : o[4 * c + 2 * r] * inv, v1 = empty ? 0.0f : o[4 * c + 2 * r + 1] * inv;
-          if (p.out_f32)
-            *reinterpret_cast<float2 *>((float *)p.out + orow + col) = make_float2(v0, v1);
-          else
-            *reinterpret_cast<uint32_t *>((uint16_t *)p.out + orow + col) = pack2<F16>(v0, v1);
+          for (int c = 0; c < 16; c++) {
+            const int col = 8 * c + 2 * (lane & 3);
+            const float v0 = empty ? 0.0f : o[4 * c + 2 * r] * inv, v1 = empty ? 0.0f : o[4 * c + 2 * r + 1] * inv;
+            if (p.out_f32)
+              *reinterpret_cast<float2 *>((float *)p.out + orow + col) = make_float2(v0, v1);
+            else
+              *reinterpret_cast<uint32_t *>((uint16_t *)p.out + orow + col) = pack2<F16>(v0, v1);
+          }
         }
         if (p.lse && (lane & 3) == 0) {
           const float lse2 = empty ? -INFINITY : m[r] + log2f(l[r]);
