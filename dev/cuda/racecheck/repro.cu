@@ -16,6 +16,11 @@
 //      a cp.async.mbarrier.arrive.noinc on an mbarrier every thread waits on
 //   9  7's named-barrier part only;  10  7's cp.async + mbarrier part only
 //   8  as 4 with bar.sync instead of bar.arrive on the publishing side
+//   11 as 0 with each warpgroup first voting through bar.red.or.pred on its
+//      own id (6, 7; 128 threads), as wg_any in the narrow / ring kernels
+//   12 as 0 with each warp first storing a fragment with stmatrix, then
+//      fence.proxy.async and a 128-thread named barrier per warpgroup (1, 4),
+//      as the narrow kernel's P^T store
 // Run: compute-sanitizer --tool racecheck ./repro MODE (reports should be 0
 // for every mode; a report means the tool does not credit that barrier).
 #include <cstdio>
@@ -30,6 +35,7 @@ __global__ void repro(float *out, int mode) {
   __shared__ float hand[128];
   __shared__ float own[256];
   __shared__ __align__(8) unsigned long long mbar;
+  __shared__ __align__(16) unsigned short frag[8][4 * 64];
   const int tid = threadIdx.x;
   if (mode >= 2 && mode <= 3) {
     if (tid >= 256) return;  // the producer warp: done
@@ -64,6 +70,25 @@ __global__ void repro(float *out, int mode) {
       asm volatile(
           "{\n.reg .pred P;\nW: mbarrier.try_wait.parity.shared.b64 P, [%0], %1;\n@!P bra W;\n}" ::"r"(a), "r"(it & 1)
           : "memory");
+    }
+    if (mode == 11) {
+      unsigned r;
+      asm volatile(
+          "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, 128, p;\nselp.u32 %0, 1, 0, q;\n}\n"
+          : "=r"(r)
+          : "r"((unsigned)((t + it) & 1)), "r"(6 + wg)
+          : "memory");
+      acc += (float)r;
+    }
+    if (mode == 12) {
+      const int w = tid >> 5, lane = tid & 31;
+      const unsigned a = (unsigned)__cvta_generic_to_shared(&frag[w][(lane & 7) * 8 + (lane >> 3) * 64]);
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(it), "r"(t),
+                   "r"(lane), "r"(w)
+                   : "memory");
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      bar_sync(1 + 3 * wg, 128);
+      acc += (float)frag[w ^ 1][lane];
     }
     if (mode == 6) {
       const unsigned dst = (unsigned)__cvta_generic_to_shared(&scr[tid * 4]);
