@@ -275,6 +275,23 @@ __device__ __forceinline__ TileSrc tile_src(const mla_decode_params &p, int er, 
   return s;
 }
 
+// The pair's next tile of each buffer (nx0, nx1: cursors one pair on) and
+// where the refilling thread reads it from (ld0, ld1; valid = 0 elsewhere).
+template <int LM>
+__device__ __forceinline__ void next_tiles(const mla_decode_params &p, const int *meta, int mb, int er, bool issuer,
+                                           int myrow, bool has1, const BufCursor &cur0, const BufCursor &cur1,
+                                           BufCursor &nx0, BufCursor &nx1, TileSrc &ld0, TileSrc &ld1) {
+  nx0 = cur0;
+  nx1 = cur1;
+  cursor_next(p, meta, mb, nx0);
+  if (has1) cursor_next(p, meta, mb, nx1);
+  ld0.valid = ld1.valid = 0;
+  if (issuer) {
+    ld0 = tile_src<LM>(p, er, nx0, myrow);
+    if (has1) ld1 = tile_src<LM>(p, er, nx1, myrow);
+  }
+}
+
 // cp.async modes: the source row rl (0..15) of this lane's warp, looked up
 // by lanes 2 rl and 2 rl + 1 (tile_src's myrow); all 32 lanes call it.
 struct RowSrc {
@@ -529,8 +546,10 @@ __device__ __forceinline__ void zero_tail(uint8_t *kb, int nvalid, int c0, int t
 // own P V released first), then the other half. The sum is order-free.
 // The fp8 modes dequantize each group of the buffer here (this warpgroup
 // owns it; the other warpgroup reads it only after a handoff barrier).
+// Returns with the wgmmas in flight: the caller does its bookkeeping for the
+// pair under them, then qk_wait (docs/decode-kernel.md §6, session 9).
 template <int WG, int LM, bool kF16>
-__device__ __forceinline__ void qk_tile3(float (&s)[32], uint32_t sq, uint32_t kb, uint32_t bars, uint32_t par,
+__device__ __forceinline__ void qk_tile3_issue(float (&s)[32], uint32_t sq, uint32_t kb, uint32_t bars, uint32_t par,
                                          const uint32_t (&qr)[4][4], uint8_t *kbp, int t128, float kv_scale,
                                          int nvalid) {
   const uint64_t dq = desc_sw128(sq, 16, 1024), dk = desc_sw128(kb, 16, 1024);
@@ -558,6 +577,8 @@ __device__ __forceinline__ void qk_tile3(float (&s)[32], uint32_t sq, uint32_t k
       }
     wgmma_commit();
   }
+}
+__device__ __forceinline__ void qk_wait(float (&s)[32]) {
   wgmma_wait<0>();
   reg_fence(s);
 }

@@ -506,20 +506,23 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool full0 = kt0 + 64 <= lim0, full1 = kt1 + 64 <= lim0;
       const uint32_t par0 = use0 & 1, par1 = use1 & 1;
       const uint32_t sPa = sb + kOffP + (pairs & 1) * kChunk, sPb = sb + kOffP + ((pairs & 1) ^ 1) * kChunk;
-      BufCursor nx0 = cur0, nx1 = cur1;
-      cursor_next(p, meta, mb, nx0);
-      if (has1) cursor_next(p, meta, mb, nx1);
+      // The next tiles of both buffers and where their refills read from:
+      // worked out under each warpgroup's Q.K^T (between its issue and its
+      // wait) rather than before it: 5 % at page 1, ~1 % at page 64 s_q = 2.
+      // Not for the fp8 modes, whose registers it spilled there (2 % slower;
+      // bench/RESULTS.md session 9, run 10).
+      constexpr bool kUnderQk = !lm_fp8(LM);
+      BufCursor nx0, nx1;
       TileSrc ld0, ld1;
-      ld0.valid = ld1.valid = 0;
-      if (issuer) {
-        ld0 = tile_src<LM>(p, er, nx0, myrow);
-        if (has1) ld1 = tile_src<LM>(p, er, nx1, myrow);
-      }
+      if (!kUnderQk) next_tiles<LM>(p, meta, mb, er, issuer, myrow, has1, cur0, cur1, nx0, nx1, ld0, ld1);
       float s[32];
       uint32_t pa[4][4];
       if (wg == 0) {
         // ---------------- WG0: tile T0 in B0 ----------------
-        qk_tile3<0, LM, kF16>(s, sb + kOffQ, kb0, bars0, par0, qr, lm_fp8(LM) ? smem + kOffB0 : nullptr, t128, kvs, nv0);
+        qk_tile3_issue<0, LM, kF16>(s, sb + kOffQ, kb0, bars0, par0, qr, lm_fp8(LM) ? smem + kOffB0 : nullptr, t128, kvs,
+                                    nv0);
+        if (kUnderQk) next_tiles<LM>(p, meta, mb, er, issuer, myrow, has1, cur0, cur1, nx0, nx1, ld0, ld1);
+        qk_wait(s);
         if (ld0.valid) load_group<LM>(p, kv_maps.m, ld0, kb0, bars0 + 16, 8, 9, t128);  // rope chunk: read by QK^T only
         float mxA, mxB;
         row_max(s, full0, kt0, limA, limB, cq, mxA, mxB);
@@ -594,9 +597,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         // ---------------- WG1: tile T1 in B1 ----------------
         float mxA = -INFINITY, mxB = -INFINITY;
         if (has1) {
-          qk_tile3<1, LM, kF16>(s, sb + kOffQ, kb1, bars1, par1, qr, lm_fp8(LM) ? smem + kOffB1 : nullptr, t128, kvs, nv1);
+          qk_tile3_issue<1, LM, kF16>(s, sb + kOffQ, kb1, bars1, par1, qr, lm_fp8(LM) ? smem + kOffB1 : nullptr, t128,
+                                      kvs, nv1);
+          if (kUnderQk) next_tiles<LM>(p, meta, mb, er, issuer, myrow, has1, cur0, cur1, nx0, nx1, ld0, ld1);
+          qk_wait(s);
           if (ld1.valid) load_group<LM>(p, kv_maps.m, ld1, kb1, bars1 + 16, 8, 9, t128);
           row_max(s, full1, kt1, limA, limB, cq, mxA, mxB);
+        } else if (kUnderQk) {
+          next_tiles<LM>(p, meta, mb, er, issuer, myrow, has1, cur0, cur1, nx0, nx1, ld0, ld1);
         }
         named_bar_sync(BAR_A, kThreads);
         const float m0A = sM[rA], m0B = sM[rB];
