@@ -275,6 +275,17 @@ __device__ __forceinline__ TileSrc tile_src(const mla_decode_params &p, int er, 
   return s;
 }
 
+// A buffer's next tile (nx: the cursor one step on) and where the refilling
+// thread reads it from (ld; valid = 0 elsewhere): the narrow kernel's one
+// buffer per warpgroup; next_tiles below is the wide kernel's pair.
+template <int LM>
+__device__ __forceinline__ void next_tile(const mla_decode_params &p, const int *meta, int mb, int er, bool issuer,
+                                          int myrow, const BufCursor &cur, BufCursor &nx, TileSrc &ld) {
+  nx = cur;
+  cursor_next(p, meta, mb, nx);
+  ld.valid = 0;
+  if (issuer) ld = tile_src<LM>(p, er, nx, myrow);
+}
 // The pair's next tile of each buffer (nx0, nx1: cursors one pair on) and
 // where the refilling thread reads it from (ld0, ld1; valid = 0 elsewhere).
 template <int LM>

@@ -1183,11 +1183,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int nv = min(64, w.kend_blk - kt);
       const bool full = kt + 64 <= lim0;
       const uint32_t par = use & 1;
-      BufCursor nx = cur;
-      cursor_next(p, meta, mb, nx);
+      // The next tile and its refill source: under the Q.K^T in the 16-bit
+      // modes (as in the wide kernel, where the gather's dependent page
+      // lookup otherwise stalls each tile's start), else here.
+      constexpr bool kUnderQk = !lm_fp8(LM);
+      BufCursor nx;
       TileSrc ld;
-      ld.valid = 0;
-      if (issuer) ld = tile_src<LM>(p, er, nx, myrow);
+      if (!kUnderQk) next_tile<LM>(p, meta, mb, er, issuer, myrow, cur, nx, ld);
 
       // ---- S^T = K Q^T (keys x rows): rope chunk first, then 0-7 ----
       float s[NR];
@@ -1207,6 +1209,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                       ci > 0 || k > 0);
       }
       wgmma_commit();
+      if (kUnderQk) next_tile<LM>(p, meta, mb, er, issuer, myrow, cur, nx, ld);
       wgmma_wait<0>();
       reg_fence(s);
       if (ld.valid) load_group<LM>(p, kv_maps.m, ld, kb, bars + 8, 8, 9, t128);  // rope chunk: read by QK^T only
