@@ -560,9 +560,9 @@ __device__ __forceinline__ void zero_tail(uint8_t *kb, int nvalid, int c0, int t
 // Returns with the wgmmas in flight: the caller does its bookkeeping for the
 // pair under them, then qk_wait (docs/decode-kernel.md §6, session 9).
 template <int WG, int LM, bool kF16>
-__device__ __forceinline__ void qk_tile3_issue(float (&s)[32], uint32_t sq, uint32_t kb, uint32_t bars, uint32_t par,
-                                         const uint32_t (&qr)[4][4], uint8_t *kbp, int t128, float kv_scale,
-                                         int nvalid) {
+__device__ __forceinline__ void qk_tile3_issue(float (&s)[32], uint32_t sq, uint32_t kb, uint32_t bars,
+                                               uint32_t par, const uint32_t (&qr)[4][4], uint8_t *kbp, int t128,
+                                               float kv_scale, int nvalid) {
   const uint64_t dq = desc_sw128(sq, 16, 1024), dk = desc_sw128(kb, 16, 1024);
   const int cv = WG == 0 ? BAR_CV0 : BAR_CV1;
 #pragma unroll
