@@ -275,6 +275,13 @@ __device__ __forceinline__ TileSrc tile_src(const mla_decode_params &p, int er, 
   return s;
 }
 
+// Where a kernel works out its next tiles (next_tile / next_tiles): between
+// its Q.K^T issue and wait in the 16-bit modes (the gather's dependent page
+// lookup otherwise stalls each tile's start: page 1 3.5-5 % faster, page 64
+// s_q = 2 ~1 %), at the loop top in the fp8 modes (under the Q.K^T ptxas
+// spilled there, 2 % slower; bench/RESULTS.md session 9, runs 10 and 13).
+__host__ __device__ constexpr bool next_under_qk(int lm) { return !lm_fp8(lm); }
+
 // A buffer's next tile (nx: the cursor one step on) and where the refilling
 // thread reads it from (ld; valid = 0 elsewhere): the narrow kernel's one
 // buffer per warpgroup; next_tiles below is the wide kernel's pair.

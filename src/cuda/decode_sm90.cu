@@ -506,12 +506,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool full0 = kt0 + 64 <= lim0, full1 = kt1 + 64 <= lim0;
       const uint32_t par0 = use0 & 1, par1 = use1 & 1;
       const uint32_t sPa = sb + kOffP + (pairs & 1) * kChunk, sPb = sb + kOffP + ((pairs & 1) ^ 1) * kChunk;
-      // The next tiles of both buffers and where their refills read from:
-      // worked out under each warpgroup's Q.K^T (between its issue and its
-      // wait) rather than before it: 5 % at page 1, ~1 % at page 64 s_q = 2.
-      // Not for the fp8 modes, whose registers it spilled there (2 % slower;
-      // bench/RESULTS.md session 9, run 10).
-      constexpr bool kUnderQk = !lm_fp8(LM);
+      // The next tiles of both buffers and where their refills read from
+      // (under each warpgroup's Q.K^T where next_under_qk).
+      constexpr bool kUnderQk = next_under_qk(LM);
       BufCursor nx0, nx1;
       TileSrc ld0, ld1;
       if (!kUnderQk) next_tiles<LM>(p, meta, mb, er, issuer, myrow, has1, cur0, cur1, nx0, nx1, ld0, ld1);
@@ -1183,10 +1180,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int nv = min(64, w.kend_blk - kt);
       const bool full = kt + 64 <= lim0;
       const uint32_t par = use & 1;
-      // The next tile and its refill source: under the Q.K^T in the 16-bit
-      // modes (as in the wide kernel, where the gather's dependent page
-      // lookup otherwise stalls each tile's start), else here.
-      constexpr bool kUnderQk = !lm_fp8(LM);
+      // The next tile and its refill source (under the Q.K^T where
+      // next_under_qk).
+      constexpr bool kUnderQk = next_under_qk(LM);
       BufCursor nx;
       TileSrc ld;
       if (!kUnderQk) next_tile<LM>(p, meta, mb, er, issuer, myrow, cur, nx, ld);
