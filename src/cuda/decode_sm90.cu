@@ -397,11 +397,14 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
 
 bool legacy_decode();
 
-// The combine as a programmatic dependent launch of the split kernel before
-// it in the stream: the launch overlaps that kernel's tail (it triggers early).
-// With >= 4 parts per request (many pieces each) the row kernel, else one
-// warp per row (MLA_DECODE_LEGACY=1: the v6 kernel).
-cudaError_t combine_launch_pdl(const mla_decode_params *p, cudaStream_t stream) {
+// The combine after the split kernel before it in the stream. With >= 4
+// parts per request (many pieces each) the row kernel, launched plainly: its
+// blocks (8 KB of shared memory) cannot sit beside a split block, and as a
+// programmatic dependent it measured 2 us slower at b = 1 (29.3 vs 27.5 us,
+// s_k = 32768; b = 4 the same: bench/RESULTS.md session 10, run 4). Else one
+// warp per row as a programmatic dependent: the launch overlaps the split
+// kernel's tail (it triggers early; MLA_DECODE_LEGACY=1: the v6 kernel).
+cudaError_t combine_launch(const mla_decode_params *p, cudaStream_t stream) {
   const int rows = mla_decode_rows(p);
   if (p->batch_size == 0 || p->num_sm_parts < 2) return cudaSuccess;  // one part cuts nothing
   const bool legacy = legacy_decode();
@@ -416,7 +419,7 @@ cudaError_t combine_launch_pdl(const mla_decode_params *p, cudaStream_t stream) 
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = by_row ? 0 : 1;
   if (by_row)
     return p->act_dtype == MLA_DTYPE_F16 ? cudaLaunchKernelEx(&cfg, decode_combine_row_kernel<true>, *p)
                                          : cudaLaunchKernelEx(&cfg, decode_combine_row_kernel<false>, *p);
@@ -2053,5 +2056,5 @@ extern "C" int mla_cuda_decode(const mla_decode_params *p, void *stream_) {
   else if (big) e = f16 ? launch_mode<LOAD_TMA_BIG, true>(p, map, stream) : launch_mode<LOAD_TMA_BIG, false>(p, map, stream);
   else e = f16 ? launch_mode<LOAD_TMA_SMALL, true>(p, map, stream) : launch_mode<LOAD_TMA_SMALL, false>(p, map, stream);
   if (e != cudaSuccess) return (int)e;
-  return (int)combine_launch_pdl(p, stream);
+  return (int)combine_launch(p, stream);
 }
