@@ -25,7 +25,7 @@
 #include "cpu/cpu.h" /* white box: mla_cpu_set_isa */
 #include "mla.h"
 #include "ref.h"
-#include "paged_world.h"
+#include "decode_world.h"
 #include "test_util.h"
 
 #define O_ATOL 8e-4
@@ -51,19 +51,12 @@ typedef struct acase {
 } acase;
 
 typedef struct world {
+  tu_dworld d; /* lengths, cache, table, plan, q, oracle */
   acase c;
-  mla_kv_cache *cache;
-  mla_req_table *rt;
-  int32_t req_ids[MAXB], seq[MAXB], ext[MAXB], pre[MAXB];
-  int q_len[MAXB], kv_len[MAXB];
-  int Tq, Tk;
   mla_batch batch;
   mla_plan_limits lim;
-  void *pws;
-  mla_plan plan;
-  void *qn, *qr; /* act dtype [Tq, H, 512], [Tq, H, 64] */
-  double *qn_d, *qr_d, *c_d, *r_d, *o_ref, *lse_ref;
 } world;
+_Static_assert(MAXB <= TU_DW_MAXB, "MAXB");
 
 static const char *mode_name(mla_mode m) {
   switch (m) {
@@ -88,27 +81,27 @@ static void make_lengths(world *w) {
     int kv = zero ? 0 : tu_randint(&rng, 1, c->maxkv);
     switch (c->mode) {
       case MLA_MODE_DECODE:
-        w->seq[i] = kv;
-        w->q_len[i] = 1;
-        w->kv_len[i] = kv;
+        w->d.seq[i] = kv;
+        w->d.q_len[i] = 1;
+        w->d.kv_len[i] = kv;
         break;
       case MLA_MODE_TARGET_VERIFY:
-        w->seq[i] = kv > c->ndt ? kv - c->ndt : 0;
-        w->q_len[i] = c->ndt;
-        w->kv_len[i] = w->seq[i] + c->ndt;
+        w->d.seq[i] = kv > c->ndt ? kv - c->ndt : 0;
+        w->d.q_len[i] = c->ndt;
+        w->d.kv_len[i] = w->d.seq[i] + c->ndt;
         break;
       case MLA_MODE_DRAFT_EXTEND:
-        w->seq[i] = kv;
-        w->ext[i] = c->ndt ? c->ndt : tu_randint(&rng, 0, 5);
-        w->q_len[i] = w->ext[i];
-        w->kv_len[i] = kv;
+        w->d.seq[i] = kv;
+        w->d.ext[i] = c->ndt ? c->ndt : tu_randint(&rng, 0, 5);
+        w->d.q_len[i] = w->d.ext[i];
+        w->d.kv_len[i] = kv;
         break;
       default: { /* EXTEND with a prefix: at most 24 new tokens */
         int e = tu_randint(&rng, 0, kv < 24 ? kv : 24);
-        w->seq[i] = kv;
-        w->pre[i] = kv - e;
-        w->q_len[i] = e;
-        w->kv_len[i] = kv;
+        w->d.seq[i] = kv;
+        w->d.pre[i] = kv - e;
+        w->d.q_len[i] = e;
+        w->d.kv_len[i] = kv;
         break;
       }
     }
@@ -121,76 +114,65 @@ static int world_build(world *w, const acase *c) {
   make_lengths(w);
   int pages = 2 + NPAD, maxkv = 1;
   for (int i = 0; i < c->bs; i++) {
-    pages += (w->kv_len[i] + c->P - 1) / c->P;
-    w->Tq += w->q_len[i];
-    w->Tk += w->kv_len[i];
-    if (w->kv_len[i] > maxkv) maxkv = w->kv_len[i];
+    pages += (w->d.kv_len[i] + c->P - 1) / c->P;
+    w->d.Tq += w->d.q_len[i];
+    w->d.Tk += w->d.kv_len[i];
+    if (w->d.kv_len[i] > maxkv) maxkv = w->d.kv_len[i];
   }
   float fp8_scale = 0.0371f;
   mla_kv_cache_desc cd = {1, pages, c->P, c->cdt, c->cdt == MLA_DTYPE_FP8_E4M3 ? &fp8_scale : NULL};
   mla_req_table_desc rd = {c->bs + NPAD, maxkv, pages, c->P};
-  if (mla_kv_cache_create(ctx2, &cd, &w->cache) != MLA_OK ||
-      mla_req_table_create(ctx2, &rd, w->cache, &w->rt) != MLA_OK) {
+  if (mla_kv_cache_create(ctx2, &cd, &w->d.cache) != MLA_OK ||
+      mla_req_table_create(ctx2, &rd, w->d.cache, &w->d.rt) != MLA_OK) {
     TU_CHECK(0, "cannot create cache / table: %s", mla_ctx_last_error(ctx2));
     return -1;
   }
-  tu_poison_cache(w->cache);
+  tu_poison_cache(w->d.cache);
 
   /* Scattered free list, interleaved growth, random rows (c, r ~ N(0,1) in
    * f32: the cache quantizes them; the oracle sees what the cache holds). */
-  if (tu_grow_requests(&rng, w->rt, c->bs, w->kv_len, NPAD, c->P, 2 * c->P, w->req_ids) ||
-      tu_fill_owned_rows(&rng, w->cache, w->rt, c->bs, w->req_ids, w->kv_len, maxkv, MLA_DTYPE_F32, &w->c_d, &w->r_d))
+  if (tu_grow_requests(&rng, w->d.rt, c->bs, w->d.kv_len, NPAD, c->P, 2 * c->P, w->d.req_ids) ||
+      tu_fill_owned_rows(&rng, w->d.cache, w->d.rt, c->bs, w->d.req_ids, w->d.kv_len, maxkv, MLA_DTYPE_F32,
+                         &w->d.c_d, &w->d.r_d))
     return -1;
 
   /* plan */
   mla_batch *b = &w->batch;
   b->mode = c->mode;
   b->batch_size = c->bs;
-  b->req_ids = w->req_ids;
-  b->seq_lens = w->seq;
+  b->req_ids = w->d.req_ids;
+  b->seq_lens = w->d.seq;
   if (c->mode == MLA_MODE_TARGET_VERIFY) b->num_draft_tokens = c->ndt;
   if (c->mode == MLA_MODE_DRAFT_EXTEND) {
     if (c->ndt) b->num_draft_tokens = c->ndt;
-    else b->extend_lens = w->ext;
+    else b->extend_lens = w->d.ext;
   }
-  if (c->mode == MLA_MODE_EXTEND) b->prefix_lens = w->pre;
-  mla_plan_limits lim = {c->bs, w->Tq + 1, w->Tk + 1, maxkv, c->P, 2, 0};
+  if (c->mode == MLA_MODE_EXTEND) b->prefix_lens = w->d.pre;
+  mla_plan_limits lim = {c->bs, w->d.Tq + 1, w->d.Tk + 1, maxkv, c->P, 2, 0};
   w->lim = lim;
   size_t pb = 0;
   TU_STATUS(mla_plan_workspace_size(ctx2, &lim, &pb), MLA_OK);
-  w->pws = malloc(pb);
-  mla_status st = mla_plan_build(ctx2, w->rt, b, &lim, c->H, w->pws, pb, &w->plan);
+  w->d.pws = malloc(pb);
+  mla_status st = mla_plan_build(ctx2, w->d.rt, b, &lim, c->H, w->d.pws, pb, &w->d.plan);
   TU_CHECK(st == MLA_OK, "mla_plan_build: %s", mla_ctx_last_error(ctx2));
   if (st != MLA_OK) return -1;
   /* The kernel must never read block-table entries past a request. */
-  tu_guard_block_table(&w->plan, c->bs, w->kv_len, c->P);
+  tu_guard_block_table(&w->d.plan, c->bs, w->d.kv_len, c->P);
   /* q: bf16-representable, in the activation dtype; the oracle reads it back */
-  tu_make_q(&rng, c->act, (int64_t)w->Tq * c->H, 1, &w->qn, &w->qr, &w->qn_d, &w->qr_d);
+  tu_make_q(&rng, c->act, (int64_t)w->d.Tq * c->H, 1, &w->d.qn, &w->d.qr, &w->d.qn_d, &w->d.qr_d);
   return 0;
 }
 
-static void world_free(world *w) {
-  mla_req_table_destroy(w->rt);
-  mla_kv_cache_destroy(w->cache);
-  free(w->pws);
-  free(w->qn);
-  free(w->qr);
-  free(w->qn_d);
-  free(w->qr_d);
-  free(w->c_d);
-  free(w->r_d);
-  free(w->o_ref);
-  free(w->lse_ref);
-}
+static void world_free(world *w) { tu_dworld_free(&w->d); }
 
 static const double SCALE = 0.0721687836; /* 192^-0.5: never assume 576^-0.5 */
 
 static void oracle(world *w) {
-  const int64_t nq = (int64_t)w->Tq * w->c.H;
-  w->o_ref = malloc(sizeof(double) * (size_t)(nq + 1) * MLA_LATENT);
-  w->lse_ref = malloc(sizeof(double) * (size_t)(nq + 1));
-  ref_absorbed(w->c.bs, w->q_len, w->kv_len, w->c.H, (double)(float)SCALE, w->plan.causal,
-               w->qn_d, w->qr_d, w->c_d, w->r_d, w->o_ref, w->lse_ref);
+  const int64_t nq = (int64_t)w->d.Tq * w->c.H;
+  w->d.o_ref = malloc(sizeof(double) * (size_t)(nq + 1) * MLA_LATENT);
+  w->d.lse_ref = malloc(sizeof(double) * (size_t)(nq + 1));
+  ref_absorbed(w->c.bs, w->d.q_len, w->d.kv_len, w->c.H, (double)(float)SCALE, w->d.plan.causal,
+               w->d.qn_d, w->d.qr_d, w->d.c_d, w->d.r_d, w->d.o_ref, w->d.lse_ref);
 }
 
 /* Output buffers with GUARD poisoned elements after them. */
@@ -202,7 +184,7 @@ typedef struct outs {
 
 static outs outs_new(const world *w) {
   outs b;
-  const int64_t nq = (int64_t)w->Tq * w->c.H;
+  const int64_t nq = (int64_t)w->d.Tq * w->c.H;
   b.o_bytes = tu_act_size(w->c.act) * (size_t)nq * MLA_LATENT;
   b.lse_bytes = sizeof(float) * (size_t)nq;
   b.o = malloc(b.o_bytes + GUARD * 4);
@@ -223,8 +205,8 @@ static mla_absorbed_args args_for(const world *w, outs *b) {
   a.num_heads = w->c.H;
   a.scale = (float)SCALE;
   a.act_dtype = w->c.act;
-  a.q_nope = w->qn;
-  a.q_rope = w->qr;
+  a.q_nope = w->d.qn;
+  a.q_rope = w->d.qr;
   a.out = b->o;
   a.lse = b->lse;
   return a;
@@ -232,10 +214,10 @@ static mla_absorbed_args args_for(const world *w, outs *b) {
 
 static mla_status run(mla_ctx *ctx, const world *w, const mla_absorbed_args *a) {
   size_t bytes = 0;
-  mla_status st = mla_attention_absorbed_workspace_size(ctx, &w->plan, a->num_heads, &bytes);
+  mla_status st = mla_attention_absorbed_workspace_size(ctx, &w->d.plan, a->num_heads, &bytes);
   if (st != MLA_OK) return st;
   void *ws = malloc(bytes);
-  st = mla_attention_absorbed(ctx, w->cache, 0, &w->plan, a, ws, bytes);
+  st = mla_attention_absorbed(ctx, w->d.cache, 0, &w->d.plan, a, ws, bytes);
   free(ws);
   return st;
 }
@@ -243,11 +225,11 @@ static mla_status run(mla_ctx *ctx, const world *w, const mla_absorbed_args *a) 
 static void check_against_oracle(const world *w, const outs *b, int base2, const char *tag) {
   char cs[160];
   case_str(&w->c, cs, sizeof cs);
-  const int64_t nq = (int64_t)w->Tq * w->c.H, no = nq * MLA_LATENT;
+  const int64_t nq = (int64_t)w->d.Tq * w->c.H, no = nq * MLA_LATENT;
   double *got = malloc(sizeof(double) * (size_t)(no + 1));
   double *ref = malloc(sizeof(double) * (size_t)(no + 1));
   tu_from_dtype(w->c.act, b->o, got, no);
-  for (int64_t i = 0; i < no; i++) ref[i] = tu_round_to(w->c.act, w->o_ref[i]);
+  for (int64_t i = 0; i < no; i++) ref[i] = tu_round_to(w->c.act, w->d.o_ref[i]);
   ref_cmp c = ref_compare(got, ref, no, O_ATOL, O_RTOL);
   TU_CHECK(ref_cmp_ok(&c, MAX_COS),
            "%s [%s] o: %lld bad, %lld nonfinite mismatches of %lld (first %lld: got %g ref %g) "
@@ -257,7 +239,7 @@ static void check_against_oracle(const world *w, const outs *b, int base2, const
            c.first_bad >= 0 ? ref[c.first_bad] : 0.0, c.max_abs_err, c.cos_dist);
   for (int64_t i = 0; i < nq; i++) {
     got[i] = b->lse[i];
-    ref[i] = (double)(float)(w->lse_ref[i] * (base2 ? 1.4426950408889634 : 1.0));
+    ref[i] = (double)(float)(w->d.lse_ref[i] * (base2 ? 1.4426950408889634 : 1.0));
   }
   c = ref_compare(got, ref, nq, LSE_ATOL, LSE_RTOL);
   TU_CHECK(c.bad == 0 && c.nonfinite_mismatch == 0,
@@ -277,15 +259,15 @@ static void variants(const world *w, const outs *b0) {
   char cs[160];
   case_str(&w->c, cs, sizeof cs);
   const int H = w->c.H;
-  const int64_t nq = (int64_t)w->Tq * H;
+  const int64_t nq = (int64_t)w->d.Tq * H;
   const size_t es = tu_act_size(w->c.act);
   { /* strided q: one packed [T, H, 576] buffer, q_rope = q_nope + 512 */
     unsigned char *packed = malloc(es * (size_t)(nq + 1) * MLA_ROW);
     for (int64_t i = 0; i < nq; i++) {
-      memcpy(packed + es * (size_t)i * MLA_ROW, (char *)w->qn + es * (size_t)i * MLA_LATENT,
+      memcpy(packed + es * (size_t)i * MLA_ROW, (char *)w->d.qn + es * (size_t)i * MLA_LATENT,
              es * MLA_LATENT);
       memcpy(packed + es * ((size_t)i * MLA_ROW + MLA_LATENT),
-             (char *)w->qr + es * (size_t)i * MLA_ROPE, es * MLA_ROPE);
+             (char *)w->d.qr + es * (size_t)i * MLA_ROPE, es * MLA_ROPE);
     }
     outs b = outs_new(w);
     mla_absorbed_args a = args_for(w, &b);
@@ -319,7 +301,7 @@ static void variants(const world *w, const outs *b0) {
   }
   { /* a plan whose kv_indptr spans are longer than kv_lens, the gaps holding
      * TU_SENTINEL: only kv_lens[i] keys may be read (and validated) */
-    const mla_plan *p0 = &w->plan;
+    const mla_plan *p0 = &w->d.plan;
     int32_t *indptr = malloc(sizeof(int32_t) * (size_t)(p0->batch_size + 1));
     int32_t *idx = malloc(sizeof(int32_t) * (size_t)(p0->num_kv_tokens + 5 * p0->batch_size + 1));
     indptr[0] = 0;
@@ -331,9 +313,9 @@ static void variants(const world *w, const outs *b0) {
       indptr[i + 1] = indptr[i] + p0->kv_lens[i] + pad;
     }
     world w2 = *w;
-    w2.plan.kv_indptr = indptr;
-    w2.plan.kv_indices = idx;
-    w2.plan.num_kv_tokens = indptr[p0->batch_size];
+    w2.d.plan.kv_indptr = indptr;
+    w2.d.plan.kv_indices = idx;
+    w2.d.plan.num_kv_tokens = indptr[p0->batch_size];
     outs b = outs_new(w);
     mla_absorbed_args a = args_for(w, &b);
     TU_STATUS(run(ctx2, &w2, &a), MLA_OK);
@@ -450,120 +432,120 @@ static void bad_args(void) {
     return;
   }
   /* make sure rows exist */
-  TU_CHECK(w.Tq > 0, "bad_args world has no rows");
+  TU_CHECK(w.d.Tq > 0, "bad_args world has no rows");
   outs b = outs_new(&w);
   size_t need = 0;
-  TU_STATUS(mla_attention_absorbed_workspace_size(ctx2, &w.plan, 4, &need), MLA_OK);
+  TU_STATUS(mla_attention_absorbed_workspace_size(ctx2, &w.d.plan, 4, &need), MLA_OK);
   void *ws = malloc(need);
   mla_absorbed_args a0 = args_for(&w, &b), a;
   mla_plan p;
 
-  TU_STATUS(mla_attention_absorbed(NULL, w.cache, 0, &w.plan, &a0, ws, need),
+  TU_STATUS(mla_attention_absorbed(NULL, w.d.cache, 0, &w.d.plan, &a0, ws, need),
             MLA_ERR_INVALID_ARGUMENT);
-  expect_fail(mla_attention_absorbed(ctx2, NULL, 0, &w.plan, &a0, ws, need),
+  expect_fail(mla_attention_absorbed(ctx2, NULL, 0, &w.d.plan, &a0, ws, need),
               MLA_ERR_INVALID_ARGUMENT, &b, "cache NULL");
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, NULL, &a0, ws, need),
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, NULL, &a0, ws, need),
               MLA_ERR_INVALID_ARGUMENT, &b, "plan NULL");
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &w.plan, NULL, ws, need),
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &w.d.plan, NULL, ws, need),
               MLA_ERR_INVALID_ARGUMENT, &b, "args NULL");
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, -1, &w.plan, &a0, ws, need),
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, -1, &w.d.plan, &a0, ws, need),
               MLA_ERR_OUT_OF_RANGE, &b, "layer -1");
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, 1, &w.plan, &a0, ws, need),
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 1, &w.d.plan, &a0, ws, need),
               MLA_ERR_OUT_OF_RANGE, &b, "layer 1 of 1");
   a = a0, a.num_heads = 0;
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &w.plan, &a, ws, need),
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &w.d.plan, &a, ws, need),
               MLA_ERR_INVALID_ARGUMENT, &b, "num_heads 0");
   a = a0, a.num_heads = MLA_MAX_HEADS + 1;
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &w.plan, &a, ws, need),
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &w.d.plan, &a, ws, need),
               MLA_ERR_INVALID_ARGUMENT, &b, "num_heads too large");
   a = a0, a.act_dtype = MLA_DTYPE_FP8_E4M3;
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &w.plan, &a, ws, need),
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &w.d.plan, &a, ws, need),
               MLA_ERR_UNSUPPORTED, &b, "act fp8");
   a = a0, a.act_dtype = (mla_dtype)77;
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &w.plan, &a, ws, need),
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &w.d.plan, &a, ws, need),
               MLA_ERR_INVALID_ARGUMENT, &b, "act 77");
   const float bad_scales[4] = {0.0f, -0.1f, NAN, INFINITY};
   for (int i = 0; i < 4; i++) {
     a = a0, a.scale = bad_scales[i];
-    expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &w.plan, &a, ws, need),
+    expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &w.d.plan, &a, ws, need),
                 MLA_ERR_INVALID_ARGUMENT, &b, "bad scale");
   }
   a = a0, a.flags = 8; /* (4 is MLA_FLAG_FP8_MATH) */
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &w.plan, &a, ws, need),
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &w.d.plan, &a, ws, need),
               MLA_ERR_INVALID_ARGUMENT, &b, "unknown flag");
   a = a0, a.q_stride_token = -1;
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &w.plan, &a, ws, need),
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &w.d.plan, &a, ws, need),
               MLA_ERR_INVALID_ARGUMENT, &b, "negative stride");
   a = a0, a.q_nope = NULL;
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &w.plan, &a, ws, need),
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &w.d.plan, &a, ws, need),
               MLA_ERR_INVALID_ARGUMENT, &b, "q_nope NULL");
   a = a0, a.q_rope = NULL;
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &w.plan, &a, ws, need),
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &w.d.plan, &a, ws, need),
               MLA_ERR_INVALID_ARGUMENT, &b, "q_rope NULL");
   a = a0, a.out = NULL;
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &w.plan, &a, ws, need),
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &w.d.plan, &a, ws, need),
               MLA_ERR_INVALID_ARGUMENT, &b, "out NULL");
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &w.plan, &a0, ws, need - 1),
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &w.d.plan, &a0, ws, need - 1),
               MLA_ERR_WORKSPACE_TOO_SMALL, &b, "workspace one byte short");
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &w.plan, &a0, NULL, need),
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &w.d.plan, &a0, NULL, need),
               MLA_ERR_INVALID_ARGUMENT, &b, "workspace NULL");
   { /* a workspace sized for fewer heads than the call uses */
     size_t big = 0;
-    TU_STATUS(mla_attention_absorbed_workspace_size(ctx2, &w.plan, 64, &big), MLA_OK);
+    TU_STATUS(mla_attention_absorbed_workspace_size(ctx2, &w.d.plan, 64, &big), MLA_OK);
     TU_CHECK(need < big, "workspace for 4 heads (%zu) not below 64 heads (%zu)", need, big);
-    const size_t rows64 = (size_t)w.Tq * 64;
+    const size_t rows64 = (size_t)w.d.Tq * 64;
     void *qn64 = calloc(rows64 * MLA_LATENT, 2), *qr64 = calloc(rows64 * MLA_ROPE, 2);
     outs b64 = {malloc(rows64 * MLA_LATENT * 2), malloc(rows64 * 4), rows64 * MLA_LATENT * 2,
                 rows64 * 4};
     tu_poison(b64.o, b64.o_bytes);
     tu_poison(b64.lse, b64.lse_bytes);
     a = a0, a.num_heads = 64, a.q_nope = qn64, a.q_rope = qr64, a.out = b64.o, a.lse = b64.lse;
-    expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &w.plan, &a, ws, need),
+    expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &w.d.plan, &a, ws, need),
                 MLA_ERR_WORKSPACE_TOO_SMALL, &b64, "workspace for fewer heads");
     free(qn64);
     free(qr64);
     outs_free(&b64);
   }
-  p = w.plan, p.page_size = 64;
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &p, &a0, ws, need),
+  p = w.d.plan, p.page_size = 64;
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &p, &a0, ws, need),
               MLA_ERR_INVALID_ARGUMENT, &b, "page size mismatch");
-  p = w.plan, p.causal = 2;
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &p, &a0, ws, need),
+  p = w.d.plan, p.causal = 2;
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &p, &a0, ws, need),
               MLA_ERR_INVALID_ARGUMENT, &b, "causal 2");
-  p = w.plan, p.num_q_tokens = w.plan.num_q_tokens + 1;
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &p, &a0, ws, need),
+  p = w.d.plan, p.num_q_tokens = w.d.plan.num_q_tokens + 1;
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &p, &a0, ws, need),
               MLA_ERR_INVALID_ARGUMENT, &b, "num_q_tokens inconsistent");
-  p = w.plan, p.max_q_len = 1;
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &p, &a0, ws, need),
+  p = w.d.plan, p.max_q_len = 1;
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &p, &a0, ws, need),
               MLA_ERR_INVALID_ARGUMENT, &b, "max_q_len below a request's rows");
-  p = w.plan, p.qo_indptr = NULL;
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &p, &a0, ws, need),
+  p = w.d.plan, p.qo_indptr = NULL;
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &p, &a0, ws, need),
               MLA_ERR_INVALID_ARGUMENT, &b, "qo_indptr NULL");
   /* A pages-only plan (kv_indices NULL) needs its block table and room for
    * the slots it derives; then it gives the full plan's output bit for bit. */
-  p = w.plan, p.kv_indices = NULL, p.block_table = NULL;
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &p, &a0, ws, need),
+  p = w.d.plan, p.kv_indices = NULL, p.block_table = NULL;
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &p, &a0, ws, need),
               MLA_ERR_INVALID_ARGUMENT, &b, "kv_indices and block_table NULL");
-  p = w.plan, p.kv_indices = NULL;
-  expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &p, &a0, ws, need),
+  p = w.d.plan, p.kv_indices = NULL;
+  expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &p, &a0, ws, need),
               MLA_ERR_WORKSPACE_TOO_SMALL, &b, "pages-only plan, workspace without its slots");
   {
     size_t pneed = 0;
     TU_STATUS(mla_attention_absorbed_workspace_size(ctx2, &p, a0.num_heads, &pneed), MLA_OK);
-    TU_CHECK(pneed >= need + sizeof(int32_t) * (size_t)w.plan.num_kv_tokens, "pages-only workspace %zu vs %zu",
+    TU_CHECK(pneed >= need + sizeof(int32_t) * (size_t)w.d.plan.num_kv_tokens, "pages-only workspace %zu vs %zu",
              pneed, need);
     void *pws = malloc(pneed);
     outs full = {malloc(b.o_bytes), malloc(b.lse_bytes), b.o_bytes, b.lse_bytes};
     outs pages = {malloc(b.o_bytes), malloc(b.lse_bytes), b.o_bytes, b.lse_bytes};
     mla_absorbed_args af = a0, ap = a0;
     af.out = full.o, af.lse = full.lse, ap.out = pages.o, ap.lse = pages.lse;
-    TU_STATUS(mla_attention_absorbed(ctx2, w.cache, 0, &w.plan, &af, ws, need), MLA_OK);
-    TU_STATUS(mla_attention_absorbed(ctx2, w.cache, 0, &p, &ap, pws, pneed), MLA_OK);
+    TU_STATUS(mla_attention_absorbed(ctx2, w.d.cache, 0, &w.d.plan, &af, ws, need), MLA_OK);
+    TU_STATUS(mla_attention_absorbed(ctx2, w.d.cache, 0, &p, &ap, pws, pneed), MLA_OK);
     TU_CHECK(memcmp(full.o, pages.o, b.o_bytes) == 0 && memcmp(full.lse, pages.lse, b.lse_bytes) == 0,
              "a pages-only plan gives another output than the full plan");
-    int32_t *bt = (int32_t *)w.plan.block_table, saved = bt[0];
+    int32_t *bt = (int32_t *)w.d.plan.block_table, saved = bt[0];
     bt[0] = -1;
-    expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &p, &ap, pws, pneed), MLA_ERR_OUT_OF_RANGE, NULL,
+    expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &p, &ap, pws, pneed), MLA_ERR_OUT_OF_RANGE, NULL,
                 "pages-only plan with a page outside the cache");
     bt[0] = saved;
     free(pws);
@@ -572,26 +554,26 @@ static void bad_args(void) {
   }
   {
     int32_t lens[MAXB];
-    memcpy(lens, w.plan.kv_lens, sizeof(int32_t) * (size_t)c.bs);
+    memcpy(lens, w.d.plan.kv_lens, sizeof(int32_t) * (size_t)c.bs);
     lens[c.bs - 1] += 1;
-    p = w.plan, p.kv_lens = lens;
-    expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &p, &a0, ws, need),
+    p = w.d.plan, p.kv_lens = lens;
+    expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &p, &a0, ws, need),
                 MLA_ERR_INVALID_ARGUMENT, &b, "kv_lens past kv_indptr");
   }
   { /* kv indices out of the cache: -1, num_slots, the sentinel */
     int64_t slots = 0;
     mla_kv_cache_desc cd;
-    mla_kv_cache_get_desc(w.cache, &cd);
+    mla_kv_cache_get_desc(w.d.cache, &cd);
     slots = (int64_t)cd.num_pages * cd.page_size;
     const int32_t bad[3] = {-1, (int32_t)slots, TU_SENTINEL};
-    int32_t *idx = (int32_t *)w.plan.kv_indices;
-    int last = w.plan.num_kv_tokens - 1;
+    int32_t *idx = (int32_t *)w.d.plan.kv_indices;
+    int last = w.d.plan.num_kv_tokens - 1;
     TU_CHECK(last >= 0, "no keys in bad_args world");
     if (last >= 0) {
       int32_t keep = idx[last];
       for (int i = 0; i < 3; i++) {
         idx[last] = bad[i];
-        expect_fail(mla_attention_absorbed(ctx2, w.cache, 0, &w.plan, &a0, ws, need),
+        expect_fail(mla_attention_absorbed(ctx2, w.d.cache, 0, &w.d.plan, &a0, ws, need),
                     MLA_ERR_OUT_OF_RANGE, &b, "kv index out of range");
       }
       idx[last] = keep;
@@ -599,23 +581,23 @@ static void bad_args(void) {
   }
   /* workspace size query */
   size_t sz = 0;
-  TU_STATUS(mla_attention_absorbed_workspace_size(NULL, &w.plan, 4, &sz), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_attention_absorbed_workspace_size(NULL, &w.d.plan, 4, &sz), MLA_ERR_INVALID_ARGUMENT);
   expect_fail(mla_attention_absorbed_workspace_size(ctx2, NULL, 4, &sz), MLA_ERR_INVALID_ARGUMENT,
               NULL, "size: plan NULL");
-  expect_fail(mla_attention_absorbed_workspace_size(ctx2, &w.plan, 4, NULL),
+  expect_fail(mla_attention_absorbed_workspace_size(ctx2, &w.d.plan, 4, NULL),
               MLA_ERR_INVALID_ARGUMENT, NULL, "size: bytes NULL");
-  expect_fail(mla_attention_absorbed_workspace_size(ctx2, &w.plan, 0, &sz),
+  expect_fail(mla_attention_absorbed_workspace_size(ctx2, &w.d.plan, 0, &sz),
               MLA_ERR_INVALID_ARGUMENT, NULL, "size: 0 heads");
 
   /* IDLE and empty plans: OK, nothing written */
-  p = w.plan, p.mode = MLA_MODE_IDLE;
-  TU_STATUS(mla_attention_absorbed(ctx2, w.cache, 0, &p, &a0, ws, need), MLA_OK);
+  p = w.d.plan, p.mode = MLA_MODE_IDLE;
+  TU_STATUS(mla_attention_absorbed(ctx2, w.d.cache, 0, &p, &a0, ws, need), MLA_OK);
   TU_CHECK(tu_all_poisoned(b.o, b.o_bytes) && tu_all_poisoned(b.lse, b.lse_bytes), "IDLE wrote output");
-  p = w.plan, p.batch_size = 0, p.num_q_tokens = 0;
-  TU_STATUS(mla_attention_absorbed(ctx2, w.cache, 0, &p, &a0, NULL, 0), MLA_OK);
+  p = w.d.plan, p.batch_size = 0, p.num_q_tokens = 0;
+  TU_STATUS(mla_attention_absorbed(ctx2, w.d.cache, 0, &p, &a0, NULL, 0), MLA_OK);
   TU_CHECK(tu_all_poisoned(b.o, b.o_bytes) && tu_all_poisoned(b.lse, b.lse_bytes), "empty plan wrote output");
   /* and the good call still works afterwards */
-  TU_STATUS(mla_attention_absorbed(ctx2, w.cache, 0, &w.plan, &a0, ws, need), MLA_OK);
+  TU_STATUS(mla_attention_absorbed(ctx2, w.d.cache, 0, &w.d.plan, &a0, ws, need), MLA_OK);
   oracle(&w);
   check_against_oracle(&w, &b, 0, "after bad args");
   free(ws);
@@ -632,17 +614,17 @@ static void gather_tests(void) {
   for (int d = 0; d < 4; d++) {
     acase c = {MLA_MODE_DECODE, 0, cdts[d], 16, 1, 4, 150, MLA_DTYPE_BF16};
     world w;
-    if (world_build(&w, &c) != 0 || w.Tk == 0) {
+    if (world_build(&w, &c) != 0 || w.d.Tk == 0) {
       world_free(&w);
       continue;
     }
     /* the rows the requests own, shuffled, repeated */
-    const int T = w.Tk + 7;
+    const int T = w.d.Tk + 7;
     int32_t *slots = malloc(sizeof(int32_t) * (size_t)T);
     int k = 0;
     for (int i = 0; i < c.bs; i++)
-      for (int j = 0; j < w.kv_len[i]; j++) slots[k++] = w.plan.kv_indices[w.plan.kv_indptr[i] + j];
-    for (; k < T; k++) slots[k] = slots[tu_randint(&rng, 0, w.Tk - 1)];
+      for (int j = 0; j < w.d.kv_len[i]; j++) slots[k++] = w.d.plan.kv_indices[w.d.plan.kv_indptr[i] + j];
+    for (; k < T; k++) slots[k] = slots[tu_randint(&rng, 0, w.d.Tk - 1)];
     tu_shuffle_i32(&rng, slots, T);
     for (int ai = 0; ai < 3; ai++) {
       const size_t es = tu_act_size(acts[ai]);
@@ -651,8 +633,8 @@ static void gather_tests(void) {
       unsigned char *c2 = malloc(cb), *r2 = malloc(rb);
       tu_poison(c1, cb + 64);
       tu_poison(r1, rb + 64);
-      TU_STATUS(mla_gather_latent(ctx2, w.cache, 0, T, slots, acts[ai], c1, r1), MLA_OK);
-      TU_STATUS(mla_kv_cache_read(w.cache, 0, T, slots, c2, r2, acts[ai]), MLA_OK);
+      TU_STATUS(mla_gather_latent(ctx2, w.d.cache, 0, T, slots, acts[ai], c1, r1), MLA_OK);
+      TU_STATUS(mla_kv_cache_read(w.d.cache, 0, T, slots, c2, r2, acts[ai]), MLA_OK);
       TU_CHECK(!memcmp(c1, c2, cb) && !memcmp(r1, r2, rb),
                "gather_latent %s -> %s differs from mla_kv_cache_read", mla_dtype_name(cdts[d]),
                mla_dtype_name(acts[ai]));
@@ -660,39 +642,39 @@ static void gather_tests(void) {
       /* one part only */
       tu_poison(c1, cb);
       tu_poison(r1, rb);
-      TU_STATUS(mla_gather_latent(ctx2, w.cache, 0, T, slots, acts[ai], NULL, r1), MLA_OK);
+      TU_STATUS(mla_gather_latent(ctx2, w.d.cache, 0, T, slots, acts[ai], NULL, r1), MLA_OK);
       TU_CHECK(tu_all_poisoned(c1, cb) && !memcmp(r1, r2, rb), "gather_latent r only");
-      TU_STATUS(mla_gather_latent(ctx2, w.cache, 0, T, slots, acts[ai], c1, NULL), MLA_OK);
+      TU_STATUS(mla_gather_latent(ctx2, w.d.cache, 0, T, slots, acts[ai], c1, NULL), MLA_OK);
       TU_CHECK(!memcmp(c1, c2, cb), "gather_latent c only");
       if (d == 0 && ai == 0) { /* bad arguments */
         tu_poison(c1, cb);
         tu_poison(r1, rb);
         outs o = {c1, (float *)r1, cb, rb};
-        TU_STATUS(mla_gather_latent(NULL, w.cache, 0, T, slots, acts[ai], c1, r1),
+        TU_STATUS(mla_gather_latent(NULL, w.d.cache, 0, T, slots, acts[ai], c1, r1),
                   MLA_ERR_INVALID_ARGUMENT);
         expect_fail(mla_gather_latent(ctx2, NULL, 0, T, slots, acts[ai], c1, r1),
                     MLA_ERR_INVALID_ARGUMENT, &o, "gather: cache NULL");
-        expect_fail(mla_gather_latent(ctx2, w.cache, 1, T, slots, acts[ai], c1, r1),
+        expect_fail(mla_gather_latent(ctx2, w.d.cache, 1, T, slots, acts[ai], c1, r1),
                     MLA_ERR_OUT_OF_RANGE, &o, "gather: layer");
-        expect_fail(mla_gather_latent(ctx2, w.cache, 0, -1, slots, acts[ai], c1, r1),
+        expect_fail(mla_gather_latent(ctx2, w.d.cache, 0, -1, slots, acts[ai], c1, r1),
                     MLA_ERR_INVALID_ARGUMENT, &o, "gather: T < 0");
-        expect_fail(mla_gather_latent(ctx2, w.cache, 0, T, NULL, acts[ai], c1, r1),
+        expect_fail(mla_gather_latent(ctx2, w.d.cache, 0, T, NULL, acts[ai], c1, r1),
                     MLA_ERR_INVALID_ARGUMENT, &o, "gather: slots NULL");
-        expect_fail(mla_gather_latent(ctx2, w.cache, 0, T, slots, MLA_DTYPE_FP8_E4M3, c1, r1),
+        expect_fail(mla_gather_latent(ctx2, w.d.cache, 0, T, slots, MLA_DTYPE_FP8_E4M3, c1, r1),
                     MLA_ERR_UNSUPPORTED, &o, "gather: fp8 dst");
-        expect_fail(mla_gather_latent(ctx2, w.cache, 0, T, slots, acts[ai], NULL, NULL),
+        expect_fail(mla_gather_latent(ctx2, w.d.cache, 0, T, slots, acts[ai], NULL, NULL),
                     MLA_ERR_INVALID_ARGUMENT, &o, "gather: no outputs");
         const int32_t keep = slots[T - 1];
         mla_kv_cache_desc cd;
-        mla_kv_cache_get_desc(w.cache, &cd);
+        mla_kv_cache_get_desc(w.d.cache, &cd);
         const int32_t bad[3] = {-1, cd.num_pages * cd.page_size, TU_SENTINEL};
         for (int i = 0; i < 3; i++) {
           slots[T - 1] = bad[i];
-          expect_fail(mla_gather_latent(ctx2, w.cache, 0, T, slots, acts[ai], c1, r1),
+          expect_fail(mla_gather_latent(ctx2, w.d.cache, 0, T, slots, acts[ai], c1, r1),
                       MLA_ERR_OUT_OF_RANGE, &o, "gather: slot out of range");
         }
         slots[T - 1] = keep;
-        TU_STATUS(mla_gather_latent(ctx2, w.cache, 0, 0, NULL, acts[ai], NULL, NULL), MLA_OK);
+        TU_STATUS(mla_gather_latent(ctx2, w.d.cache, 0, 0, NULL, acts[ai], NULL, NULL), MLA_OK);
       }
       free(c1);
       free(r1);

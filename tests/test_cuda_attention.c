@@ -25,7 +25,7 @@
 
 #include "mla.h"
 #include "ref.h"
-#include "paged_world.h"
+#include "decode_world.h"
 #include "test_util.h"
 
 #ifndef MLA_TEST_CUDA
@@ -49,20 +49,8 @@ static const double SCALE = 0.0721687836; /* 192^-0.5 */
 static tu_rng rng;
 static mla_ctx *cpu, *gpu;
 
-typedef struct world {
-  mla_mode mode;
-  int ndt, P, H, bs;
-  mla_kv_cache *cache;  /* CPU */
-  mla_kv_cache *dcache; /* GPU, same bytes */
-  mla_req_table *rt;
-  int32_t req_ids[MAXB], seq[MAXB];
-  int q_len[MAXB], kv_len[MAXB];
-  int Tq, Tk;
-  void *pws;
-  mla_plan plan;
-  void *qn, *qr; /* bf16 [Tq, H, 512], [Tq, H, 64] */
-  double *qn_d, *qr_d, *c_d, *r_d, *o_ref, *lse_ref, *pbound;
-} world;
+typedef tu_dworld world;
+_Static_assert(MAXB <= TU_DW_MAXB, "MAXB");
 
 static void case_str(const world *w, char *buf, size_t n) {
   snprintf(buf, n, "%s ndt=%d P=%d H=%d bs=%d", w->mode == MLA_MODE_DECODE ? "decode" : "verify", w->ndt, w->P,
@@ -84,21 +72,12 @@ static int world_build(world *w) {
       w->kv_len[i] = w->seq[i] + w->ndt;
     }
   }
-  int pages = 2 + NPAD, maxkv = 1;
-  for (int i = 0; i < w->bs; i++) {
-    pages += (w->kv_len[i] + w->P - 1) / w->P;
-    w->Tq += w->q_len[i];
-    w->Tk += w->kv_len[i];
-    if (w->kv_len[i] > maxkv) maxkv = w->kv_len[i];
-  }
-  mla_kv_cache_desc cd = {1, pages, w->P, MLA_DTYPE_BF16, NULL};
-  mla_req_table_desc rd = {w->bs + NPAD, maxkv, pages, w->P};
-  if (mla_kv_cache_create(cpu, &cd, &w->cache) != MLA_OK || mla_kv_cache_create(gpu, &cd, &w->dcache) != MLA_OK ||
-      mla_req_table_create(cpu, &rd, w->cache, &w->rt) != MLA_OK) {
-    TU_CHECK(0, "cannot create caches / table: %s / %s", mla_ctx_last_error(cpu), mla_ctx_last_error(gpu));
-    return -1;
-  }
-  tu_poison_cache(w->cache);
+  /* a bf16 cache, bf16 activations */
+  w->kv = w->act = MLA_DTYPE_BF16;
+  w->scale = (float)SCALE;
+  w->p_unit = 0.00390625;
+  const int pages = tu_dworld_totals(w, NPAD), maxkv = w->maxkv;
+  if (tu_dworld_create(w, cpu, gpu, pages, NPAD)) return -1;
   /* scattered free list, interleaved growth; the rows the requests own:
    * c, r ~ N(0, 1), stored as bf16 */
   if (tu_grow_requests(&rng, w->rt, w->bs, w->kv_len, NPAD, w->P, 2 * w->P, w->req_ids) ||
@@ -106,136 +85,28 @@ static int world_build(world *w) {
     return -1;
   /* the GPU cache: the CPU cache's bytes (owned rows and NaN rows alike) */
   tu_cache_to_device(w->cache, w->dcache, (size_t)pages * w->P);
-  mla_batch *b = calloc(1, sizeof *b);
-  b->mode = w->mode;
-  b->batch_size = w->bs;
-  b->req_ids = w->req_ids;
-  b->seq_lens = w->seq;
-  if (w->mode == MLA_MODE_TARGET_VERIFY) b->num_draft_tokens = w->ndt;
-  mla_plan_limits lim = {w->bs, w->Tq + 1, w->Tk + 1, maxkv, w->P, 132, 0};
-  size_t pb = 0;
-  TU_STATUS(mla_plan_workspace_size(cpu, &lim, &pb), MLA_OK);
-  w->pws = malloc(pb);
-  mla_status st = mla_plan_build(cpu, w->rt, b, &lim, w->H, w->pws, pb, &w->plan);
-  free(b);
-  TU_CHECK(st == MLA_OK, "mla_plan_build: %s", mla_ctx_last_error(cpu));
-  if (st != MLA_OK) return -1;
+  if (tu_dworld_plan(w, cpu, 132)) return -1;
   tu_guard_block_table(&w->plan, w->bs, w->kv_len, w->P);
   /* q: bf16 */
   tu_make_q(&rng, MLA_DTYPE_BF16, (int64_t)w->Tq * w->H, 1, &w->qn, &w->qr, &w->qn_d, &w->qr_d);
   return 0;
 }
 
-/* Oracle, and per element the bf16-P rounding bound 2^-8 sum_j p_j |c_j[d]|
- * (softmax weights in float64, bottom-right causal as the plan says). */
-static void oracle(world *w) {
-  const int H = w->H;
-  const int64_t nq = (int64_t)w->Tq * H;
-  w->o_ref = malloc(sizeof(double) * (size_t)(nq + 1) * MLA_LATENT);
-  w->lse_ref = malloc(sizeof(double) * (size_t)(nq + 1));
-  w->pbound = calloc((size_t)(nq + 1) * MLA_LATENT, sizeof(double));
-  const double sc = (double)(float)SCALE;
-  ref_absorbed(w->bs, w->q_len, w->kv_len, H, sc, w->plan.causal, w->qn_d, w->qr_d, w->c_d, w->r_d, w->o_ref,
-               w->lse_ref);
-  double *s = malloc(sizeof(double) * 4096);
-  int64_t t0 = 0, k0 = 0;
-  for (int i = 0; i < w->bs; i++) {
-    const int Q = w->q_len[i], K = w->kv_len[i];
-    for (int t = 0; t < Q; t++)
-      for (int h = 0; h < H; h++) {
-        const int64_t row = (t0 + t) * H + h;
-        const int vis = w->plan.causal ? K - Q + t + 1 : K;
-        if (vis <= 0) continue;
-        tu_row_softmax(w->qn_d + row * MLA_LATENT, w->qr_d + row * MLA_ROPE, w->c_d + k0 * MLA_LATENT,
-                       w->r_d + k0 * MLA_ROPE, vis, sc, s);
-        tu_p_round_bound(s, w->c_d + k0 * MLA_LATENT, vis, 0.00390625, w->pbound + row * MLA_LATENT);
-      }
-    t0 += Q;
-    k0 += K;
-  }
-  free(s);
-}
-
-static void world_free(world *w) {
-  mla_req_table_destroy(w->rt);
-  mla_kv_cache_destroy(w->cache);
-  mla_kv_cache_destroy(w->dcache);
-  free(w->pws);
-  free(w->qn);
-  free(w->qr);
-  free(w->qn_d);
-  free(w->qr_d);
-  free(w->c_d);
-  free(w->r_d);
-  free(w->o_ref);
-  free(w->lse_ref);
-  free(w->pbound);
-}
-
-/* Device buffers of one run: q (plain or packed [T, H, 576]), out, lse with
- * poisoned guards, workspace. */
-typedef struct dbufs {
-  void *qn, *qr, *qpk, *o, *ws;
-  float *lse;
-  size_t o_bytes, lse_bytes, ws_bytes;
-} dbufs;
-
-static dbufs dbufs_new(const world *w) {
-  dbufs d;
-  const int64_t nq = (int64_t)w->Tq * w->H;
-  d.qn = tu_dev_alloc(2 * (size_t)nq * MLA_LATENT);
-  d.qr = tu_dev_alloc(2 * (size_t)nq * MLA_ROPE);
-  CK(cudaMemcpy(d.qn, w->qn, 2 * (size_t)nq * MLA_LATENT, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(d.qr, w->qr, 2 * (size_t)nq * MLA_ROPE, cudaMemcpyHostToDevice));
-  /* packed [T, H, 576]: nope then rope of each (token, head) */
+/* q packed [T, H, 576] on the device: nope then rope of each (token, head). */
+static void *packed_q(const world *w) {
+  const int64_t nq = w->Tq * w->H;
   uint16_t *pk = malloc(2 * (size_t)(nq + 1) * MLA_ROW);
   for (int64_t r = 0; r < nq; r++) {
     memcpy(pk + r * MLA_ROW, (const uint16_t *)w->qn + r * MLA_LATENT, 2 * MLA_LATENT);
     memcpy(pk + r * MLA_ROW + MLA_LATENT, (const uint16_t *)w->qr + r * MLA_ROPE, 2 * MLA_ROPE);
   }
-  d.qpk = tu_dev_alloc(2 * (size_t)nq * MLA_ROW);
-  CK(cudaMemcpy(d.qpk, pk, 2 * (size_t)nq * MLA_ROW, cudaMemcpyHostToDevice));
+  void *d = tu_dev_copy(pk, 2 * (size_t)nq * MLA_ROW);
   free(pk);
-  d.o_bytes = 2 * (size_t)nq * MLA_LATENT;
-  d.lse_bytes = sizeof(float) * (size_t)nq;
-  d.o = tu_dev_alloc(d.o_bytes + GUARD * 4);
-  d.lse = tu_dev_alloc(d.lse_bytes + GUARD * 4);
-  d.ws_bytes = 0;
-  TU_STATUS(mla_attention_absorbed_workspace_size(gpu, &w->plan, w->H, &d.ws_bytes), MLA_OK);
-  d.ws = tu_dev_alloc(d.ws_bytes);
   return d;
 }
 
-static void dbufs_poison(dbufs *d) {
-  CK(cudaMemset(d->o, 0xFF, d->o_bytes + GUARD * 4));
-  CK(cudaMemset(d->lse, 0xFF, d->lse_bytes + GUARD * 4));
-  CK(cudaDeviceSynchronize()); /* the library's stream may be a non-blocking one */
-}
-
-static void dbufs_free(dbufs *d) {
-  cudaFree(d->qn);
-  cudaFree(d->qr);
-  cudaFree(d->qpk);
-  cudaFree(d->o);
-  cudaFree(d->lse);
-  cudaFree(d->ws);
-}
-
-static mla_absorbed_args args_for(const world *w, dbufs *d) {
-  mla_absorbed_args a;
-  memset(&a, 0, sizeof a);
-  a.num_heads = w->H;
-  a.scale = (float)SCALE;
-  a.act_dtype = MLA_DTYPE_BF16;
-  a.q_nope = d->qn;
-  a.q_rope = d->qr;
-  a.out = d->o;
-  a.lse = d->lse;
-  return a;
-}
-
 /* Copies the outputs back, checks them against the oracle and the guards. */
-static void check(const world *w, dbufs *d, int with_lse, int base2, const char *tag) {
+static void check(const world *w, tu_dbufs *d, int with_lse, int base2, const char *tag) {
   char cs[128];
   case_str(w, cs, sizeof cs);
   const int64_t nq = (int64_t)w->Tq * w->H, no = nq * MLA_LATENT;
@@ -293,32 +164,33 @@ static void run_case(mla_mode mode, int ndt, int P, int H) {
   w.H = H;
   w.bs = tu_randint(&rng, 4, 7);
   if (world_build(&w) != 0) {
-    world_free(&w);
+    tu_dworld_free(&w);
     return;
   }
-  oracle(&w);
+  tu_dworld_oracle(&w, 1);
   char cs[128];
   case_str(&w, cs, sizeof cs);
-  dbufs d = dbufs_new(&w);
+  tu_dbufs d = tu_dbufs_new(&w, gpu, GUARD * 4);
+  void *qpk = packed_q(&w);
   /* plain q, natural-log lse */
-  dbufs_poison(&d);
-  mla_absorbed_args a = args_for(&w, &d);
+  tu_dbufs_poison(&d);
+  mla_absorbed_args a = tu_dworld_args(&w, d.qn, d.qr, d.o, d.lse);
   mla_status st = mla_attention_absorbed(gpu, w.dcache, 0, &w.plan, &a, d.ws, d.ws_bytes);
   TU_CHECK(st == MLA_OK, "%s: mla_attention_absorbed: %s (%s)", cs, mla_status_string(st), mla_ctx_last_error(gpu));
   TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
   check(&w, &d, 1, 0, "plain");
   /* base-2 lse */
-  dbufs_poison(&d);
+  tu_dbufs_poison(&d);
   a.flags = MLA_FLAG_LSE_BASE2;
   st = mla_attention_absorbed(gpu, w.dcache, 0, &w.plan, &a, d.ws, d.ws_bytes);
   TU_CHECK(st == MLA_OK, "%s: base2: %s (%s)", cs, mla_status_string(st), mla_ctx_last_error(gpu));
   TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
   check(&w, &d, 1, 1, "lse base 2");
   /* packed strided q, no lse */
-  dbufs_poison(&d);
+  tu_dbufs_poison(&d);
   a.flags = 0;
-  a.q_nope = d.qpk;
-  a.q_rope = (const uint16_t *)d.qpk + MLA_LATENT;
+  a.q_nope = qpk;
+  a.q_rope = (const uint16_t *)qpk + MLA_LATENT;
   a.q_stride_token = (int64_t)H * MLA_ROW;
   a.q_stride_head = MLA_ROW;
   a.lse = NULL;
@@ -326,8 +198,9 @@ static void run_case(mla_mode mode, int ndt, int P, int H) {
   TU_CHECK(st == MLA_OK, "%s: strided: %s (%s)", cs, mla_status_string(st), mla_ctx_last_error(gpu));
   TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
   check(&w, &d, 0, 0, "strided q, NULL lse");
-  dbufs_free(&d);
-  world_free(&w);
+  cudaFree(qpk);
+  tu_dbufs_free(&d);
+  tu_dworld_free(&w);
 }
 
 /* Refusals: status, message, outputs untouched. */
@@ -339,12 +212,12 @@ static void refusals(void) {
   w.H = 16;
   w.bs = 4;
   if (world_build(&w) != 0) {
-    world_free(&w);
+    tu_dworld_free(&w);
     return;
   }
-  dbufs d = dbufs_new(&w);
-  dbufs_poison(&d);
-  mla_absorbed_args a = args_for(&w, &d);
+  tu_dbufs d = tu_dbufs_new(&w, gpu, GUARD * 4);
+  tu_dbufs_poison(&d);
+  mla_absorbed_args a = tu_dworld_args(&w, d.qn, d.qr, d.o, d.lse);
   /* f16 cache (bf16 activations: refused) and page size 4 (taken by the
    * kernels since the small-page gather path, so this page-64 plan no longer
    * matches it) */
@@ -381,8 +254,8 @@ static void refusals(void) {
   free(ob);
   mla_kv_cache_destroy(f16c);
   mla_kv_cache_destroy(p4c);
-  dbufs_free(&d);
-  world_free(&w);
+  tu_dbufs_free(&d);
+  tu_dworld_free(&w);
 }
 
 int main(void) {

@@ -58,7 +58,7 @@
 #include "core/convert.h" /* e4m3 rounding: q as the fp8 math kernel quantizes it */
 #include "mla.h"
 #include "ref.h"
-#include "paged_world.h"
+#include "decode_world.h"
 #include "test_util.h"
 
 #ifndef MLA_TEST_CUDA
@@ -107,31 +107,17 @@ static mla_ctx *cpu, *gpu;
 static int small_run; /* --small: short requests (compute-sanitizer) */
 
 typedef struct world {
-  mla_mode mode;
-  mla_dtype kv, act;
-  float kv_scale; /* FP8_E4M3 layer scale */
-  int ndt, P, H, bs;
+  tu_dworld d; /* kv_scale: FP8_E4M3 layer scale; scale: the softmax scale the call passes */
   int q_log2; /* q scaled by 2^q_log2 (exact in bf16) */
   int fp8m;   /* MLA_FLAG_FP8_MATH case: oracle over the unrounded dequantized cache, softmax scale 2^-q_log2 */
   int peaky;  /* fp8m: one key of request 0 stands out (make_peaky) */
-  float scale; /* softmax scale the call passes */
-  mla_kv_cache *cache;  /* CPU */
-  mla_kv_cache *dcache; /* GPU, same bytes */
-  mla_req_table *rt;
-  int32_t req_ids[MAXB], seq[MAXB];
-  int q_len[MAXB], kv_len[MAXB];
-  int Tq, Tk;
-  void *pws;
-  mla_plan plan;
-  void *qn, *qr; /* act dtype [Tq, H, 512], [Tq, H, 64] */
-  double *qn_d, *qr_d, *c_d, *r_d, *o_ref, *lse_ref, *pbound;
-  double p_unit; /* unit roundoff of P: 2^-8 (bf16) or 2^-11 (f16) */
   /* fp8m: q as the kernel quantizes it (q8_like_kernel) and the oracle over
    * it; pbound8: the bound for P's e4m3 rounding (oracle_item) */
   double *qn8, *qr8, *o_ref8, *lse_ref8, *pbound8, *lse_drift8; /* lse_drift8: effect (1)'s lse bound */
 } world;
+_Static_assert(MAXB <= TU_DW_MAXB, "MAXB");
 
-static int q_len_of(const world *w) { return w->mode == MLA_MODE_DECODE ? 1 : w->ndt; }
+static int q_len_of(const world *w) { return w->d.mode == MLA_MODE_DECODE ? 1 : w->d.ndt; }
 
 static const char *mode_str(mla_mode m) {
   return m == MLA_MODE_DECODE ? "decode" : m == MLA_MODE_TARGET_VERIFY ? "verify" : "draft_extend";
@@ -153,44 +139,45 @@ static const char *dt_name(mla_dtype t) {
 static int exact_fp8(const world *w) {
   const char *legacy = getenv("MLA_DECODE_LEGACY");
   const int q = q_len_of(w);
-  return w->kv == MLA_DTYPE_FP8_E4M3 && w->P >= 8 && q * w->H <= 16 && !(legacy && legacy[0] && legacy[0] != '0');
+  return w->d.kv == MLA_DTYPE_FP8_E4M3 && w->d.P >= 8 && q * w->d.H <= 16 && !(legacy && legacy[0] && legacy[0] != '0');
 }
 
 static void case_str(const world *w, char *buf, size_t n) {
   snprintf(buf, n, "%s%s ndt=%d kv=%s act=%s P=%d H=%d bs=%d q*2^%d%s%s", w->fp8m ? "fp8-math " : "",
-           mode_str(w->mode), w->ndt, dt_name(w->kv), dt_name(w->act), w->P, w->H, w->bs, w->q_log2,
+           mode_str(w->d.mode), w->d.ndt, dt_name(w->d.kv), dt_name(w->d.act), w->d.P, w->d.H, w->d.bs, w->q_log2,
            w->peaky ? " peaky" : "", !w->fp8m && exact_fp8(w) ? " (exact fp8)" : "");
 }
 
 /* The kernel's operand type for keys of this cache (F32: not rounded). */
 static mla_dtype operand_dtype(const world *w) {
   if (w->fp8m || exact_fp8(w)) return MLA_DTYPE_F32;
-  return w->kv == MLA_DTYPE_F16 ? MLA_DTYPE_F16 : MLA_DTYPE_BF16;
+  return w->d.kv == MLA_DTYPE_F16 ? MLA_DTYPE_F16 : MLA_DTYPE_BF16;
 }
 
 /* fp8m: q of request 0's rows pulled toward one of its keys (late, visible
  * to every row): 20 added to that key's logit puts it ~8-16 above the
  * next one. */
 static void make_peaky(world *w) {
-  const int K = w->kv_len[0], Q = w->q_len[0];
+  const int K = w->d.kv_len[0], Q = w->d.q_len[0];
   if (K - Q < 8) return;
   const int j = K - Q - tu_randint(&rng, 0, (K - Q) / 8);
-  const double *c = w->c_d + (int64_t)j * MLA_LATENT, *r = w->r_d + (int64_t)j * MLA_ROPE;
+  const double *c = w->d.c_d + (int64_t)j * MLA_LATENT, *r = w->d.r_d + (int64_t)j * MLA_ROPE;
   double n2 = 0;
   for (int d = 0; d < MLA_LATENT; d++) n2 += c[d] * c[d];
   for (int d = 0; d < MLA_ROPE; d++) n2 += r[d] * r[d];
-  const double lambda = 20.0 / ((double)w->scale * n2); /* scale * lambda * |k|^2 = 20 */
-  const int64_t rows = (int64_t)Q * w->H;
+  const double lambda = 20.0 / ((double)w->d.scale * n2); /* scale * lambda * |k|^2 = 20 */
+  const int64_t rows = (int64_t)Q * w->d.H;
   float *tn = malloc(sizeof(float) * (size_t)rows * MLA_LATENT), *tr = malloc(sizeof(float) * (size_t)rows * MLA_ROPE);
   for (int64_t i = 0; i < rows; i++) {
-    for (int d = 0; d < MLA_LATENT; d++) tn[i * MLA_LATENT + d] = (float)(w->qn_d[i * MLA_LATENT + d] + lambda * c[d]);
-    for (int d = 0; d < MLA_ROPE; d++) tr[i * MLA_ROPE + d] = (float)(w->qr_d[i * MLA_ROPE + d] + lambda * r[d]);
+    for (int d = 0; d < MLA_LATENT; d++)
+      tn[i * MLA_LATENT + d] = (float)(w->d.qn_d[i * MLA_LATENT + d] + lambda * c[d]);
+    for (int d = 0; d < MLA_ROPE; d++) tr[i * MLA_ROPE + d] = (float)(w->d.qr_d[i * MLA_ROPE + d] + lambda * r[d]);
   }
   /* request 0's rows are the first ones */
-  tu_to_dtype(w->act, tn, w->qn, rows * MLA_LATENT);
-  tu_from_dtype(w->act, w->qn, w->qn_d, rows * MLA_LATENT);
-  tu_to_dtype(w->act, tr, w->qr, rows * MLA_ROPE);
-  tu_from_dtype(w->act, w->qr, w->qr_d, rows * MLA_ROPE);
+  tu_to_dtype(w->d.act, tn, w->d.qn, rows * MLA_LATENT);
+  tu_from_dtype(w->d.act, w->d.qn, w->d.qn_d, rows * MLA_LATENT);
+  tu_to_dtype(w->d.act, tr, w->d.qr, rows * MLA_ROPE);
+  tu_from_dtype(w->d.act, w->d.qr, w->d.qr_d, rows * MLA_ROPE);
   free(tn);
   free(tr);
 }
@@ -200,82 +187,57 @@ static int world_build(world *w) {
    * shortest verify, requests 2 and 3 a single key (decode), the rest random.
    * fp8m: request 0 a few thousand keys, then 0, 1, 63, 64, 65, random. */
   static const int fp8m_lens[5] = {0, 1, 63, 64, 65};
-  for (int i = 0; i < w->bs; i++) {
+  for (int i = 0; i < w->d.bs; i++) {
     int kv = i == 0 ? tu_randint(&rng, 1550, 1750) : i == 1 ? 0 : tu_randint(&rng, 1, 300);
-    if (w->mode == MLA_MODE_DECODE && (i == 2 || i == 3)) kv = 1;
+    if (w->d.mode == MLA_MODE_DECODE && (i == 2 || i == 3)) kv = 1;
     if (w->fp8m)
       kv = i == 0 ? (small_run ? tu_randint(&rng, 500, 700) : tu_randint(&rng, 2500, 4000))
                   : i <= 5 ? fp8m_lens[i - 1] : tu_randint(&rng, 1, 300);
-    if (w->mode == MLA_MODE_DECODE) {
-      w->seq[i] = kv;
-      w->q_len[i] = 1;
-      w->kv_len[i] = kv;
-    } else if (w->mode == MLA_MODE_DRAFT_EXTEND) { /* a fixed window; kv < ndt: early queries see nothing */
-      w->seq[i] = kv;
-      w->q_len[i] = w->ndt;
-      w->kv_len[i] = kv;
+    if (w->d.mode == MLA_MODE_DECODE) {
+      w->d.seq[i] = kv;
+      w->d.q_len[i] = 1;
+      w->d.kv_len[i] = kv;
+    } else if (w->d.mode == MLA_MODE_DRAFT_EXTEND) { /* a fixed window; kv < ndt: early queries see nothing */
+      w->d.seq[i] = kv;
+      w->d.q_len[i] = w->d.ndt;
+      w->d.kv_len[i] = kv;
     } else {
-      w->seq[i] = kv > w->ndt ? kv - w->ndt : 0;
-      w->q_len[i] = w->ndt;
-      w->kv_len[i] = w->seq[i] + w->ndt;
+      w->d.seq[i] = kv > w->d.ndt ? kv - w->d.ndt : 0;
+      w->d.q_len[i] = w->d.ndt;
+      w->d.kv_len[i] = w->d.seq[i] + w->d.ndt;
     }
   }
-  int pages = 2 + NPAD, maxkv = 1;
-  for (int i = 0; i < w->bs; i++) {
-    pages += (w->kv_len[i] + w->P - 1) / w->P;
-    w->Tq += w->q_len[i];
-    w->Tk += w->kv_len[i];
-    if (w->kv_len[i] > maxkv) maxkv = w->kv_len[i];
-  }
-  mla_kv_cache_desc cd = {1, pages, w->P, w->kv, w->kv == MLA_DTYPE_FP8_E4M3 ? &w->kv_scale : NULL};
-  mla_req_table_desc rd = {w->bs + NPAD, maxkv, pages, w->P};
-  if (mla_kv_cache_create(cpu, &cd, &w->cache) != MLA_OK || mla_kv_cache_create(gpu, &cd, &w->dcache) != MLA_OK ||
-      mla_req_table_create(cpu, &rd, w->cache, &w->rt) != MLA_OK) {
-    TU_CHECK(0, "cannot create caches / table: %s / %s", mla_ctx_last_error(cpu), mla_ctx_last_error(gpu));
-    return -1;
-  }
-  tu_poison_cache(w->cache);
+  const int pages = tu_dworld_totals(&w->d, NPAD), maxkv = w->d.maxkv;
+  if (tu_dworld_create(&w->d, cpu, gpu, pages, NPAD)) return -1;
   /* pages handed out shuffled, requests grown interleaved; their rows:
    * c, r ~ N(0, 1), quantized by the CPU cache; the oracle reads the CPU's
    * dequantization rounded to the kernel's operand type */
-  const int cap = 2 * w->P < 64 ? 64 : 2 * w->P;
-  if (tu_grow_requests(&rng, w->rt, w->bs, w->kv_len, NPAD, w->P, cap, w->req_ids) ||
-      tu_fill_owned_rows(&rng, w->cache, w->rt, w->bs, w->req_ids, w->kv_len, maxkv, operand_dtype(w), &w->c_d,
-                         &w->r_d))
+  const int cap = 2 * w->d.P < 64 ? 64 : 2 * w->d.P;
+  if (tu_grow_requests(&rng, w->d.rt, w->d.bs, w->d.kv_len, NPAD, w->d.P, cap, w->d.req_ids) ||
+      tu_fill_owned_rows(&rng, w->d.cache, w->d.rt, w->d.bs, w->d.req_ids, w->d.kv_len, maxkv, operand_dtype(w),
+                         &w->d.c_d,
+                         &w->d.r_d))
     return -1;
   /* the GPU cache: the CPU cache's bytes (owned rows and NaN rows alike) */
-  tu_cache_to_device(w->cache, w->dcache, (size_t)pages * w->P);
-  mla_batch *b = calloc(1, sizeof *b);
-  b->mode = w->mode;
-  b->batch_size = w->bs;
-  b->req_ids = w->req_ids;
-  b->seq_lens = w->seq;
-  if (w->mode != MLA_MODE_DECODE) b->num_draft_tokens = w->ndt;
-  mla_plan_limits lim = {w->bs, w->Tq + 1, w->Tk + 1, maxkv, w->P, 132, 0};
-  size_t pb = 0;
-  TU_STATUS(mla_plan_workspace_size(cpu, &lim, &pb), MLA_OK);
-  w->pws = malloc(pb);
-  mla_status st = mla_plan_build(cpu, w->rt, b, &lim, w->H, w->pws, pb, &w->plan);
-  free(b);
-  TU_CHECK(st == MLA_OK, "mla_plan_build: %s", mla_ctx_last_error(cpu));
-  if (st != MLA_OK) return -1;
-  tu_guard_block_table(&w->plan, w->bs, w->kv_len, w->P);
+  tu_cache_to_device(w->d.cache, w->d.dcache, (size_t)pages * w->d.P);
+  if (tu_dworld_plan(&w->d, cpu, 132)) return -1;
+  tu_guard_block_table(&w->d.plan, w->d.bs, w->d.kv_len, w->d.P);
   /* q in the activation dtype */
-  tu_make_q(&rng, w->act, (int64_t)w->Tq * w->H, 0, &w->qn, &w->qr, &w->qn_d, &w->qr_d);
+  tu_make_q(&rng, w->d.act, (int64_t)w->d.Tq * w->d.H, 0, &w->d.qn, &w->d.qr, &w->d.qn_d, &w->d.qr_d);
   if (w->q_log2) { /* a power of two: the act-dtype values stay exact */
-    const int64_t n[2] = {(int64_t)w->Tq * w->H * MLA_LATENT, (int64_t)w->Tq * w->H * MLA_ROPE};
-    void *q[2] = {w->qn, w->qr};
-    double *qd[2] = {w->qn_d, w->qr_d};
+    const int64_t n[2] = {(int64_t)w->d.Tq * w->d.H * MLA_LATENT, (int64_t)w->d.Tq * w->d.H * MLA_ROPE};
+    void *q[2] = {w->d.qn, w->d.qr};
+    double *qd[2] = {w->d.qn_d, w->d.qr_d};
     float *tmp = malloc(sizeof(float) * (size_t)(n[0] + 1));
     for (int part = 0; part < 2; part++) {
       for (int64_t i = 0; i < n[part]; i++) tmp[i] = (float)ldexp(qd[part][i], w->q_log2);
-      tu_to_dtype(w->act, tmp, q[part], n[part]);
-      tu_from_dtype(w->act, q[part], qd[part], n[part]);
+      tu_to_dtype(w->d.act, tmp, q[part], n[part]);
+      tu_from_dtype(w->d.act, q[part], qd[part], n[part]);
     }
     free(tmp);
   }
   if (w->peaky) make_peaky(w);
-  w->p_unit = w->act == MLA_DTYPE_F16 || exact_fp8(w) ? 1.0 / 2048.0 : 1.0 / 256.0;
+  w->d.p_unit = w->d.act == MLA_DTYPE_F16 || exact_fp8(w) ? 1.0 / 2048.0 : 1.0 / 256.0;
   return 0;
 }
 
@@ -284,20 +246,20 @@ static int world_build(world *w) {
  * block's largest |q| in (224, 448], each value rounded to e4m3 (nearest
  * even, saturating) and scaled back. */
 static void q8_like_kernel(world *w) {
-  const int H = w->H;
-  const int64_t nq = (int64_t)w->Tq * H;
+  const int H = w->d.H;
+  const int64_t nq = (int64_t)w->d.Tq * H;
   w->qn8 = malloc(sizeof(double) * (size_t)(nq * MLA_LATENT + 1));
   w->qr8 = malloc(sizeof(double) * (size_t)(nq * MLA_ROPE + 1));
   int64_t t0 = 0;
-  for (int i = 0; i < w->bs; i++) {
-    const int rows = w->q_len[i] * H;
+  for (int i = 0; i < w->d.bs; i++) {
+    const int rows = w->d.q_len[i] * H;
     for (int r0 = 0; r0 < rows; r0 += 64) {
       const int r1 = r0 + 64 < rows ? r0 + 64 : rows;
       float m = 0.f;
       for (int r = r0; r < r1; r++) {
         const int64_t row = t0 * H + r;
-        for (int d = 0; d < MLA_LATENT; d++) m = fmaxf(m, (float)fabs(w->qn_d[row * MLA_LATENT + d]));
-        for (int d = 0; d < MLA_ROPE; d++) m = fmaxf(m, (float)fabs(w->qr_d[row * MLA_ROPE + d]));
+        for (int d = 0; d < MLA_LATENT; d++) m = fmaxf(m, (float)fabs(w->d.qn_d[row * MLA_LATENT + d]));
+        for (int d = 0; d < MLA_ROPE; d++) m = fmaxf(m, (float)fabs(w->d.qr_d[row * MLA_ROPE + d]));
       }
       int e = 0;
       if (m > 0.f && m <= 3.0e38f) {
@@ -310,13 +272,13 @@ static void q8_like_kernel(world *w) {
         const int64_t row = t0 * H + r;
         for (int d = 0; d < MLA_LATENT; d++)
           w->qn8[row * MLA_LATENT + d] =
-              ldexp(mla_e4m3_to_f32(mla_f32_to_e4m3(ldexpf((float)w->qn_d[row * MLA_LATENT + d], e))), -e);
+              ldexp(mla_e4m3_to_f32(mla_f32_to_e4m3(ldexpf((float)w->d.qn_d[row * MLA_LATENT + d], e))), -e);
         for (int d = 0; d < MLA_ROPE; d++)
           w->qr8[row * MLA_ROPE + d] =
-              ldexp(mla_e4m3_to_f32(mla_f32_to_e4m3(ldexpf((float)w->qr_d[row * MLA_ROPE + d], e))), -e);
+              ldexp(mla_e4m3_to_f32(mla_f32_to_e4m3(ldexpf((float)w->d.qr_d[row * MLA_ROPE + d], e))), -e);
       }
     }
-    t0 += w->q_len[i];
+    t0 += w->d.q_len[i];
   }
 }
 
@@ -349,14 +311,14 @@ typedef struct oracle_job {
 } oracle_job;
 
 static void oracle_item(world *w, int req, int h0) {
-  const int H = w->H, nh = H - h0 < 8 ? H - h0 : 8;
+  const int H = w->d.H, nh = H - h0 < 8 ? H - h0 : 8;
   int64_t t0 = 0, k0 = 0;
   for (int i = 0; i < req; i++) {
-    t0 += w->q_len[i];
-    k0 += w->kv_len[i];
+    t0 += w->d.q_len[i];
+    k0 += w->d.kv_len[i];
   }
-  const int Q = w->q_len[req], K = w->kv_len[req];
-  const double sc = (double)w->scale;
+  const int Q = w->d.q_len[req], K = w->d.kv_len[req];
+  const double sc = (double)w->d.scale;
   double *qn = malloc(sizeof(double) * (size_t)Q * nh * MLA_LATENT + 8);
   double *qr = malloc(sizeof(double) * (size_t)Q * nh * MLA_ROPE + 8);
   double *o = malloc(sizeof(double) * (size_t)Q * nh * MLA_LATENT + 8);
@@ -365,20 +327,21 @@ static void oracle_item(world *w, int req, int h0) {
   for (int t = 0; t < Q; t++)
     for (int h = 0; h < nh; h++) {
       const int64_t row = (t0 + t) * H + h0 + h;
-      memcpy(qn + ((size_t)t * nh + h) * MLA_LATENT, w->qn_d + row * MLA_LATENT, sizeof(double) * MLA_LATENT);
-      memcpy(qr + ((size_t)t * nh + h) * MLA_ROPE, w->qr_d + row * MLA_ROPE, sizeof(double) * MLA_ROPE);
+      memcpy(qn + ((size_t)t * nh + h) * MLA_LATENT, w->d.qn_d + row * MLA_LATENT, sizeof(double) * MLA_LATENT);
+      memcpy(qr + ((size_t)t * nh + h) * MLA_ROPE, w->d.qr_d + row * MLA_ROPE, sizeof(double) * MLA_ROPE);
     }
-  ref_absorbed(1, &Q, &K, nh, sc, w->plan.causal, qn, qr, w->c_d + k0 * MLA_LATENT, w->r_d + k0 * MLA_ROPE, o, lse);
+  ref_absorbed(1, &Q, &K, nh, sc, w->d.plan.causal, qn, qr, w->d.c_d + k0 * MLA_LATENT, w->d.r_d + k0 * MLA_ROPE, o,
+               lse);
   for (int t = 0; t < Q; t++)
     for (int h = 0; h < nh; h++) {
       const int64_t row = (t0 + t) * H + h0 + h;
-      memcpy(w->o_ref + row * MLA_LATENT, o + ((size_t)t * nh + h) * MLA_LATENT, sizeof(double) * MLA_LATENT);
-      w->lse_ref[row] = lse[(size_t)t * nh + h];
-      const int vis = w->plan.causal ? K - Q + t + 1 : K;
+      memcpy(w->d.o_ref + row * MLA_LATENT, o + ((size_t)t * nh + h) * MLA_LATENT, sizeof(double) * MLA_LATENT);
+      w->d.lse_ref[row] = lse[(size_t)t * nh + h];
+      const int vis = w->d.plan.causal ? K - Q + t + 1 : K;
       if (vis <= 0 || w->fp8m) continue; /* fp8m: its P bound comes below */
       tu_row_softmax(qn + ((size_t)t * nh + h) * MLA_LATENT, qr + ((size_t)t * nh + h) * MLA_ROPE,
-                     w->c_d + k0 * MLA_LATENT, w->r_d + k0 * MLA_ROPE, vis, sc, s);
-      tu_p_round_bound(s, w->c_d + k0 * MLA_LATENT, vis, w->p_unit, w->pbound + row * MLA_LATENT);
+                     w->d.c_d + k0 * MLA_LATENT, w->d.r_d + k0 * MLA_ROPE, vis, sc, s);
+      tu_p_round_bound(s, w->d.c_d + k0 * MLA_LATENT, vis, w->d.p_unit, w->d.pbound + row * MLA_LATENT);
     }
   if (w->fp8m) {
     /* The oracle over the kernel's q (q8_like_kernel). Two effects are left.
@@ -404,7 +367,7 @@ static void oracle_item(world *w, int req, int h0) {
         memcpy(qn + ((size_t)t * nh + h) * MLA_LATENT, w->qn8 + row * MLA_LATENT, sizeof(double) * MLA_LATENT);
         memcpy(qr + ((size_t)t * nh + h) * MLA_ROPE, w->qr8 + row * MLA_ROPE, sizeof(double) * MLA_ROPE);
       }
-    ref_absorbed(1, &Q, &K, nh, sc, w->plan.causal, qn, qr, w->c_d + k0 * MLA_LATENT, w->r_d + k0 * MLA_ROPE, o,
+    ref_absorbed(1, &Q, &K, nh, sc, w->d.plan.causal, qn, qr, w->d.c_d + k0 * MLA_LATENT, w->d.r_d + k0 * MLA_ROPE, o,
                  lse);
     double *sub = malloc(sizeof(double) * MLA_LATENT);
     double *drift = malloc(sizeof(double) * (size_t)(K + 1));
@@ -414,13 +377,13 @@ static void oracle_item(world *w, int req, int h0) {
         memcpy(w->o_ref8 + row * MLA_LATENT, o + ((size_t)t * nh + h) * MLA_LATENT, sizeof(double) * MLA_LATENT);
         w->lse_ref8[row] = lse[(size_t)t * nh + h];
         w->lse_drift8[row] = 0.0;
-        const int vis = w->plan.causal ? K - Q + t + 1 : K;
+        const int vis = w->d.plan.causal ? K - Q + t + 1 : K;
         if (vis <= 0) continue;
         const double *qrow = qn + ((size_t)t * nh + h) * MLA_LATENT, *rrow = qr + ((size_t)t * nh + h) * MLA_ROPE;
-        tu_row_softmax(qrow, rrow, w->c_d + k0 * MLA_LATENT, w->r_d + k0 * MLA_ROPE, vis, sc, s);
+        tu_row_softmax(qrow, rrow, w->d.c_d + k0 * MLA_LATENT, w->d.r_d + k0 * MLA_ROPE, vis, sc, s);
         double el = 0.0;
         for (int j = 0; j < vis; j++) {
-          drift[j] = acc_drift8(qrow, rrow, w->c_d + (k0 + j) * MLA_LATENT, w->r_d + (k0 + j) * MLA_ROPE, sc);
+          drift[j] = acc_drift8(qrow, rrow, w->d.c_d + (k0 + j) * MLA_LATENT, w->d.r_d + (k0 + j) * MLA_ROPE, sc);
           el += s[j] * exp(drift[j]);
         }
         const double L = log(el);
@@ -429,7 +392,7 @@ static void oracle_item(world *w, int req, int h0) {
         for (int d = 0; d < MLA_LATENT; d++) sub[d] = 0.0;
         for (int j = 0; j < vis; j++) {
           const double f = 1.0 / 16.0 + (exp(drift[j] + L) - 1.0) * (1.0 + 1.0 / 16.0);
-          const double *c = w->c_d + (k0 + j) * MLA_LATENT;
+          const double *c = w->d.c_d + (k0 + j) * MLA_LATENT;
           for (int d = 0; d < MLA_LATENT; d++) pb[d] += s[j] * f * fabs(c[d]);
           if (s[j] < 1.0 / 1024.0)
             for (int d = 0; d < MLA_LATENT; d++) sub[d] += c[d] * c[d];
@@ -456,10 +419,10 @@ static void *oracle_thread(void *arg) {
 }
 
 static void oracle(world *w) {
-  const int64_t nq = (int64_t)w->Tq * w->H;
-  w->o_ref = calloc((size_t)(nq + 1) * MLA_LATENT, sizeof(double));
-  w->lse_ref = malloc(sizeof(double) * (size_t)(nq + 1));
-  w->pbound = calloc((size_t)(nq + 1) * MLA_LATENT, sizeof(double));
+  const int64_t nq = (int64_t)w->d.Tq * w->d.H;
+  w->d.o_ref = calloc((size_t)(nq + 1) * MLA_LATENT, sizeof(double));
+  w->d.lse_ref = malloc(sizeof(double) * (size_t)(nq + 1));
+  w->d.pbound = calloc((size_t)(nq + 1) * MLA_LATENT, sizeof(double));
   if (w->fp8m) {
     w->o_ref8 = calloc((size_t)(nq + 1) * MLA_LATENT, sizeof(double));
     w->lse_ref8 = malloc(sizeof(double) * (size_t)(nq + 1));
@@ -470,8 +433,8 @@ static void oracle(world *w) {
   job.w = w;
   job.n_items = 0;
   atomic_store(&job.next, 0);
-  for (int i = 0; i < w->bs; i++) /* the long request first: it bounds the wall time */
-    for (int h0 = 0; h0 < w->H; h0 += 8) {
+  for (int i = 0; i < w->d.bs; i++) /* the long request first: it bounds the wall time */
+    for (int h0 = 0; h0 < w->d.H; h0 += 8) {
       job.item_req[job.n_items] = i;
       job.item_h0[job.n_items++] = h0;
     }
@@ -485,19 +448,7 @@ static void oracle(world *w) {
 }
 
 static void world_free(world *w) {
-  mla_req_table_destroy(w->rt);
-  mla_kv_cache_destroy(w->cache);
-  mla_kv_cache_destroy(w->dcache);
-  free(w->pws);
-  free(w->qn);
-  free(w->qr);
-  free(w->qn_d);
-  free(w->qr_d);
-  free(w->c_d);
-  free(w->r_d);
-  free(w->o_ref);
-  free(w->lse_ref);
-  free(w->pbound);
+  tu_dworld_free(&w->d);
   free(w->qn8);
   free(w->qr8);
   free(w->o_ref8);
@@ -506,67 +457,27 @@ static void world_free(world *w) {
   free(w->lse_drift8);
 }
 
-typedef struct dbufs {
-  void *qn, *qr, *o, *ws;
-  float *lse;
-  size_t o_bytes, lse_bytes, ws_bytes;
-} dbufs;
-
-static dbufs dbufs_new(const world *w) {
-  dbufs d;
-  const int64_t nq = (int64_t)w->Tq * w->H;
-  d.qn = tu_dev_copy(w->qn, 2 * (size_t)nq * MLA_LATENT);
-  d.qr = tu_dev_copy(w->qr, 2 * (size_t)nq * MLA_ROPE);
-  d.o_bytes = 2 * (size_t)nq * MLA_LATENT;
-  d.lse_bytes = sizeof(float) * (size_t)nq;
-  d.o = tu_dev_alloc(d.o_bytes + GUARD * 4);
-  d.lse = tu_dev_alloc(d.lse_bytes + GUARD * 4);
-  d.ws_bytes = 0;
-  TU_STATUS(mla_attention_absorbed_workspace_size(gpu, &w->plan, w->H, &d.ws_bytes), MLA_OK);
-  d.ws = tu_dev_alloc(d.ws_bytes);
-  CK(cudaMemset(d.o, 0xFF, d.o_bytes + GUARD * 4));
-  CK(cudaMemset(d.lse, 0xFF, d.lse_bytes + GUARD * 4));
-  CK(cudaDeviceSynchronize()); /* the library's stream may be a non-blocking one */
-  return d;
-}
-
-static void dbufs_free(dbufs *d) {
-  cudaFree(d->qn);
-  cudaFree(d->qr);
-  cudaFree(d->o);
-  cudaFree(d->lse);
-  cudaFree(d->ws);
-}
-
-static mla_absorbed_args args_for(const world *w, dbufs *d, int base2) {
-  mla_absorbed_args a;
-  memset(&a, 0, sizeof a);
-  a.num_heads = w->H;
-  a.scale = w->scale;
-  a.act_dtype = w->act;
-  a.q_nope = d->qn;
-  a.q_rope = d->qr;
-  a.out = d->o;
-  a.lse = d->lse;
+static mla_absorbed_args args_for(const world *w, tu_dbufs *d, int base2) {
+  mla_absorbed_args a = tu_dworld_args(&w->d, d->qn, d->qr, d->o, d->lse);
   a.flags = base2 ? MLA_FLAG_LSE_BASE2 : 0;
   return a;
 }
 
-static void check(const world *w, dbufs *d, int base2) {
+static void check(const world *w, tu_dbufs *d, int base2) {
   char cs[160];
   case_str(w, cs, sizeof cs);
-  const int64_t nq = (int64_t)w->Tq * w->H, no = nq * MLA_LATENT;
+  const int64_t nq = (int64_t)w->d.Tq * w->d.H, no = nq * MLA_LATENT;
   unsigned char *ob = malloc(d->o_bytes + GUARD * 4), *lb = malloc(d->lse_bytes + GUARD * 4);
   CK(cudaMemcpy(ob, d->o, d->o_bytes + GUARD * 4, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(lb, d->lse, d->lse_bytes + GUARD * 4, cudaMemcpyDeviceToHost));
   double *got = malloc(sizeof(double) * (size_t)(no + 1)), *ref = malloc(sizeof(double) * (size_t)(no + 1));
-  tu_from_dtype(w->act, ob, got, no);
-  for (int64_t i = 0; i < no; i++) ref[i] = tu_round_to(w->act, w->o_ref[i]);
+  tu_from_dtype(w->d.act, ob, got, no);
+  for (int64_t i = 0; i < no; i++) ref[i] = tu_round_to(w->d.act, w->d.o_ref[i]);
   ref_cmp c = ref_compare(got, ref, no, O_ATOL, O_RTOL);
   int64_t bad = 0, first = -1;
   for (int64_t i = 0; i < no; i++) {
     const double err = fabs(got[i] - ref[i]);
-    if (!(err <= O_ATOL + O_RTOL * fabs(ref[i]) + w->pbound[i])) {
+    if (!(err <= O_ATOL + O_RTOL * fabs(ref[i]) + w->d.pbound[i])) {
       if (first < 0) first = i;
       bad++;
     }
@@ -575,27 +486,27 @@ static void check(const world *w, dbufs *d, int base2) {
            "%s o: %lld bad (design tol: %lld), %lld nonfinite mismatches of %lld (first %lld: got %g ref %g "
            "bound %g) cos %.3g",
            cs, (long long)bad, (long long)c.bad, (long long)c.nonfinite_mismatch, (long long)no, (long long)first,
-           first >= 0 ? got[first] : 0.0, first >= 0 ? ref[first] : 0.0, first >= 0 ? w->pbound[first] : 0.0,
+           first >= 0 ? got[first] : 0.0, first >= 0 ? ref[first] : 0.0, first >= 0 ? w->d.pbound[first] : 0.0,
            c.cos_dist);
   TU_CHECK(tu_all_poisoned(ob + d->o_bytes, GUARD * 4), "%s: out written past its end", cs);
   /* single-key requests: out = that key's latent as the kernel holds it */
-  if (w->mode == MLA_MODE_DECODE) {
+  if (w->d.mode == MLA_MODE_DECODE) {
     int64_t t0 = 0, k0 = 0, nexact = 0, miss = 0;
-    for (int i = 0; i < w->bs; i++) {
-      if (w->kv_len[i] == 1)
-        for (int h = 0; h < w->H; h++)
+    for (int i = 0; i < w->d.bs; i++) {
+      if (w->d.kv_len[i] == 1)
+        for (int h = 0; h < w->d.H; h++)
           for (int dd = 0; dd < MLA_LATENT; dd++) {
             nexact++;
-            const double g = got[(t0 * w->H + h) * MLA_LATENT + dd];
-            const double want = tu_round_to(w->act, w->c_d[k0 * MLA_LATENT + dd]);
+            const double g = got[(t0 * w->d.H + h) * MLA_LATENT + dd];
+            const double want = tu_round_to(w->d.act, w->d.c_d[k0 * MLA_LATENT + dd]);
             if (!(g == want)) {
               if (miss == 0)
                 fprintf(stderr, "%s: request %d head %d dim %d: got %.9g, dequantized %.9g\n", cs, i, h, dd, g, want);
               miss++;
             }
           }
-      t0 += w->q_len[i];
-      k0 += w->kv_len[i];
+      t0 += w->d.q_len[i];
+      k0 += w->d.kv_len[i];
     }
     TU_CHECK(nexact > 0 && miss == 0, "%s: %lld of %lld single-key outputs differ from the dequantized row", cs,
              (long long)miss, (long long)nexact);
@@ -603,7 +514,7 @@ static void check(const world *w, dbufs *d, int base2) {
   const float *l = (const float *)lb;
   for (int64_t i = 0; i < nq; i++) {
     got[i] = l[i];
-    ref[i] = (double)(float)(w->lse_ref[i] * (base2 ? 1.4426950408889634 : 1.0));
+    ref[i] = (double)(float)(w->d.lse_ref[i] * (base2 ? 1.4426950408889634 : 1.0));
   }
   /* q * 2^20: logits ~1e5, and fp32 accumulation of 576 products of that
    * size (tensor cores) leaves ~2e-5 of them (measured 0.22 at lse -9624) */
@@ -625,17 +536,17 @@ static void run_case(mla_mode mode, mla_dtype kv, int P, int H, int q_log2) {
   world w;
   memset(&w, 0, sizeof w);
   w.q_log2 = q_log2;
-  w.mode = mode;
-  w.kv = kv;
-  w.act = kv == MLA_DTYPE_F16 ? MLA_DTYPE_F16 : MLA_DTYPE_BF16;
+  w.d.mode = mode;
+  w.d.kv = kv;
+  w.d.act = kv == MLA_DTYPE_F16 ? MLA_DTYPE_F16 : MLA_DTYPE_BF16;
   /* per-tensor scale: N(0, 1) / scale stays inside e4m3's +-448 mostly, the
    * tail saturates (the CPU quantizer's business; the oracle reads back) */
-  w.kv_scale = (float)(0.004 + 0.02 * tu_uniform(&rng));
-  w.scale = (float)SCALE;
-  w.ndt = mode == MLA_MODE_TARGET_VERIFY ? 2 : 0;
-  w.P = P;
-  w.H = H;
-  w.bs = H >= 64 ? tu_randint(&rng, 4, 5) : tu_randint(&rng, 4, 7);
+  w.d.kv_scale = (float)(0.004 + 0.02 * tu_uniform(&rng));
+  w.d.scale = (float)SCALE;
+  w.d.ndt = mode == MLA_MODE_TARGET_VERIFY ? 2 : 0;
+  w.d.P = P;
+  w.d.H = H;
+  w.d.bs = H >= 64 ? tu_randint(&rng, 4, 5) : tu_randint(&rng, 4, 7);
   if (world_build(&w) != 0) {
     world_free(&w);
     return;
@@ -643,14 +554,14 @@ static void run_case(mla_mode mode, mla_dtype kv, int P, int H, int q_log2) {
   oracle(&w);
   char cs[160];
   case_str(&w, cs, sizeof cs);
-  dbufs d = dbufs_new(&w);
+  tu_dbufs d = tu_dbufs_new(&w.d, gpu, GUARD * 4);
   const int base2 = case_no++ & 1;
   mla_absorbed_args a = args_for(&w, &d, base2);
-  mla_status st = mla_attention_absorbed(gpu, w.dcache, 0, &w.plan, &a, d.ws, d.ws_bytes);
+  mla_status st = mla_attention_absorbed(gpu, w.d.dcache, 0, &w.d.plan, &a, d.ws, d.ws_bytes);
   TU_CHECK(st == MLA_OK, "%s: mla_attention_absorbed: %s (%s)", cs, mla_status_string(st), mla_ctx_last_error(gpu));
   TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
   check(&w, &d, base2);
-  dbufs_free(&d);
+  tu_dbufs_free(&d);
   world_free(&w);
 }
 
@@ -704,16 +615,16 @@ static void route_checks(void) {
 }
 
 /* The fp8-math measures (file comment); prints one line per case. */
-static void check_fp8m(const world *w, dbufs *d, int base2, const char *route) {
+static void check_fp8m(const world *w, tu_dbufs *d, int base2, const char *route) {
   char cs[200];
   case_str(w, cs, sizeof cs);
-  const int H = w->H;
-  const int64_t nq = (int64_t)w->Tq * H, no = nq * MLA_LATENT;
+  const int H = w->d.H;
+  const int64_t nq = (int64_t)w->d.Tq * H, no = nq * MLA_LATENT;
   unsigned char *ob = malloc(d->o_bytes + GUARD * 4), *lb = malloc(d->lse_bytes + GUARD * 4);
   CK(cudaMemcpy(ob, d->o, d->o_bytes + GUARD * 4, cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(lb, d->lse, d->lse_bytes + GUARD * 4, cudaMemcpyDeviceToHost));
   double *got = malloc(sizeof(double) * (size_t)(no + 1));
-  tu_from_dtype(w->act, ob, got, no);
+  tu_from_dtype(w->d.act, ob, got, no);
   const float *l = (const float *)lb;
   const double to_base = base2 ? 1.4426950408889634 : 1.0;
   double worst_rel = 0, worst_row = 0, worst_lse = 0;
@@ -721,14 +632,14 @@ static void check_fp8m(const world *w, dbufs *d, int base2, const char *route) {
   int64_t bad8 = 0, bad8_lse = 0;
   double worst8 = 0, worst8_lse = 0, worst8_lse_ratio = 0; /* error / bound against the q8 oracle; lse error */
   int64_t t0 = 0, k0 = 0;
-  for (int i = 0; i < w->bs; i++) {
-    const int Q = w->q_len[i], K = w->kv_len[i];
+  for (int i = 0; i < w->d.bs; i++) {
+    const int Q = w->d.q_len[i], K = w->d.kv_len[i];
     double e2 = 0, r2 = 0;
     for (int t = 0; t < Q; t++) {
-      const int vis = w->plan.causal ? K - Q + t + 1 : K;
+      const int vis = w->d.plan.causal ? K - Q + t + 1 : K;
       for (int h = 0; h < H; h++) {
         const int64_t row = (t0 + t) * H + h;
-        const double *g = got + row * MLA_LATENT, *ref = w->o_ref + row * MLA_LATENT;
+        const double *g = got + row * MLA_LATENT, *ref = w->d.o_ref + row * MLA_LATENT;
         if (vis <= 0) { /* no visible key: o = 0 exactly, lse = -inf */
           int nz = 0;
           for (int dd = 0; dd < MLA_LATENT; dd++) nz += g[dd] != 0.0;
@@ -762,14 +673,14 @@ static void check_fp8m(const world *w, dbufs *d, int base2, const char *route) {
         const double row_err = rmax > 0 ? emax / rmax : emax;
         if (!(row_err <= worst_row)) worst_row = row_err;
         bad_row += !(row_err <= FP8M_ROW);
-        const double lref = w->lse_ref[row] * to_base, le = fabs((double)l[row] - lref);
+        const double lref = w->d.lse_ref[row] * to_base, le = fabs((double)l[row] - lref);
         if (!(le <= worst_lse)) worst_lse = le;
         bad_lse += !(le <= FP8M_LSE * to_base + FP8M_LSE_REL * fabs(lref)); /* peaky rows: one big rounded logit */
         if (vis == 1) { /* P = 1: the key's latent row as dequantized, rounded once to the output */
           n_one++;
           int miss = 0;
           for (int dd = 0; dd < MLA_LATENT; dd++) {
-            const double want = tu_round_to(w->act, w->c_d[k0 * MLA_LATENT + dd]);
+            const double want = tu_round_to(w->d.act, w->d.c_d[k0 * MLA_LATENT + dd]);
             miss += !(fabs(g[dd] - want) <= fabs(want) * (1.0 / 256.0));
           }
           bad_one += miss != 0;
@@ -816,34 +727,34 @@ static void fp8m_case(mla_mode mode, int ndt, int P, int H, int q_log2, int peak
   w.fp8m = 1;
   w.peaky = peaky;
   w.q_log2 = q_log2;
-  w.mode = mode;
-  w.kv = MLA_DTYPE_FP8_E4M3;
-  w.act = MLA_DTYPE_BF16;
-  w.kv_scale = (float)(0.004 + 0.02 * tu_uniform(&rng));
-  w.scale = ldexpf((float)SCALE, -q_log2); /* the logits stay as for q * 1 */
-  w.ndt = mode == MLA_MODE_DECODE ? 0 : ndt;
-  w.P = P;
-  w.H = H;
-  w.bs = tu_randint(&rng, 6, MAXB);
+  w.d.mode = mode;
+  w.d.kv = MLA_DTYPE_FP8_E4M3;
+  w.d.act = MLA_DTYPE_BF16;
+  w.d.kv_scale = (float)(0.004 + 0.02 * tu_uniform(&rng));
+  w.d.scale = ldexpf((float)SCALE, -q_log2); /* the logits stay as for q * 1 */
+  w.d.ndt = mode == MLA_MODE_DECODE ? 0 : ndt;
+  w.d.P = P;
+  w.d.H = H;
+  w.d.bs = tu_randint(&rng, 6, MAXB);
   if (world_build(&w) != 0) {
     world_free(&w);
     return;
   }
   char cs[200];
   case_str(&w, cs, sizeof cs);
-  const char *route = route_of(w.bs, H, (int)w.plan.max_q_len, P, w.kv, 1);
+  const char *route = route_of(w.d.bs, H, (int)w.d.plan.max_q_len, P, w.d.kv, 1);
   TU_CHECK(strcmp(route, "wide-fp8math") == 0, "%s: route %s, expected wide-fp8math", cs, route);
   q8_like_kernel(&w);
   oracle(&w);
-  dbufs d = dbufs_new(&w);
+  tu_dbufs d = tu_dbufs_new(&w.d, gpu, GUARD * 4);
   const int base2 = case_no++ & 1;
   mla_absorbed_args a = args_for(&w, &d, base2);
   a.flags |= MLA_FLAG_FP8_MATH;
-  mla_status st = mla_attention_absorbed(gpu, w.dcache, 0, &w.plan, &a, d.ws, d.ws_bytes);
+  mla_status st = mla_attention_absorbed(gpu, w.d.dcache, 0, &w.d.plan, &a, d.ws, d.ws_bytes);
   TU_CHECK(st == MLA_OK, "%s: mla_attention_absorbed: %s (%s)", cs, mla_status_string(st), mla_ctx_last_error(gpu));
   TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
   if (st == MLA_OK) check_fp8m(&w, &d, base2, route);
-  dbufs_free(&d);
+  tu_dbufs_free(&d);
   world_free(&w);
 }
 
@@ -852,29 +763,29 @@ static void fp8m_case(mla_mode mode, int ndt, int P, int H, int q_log2, int peak
 static void flag_noop_case(mla_mode mode, mla_dtype kv, int P, int H) {
   world w;
   memset(&w, 0, sizeof w);
-  w.mode = mode;
-  w.kv = kv;
-  w.act = MLA_DTYPE_BF16;
-  w.kv_scale = (float)(0.004 + 0.02 * tu_uniform(&rng));
-  w.scale = (float)SCALE;
-  w.ndt = mode == MLA_MODE_TARGET_VERIFY ? 2 : 0;
-  w.P = P;
-  w.H = H;
-  w.bs = tu_randint(&rng, 4, 5);
+  w.d.mode = mode;
+  w.d.kv = kv;
+  w.d.act = MLA_DTYPE_BF16;
+  w.d.kv_scale = (float)(0.004 + 0.02 * tu_uniform(&rng));
+  w.d.scale = (float)SCALE;
+  w.d.ndt = mode == MLA_MODE_TARGET_VERIFY ? 2 : 0;
+  w.d.P = P;
+  w.d.H = H;
+  w.d.bs = tu_randint(&rng, 4, 5);
   if (world_build(&w) != 0) {
     world_free(&w);
     return;
   }
   char cs[200];
   case_str(&w, cs, sizeof cs);
-  const char *route = route_of(w.bs, H, (int)w.plan.max_q_len, P, kv, 1);
+  const char *route = route_of(w.d.bs, H, (int)w.d.plan.max_q_len, P, kv, 1);
   TU_CHECK(strcmp(route, "wide-fp8math") != 0, "%s: route %s with the flag outside its domain", cs, route);
   oracle(&w);
-  dbufs d = dbufs_new(&w), e = dbufs_new(&w);
+  tu_dbufs d = tu_dbufs_new(&w.d, gpu, GUARD * 4), e = tu_dbufs_new(&w.d, gpu, GUARD * 4);
   mla_absorbed_args a = args_for(&w, &d, 0), b = args_for(&w, &e, 0);
   b.flags |= MLA_FLAG_FP8_MATH;
-  TU_STATUS(mla_attention_absorbed(gpu, w.dcache, 0, &w.plan, &a, d.ws, d.ws_bytes), MLA_OK);
-  mla_status st = mla_attention_absorbed(gpu, w.dcache, 0, &w.plan, &b, e.ws, e.ws_bytes);
+  TU_STATUS(mla_attention_absorbed(gpu, w.d.dcache, 0, &w.d.plan, &a, d.ws, d.ws_bytes), MLA_OK);
+  mla_status st = mla_attention_absorbed(gpu, w.d.dcache, 0, &w.d.plan, &b, e.ws, e.ws_bytes);
   TU_CHECK(st == MLA_OK, "%s: with MLA_FLAG_FP8_MATH: %s (%s)", cs, mla_status_string(st), mla_ctx_last_error(gpu));
   TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
   check(&w, &d, 0);
@@ -887,8 +798,8 @@ static void flag_noop_case(mla_mode mode, mla_dtype kv, int P, int H) {
            route);
   free(o1);
   free(o2);
-  dbufs_free(&d);
-  dbufs_free(&e);
+  tu_dbufs_free(&d);
+  tu_dbufs_free(&e);
   world_free(&w);
 }
 
@@ -897,29 +808,29 @@ static void flag_noop_case(mla_mode mode, mla_dtype kv, int P, int H) {
 static void fp8m_refusal(void) {
   world w;
   memset(&w, 0, sizeof w);
-  w.mode = MLA_MODE_DECODE;
-  w.kv = MLA_DTYPE_FP8_E4M3;
-  w.act = MLA_DTYPE_BF16;
-  w.kv_scale = 0.01f;
-  w.scale = (float)SCALE;
-  w.P = 64;
-  w.H = 64;
-  w.bs = 4;
+  w.d.mode = MLA_MODE_DECODE;
+  w.d.kv = MLA_DTYPE_FP8_E4M3;
+  w.d.act = MLA_DTYPE_BF16;
+  w.d.kv_scale = 0.01f;
+  w.d.scale = (float)SCALE;
+  w.d.P = 64;
+  w.d.H = 64;
+  w.d.bs = 4;
   if (world_build(&w) != 0) {
     world_free(&w);
     return;
   }
-  dbufs d = dbufs_new(&w);
+  tu_dbufs d = tu_dbufs_new(&w.d, gpu, GUARD * 4);
   mla_absorbed_args a = args_for(&w, &d, 0);
   a.flags = MLA_FLAG_FP8_MATH | 8u;
-  TU_STATUS(mla_attention_absorbed(gpu, w.dcache, 0, &w.plan, &a, d.ws, d.ws_bytes), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_attention_absorbed(gpu, w.d.dcache, 0, &w.d.plan, &a, d.ws, d.ws_bytes), MLA_ERR_INVALID_ARGUMENT);
   TU_CHECK(strstr(mla_ctx_last_error(gpu), "flags") != NULL, "unknown flag bit: message %s", mla_ctx_last_error(gpu));
   TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
   unsigned char *ob = malloc(d.o_bytes + GUARD * 4);
   CK(cudaMemcpy(ob, d.o, d.o_bytes + GUARD * 4, cudaMemcpyDeviceToHost));
   TU_CHECK(tu_all_poisoned(ob, d.o_bytes + GUARD * 4), "a refused fp8-math call wrote the output");
   free(ob);
-  dbufs_free(&d);
+  tu_dbufs_free(&d);
   world_free(&w);
 }
 
@@ -928,19 +839,19 @@ static void fp8m_refusal(void) {
 static void refusals(void) {
   world w;
   memset(&w, 0, sizeof w);
-  w.scale = (float)SCALE;
-  w.mode = MLA_MODE_DECODE;
-  w.kv = MLA_DTYPE_BF16;
-  w.act = MLA_DTYPE_BF16;
-  w.P = 16;
-  w.H = 16;
-  w.bs = 4;
+  w.d.scale = (float)SCALE;
+  w.d.mode = MLA_MODE_DECODE;
+  w.d.kv = MLA_DTYPE_BF16;
+  w.d.act = MLA_DTYPE_BF16;
+  w.d.P = 16;
+  w.d.H = 16;
+  w.d.bs = 4;
   if (world_build(&w) != 0) {
     world_free(&w);
     return;
   }
-  dbufs d = dbufs_new(&w);
-  const int pages = (int)(w.plan.block_table_width * w.bs + 2 + NPAD);
+  tu_dbufs d = tu_dbufs_new(&w.d, gpu, GUARD * 4);
+  const int pages = (int)(w.d.plan.block_table_width * w.d.bs + 2 + NPAD);
   const mla_dtype kvs[3] = {MLA_DTYPE_FP8_E4M3, MLA_DTYPE_FP8_E4M3_BLOCK, MLA_DTYPE_BF16};
   for (int k = 0; k < 3; k++) { /* f16 activations with an fp8 or bf16 cache */
     mla_kv_cache_desc cd = {1, pages, 16, kvs[k], NULL};
@@ -948,7 +859,7 @@ static void refusals(void) {
     TU_STATUS(mla_kv_cache_create(gpu, &cd, &c), MLA_OK);
     mla_absorbed_args a = args_for(&w, &d, 0);
     a.act_dtype = MLA_DTYPE_F16;
-    TU_STATUS(mla_attention_absorbed(gpu, c, 0, &w.plan, &a, d.ws, d.ws_bytes), MLA_ERR_UNSUPPORTED);
+    TU_STATUS(mla_attention_absorbed(gpu, c, 0, &w.d.plan, &a, d.ws, d.ws_bytes), MLA_ERR_UNSUPPORTED);
     TU_CHECK(strstr(mla_ctx_last_error(gpu), "f16") != NULL, "%s cache, f16 act: message %s", dt_name(kvs[k]),
              mla_ctx_last_error(gpu));
     mla_kv_cache_destroy(c);
@@ -958,7 +869,7 @@ static void refusals(void) {
     mla_kv_cache *c = NULL;
     TU_STATUS(mla_kv_cache_create(gpu, &cd, &c), MLA_OK);
     mla_absorbed_args a = args_for(&w, &d, 0);
-    TU_STATUS(mla_attention_absorbed(gpu, c, 0, &w.plan, &a, d.ws, d.ws_bytes), MLA_ERR_UNSUPPORTED);
+    TU_STATUS(mla_attention_absorbed(gpu, c, 0, &w.d.plan, &a, d.ws, d.ws_bytes), MLA_ERR_UNSUPPORTED);
     mla_kv_cache_destroy(c);
   }
   TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
@@ -966,7 +877,7 @@ static void refusals(void) {
   CK(cudaMemcpy(ob, d.o, d.o_bytes + GUARD * 4, cudaMemcpyDeviceToHost));
   TU_CHECK(tu_all_poisoned(ob, d.o_bytes + GUARD * 4), "a refused call wrote the output");
   free(ob);
-  dbufs_free(&d);
+  tu_dbufs_free(&d);
   world_free(&w);
 }
 

@@ -32,7 +32,7 @@
 #include <string.h>
 
 #include "mla.h"
-#include "paged_world.h"
+#include "decode_world.h"
 #include "test_util.h"
 
 #ifndef MLA_TEST_CUDA
@@ -65,18 +65,10 @@ typedef struct pcase {
 } pcase;
 
 typedef struct world {
+  tu_dworld d; /* c_d, r_d: the rows as the kernel's operands */
   const pcase *c;
-  mla_kv_cache *cache, *dcache;
-  mla_req_table *rt;
-  int32_t req_ids[MAXB], seq[MAXB], ext[MAXB], pre[MAXB];
-  int kv_len[MAXB];
-  int64_t Tq, Tk;
-  void *pws;
-  mla_plan plan;
-  void *qn, *qr;        /* act [Tq, H, 512], [Tq, H, 64] */
-  double *qn_d, *qr_d;  /* the same, float64 */
-  double *c_d, *r_d;    /* [Tk, 512], [Tk, 64] the rows as the kernel's operands */
 } world;
+_Static_assert(MAXB <= TU_DW_MAXB, "MAXB");
 
 static mla_dtype operand_of(mla_dtype kv) { return kv == MLA_DTYPE_F16 ? MLA_DTYPE_F16 : MLA_DTYPE_BF16; }
 
@@ -85,67 +77,57 @@ static int world_build(world *w, const pcase *c, int with_q) {
   w->c = c;
   int pages = 2 + NPAD, maxkv = 1;
   for (int i = 0; i < c->bs; i++) {
-    w->kv_len[i] = c->prefix[i] + c->ext[i];
-    w->pre[i] = c->prefix[i];
-    w->ext[i] = c->ext[i];
-    w->seq[i] = w->kv_len[i];
-    pages += (w->kv_len[i] + c->P - 1) / c->P;
-    w->Tq += c->ext[i];
-    w->Tk += w->kv_len[i];
-    if (w->kv_len[i] > maxkv) maxkv = w->kv_len[i];
+    w->d.kv_len[i] = c->prefix[i] + c->ext[i];
+    w->d.pre[i] = c->prefix[i];
+    w->d.ext[i] = c->ext[i];
+    w->d.seq[i] = w->d.kv_len[i];
+    pages += (w->d.kv_len[i] + c->P - 1) / c->P;
+    w->d.Tq += c->ext[i];
+    w->d.Tk += w->d.kv_len[i];
+    if (w->d.kv_len[i] > maxkv) maxkv = w->d.kv_len[i];
   }
   mla_kv_cache_desc cd = {1, pages, c->P, c->kv, NULL};
   float scale = 0.5f; /* fp8 per-tensor: stored = value / scale */
   if (c->kv == MLA_DTYPE_FP8_E4M3) cd.fp8_scales = &scale;
   mla_req_table_desc rd = {c->bs + NPAD, maxkv, pages, c->P};
-  if (mla_kv_cache_create(cpu, &cd, &w->cache) != MLA_OK || mla_kv_cache_create(gpu, &cd, &w->dcache) != MLA_OK ||
-      mla_req_table_create(cpu, &rd, w->cache, &w->rt) != MLA_OK) {
+  if (mla_kv_cache_create(cpu, &cd, &w->d.cache) != MLA_OK || mla_kv_cache_create(gpu, &cd, &w->d.dcache) != MLA_OK ||
+      mla_req_table_create(cpu, &rd, w->d.cache, &w->d.rt) != MLA_OK) {
     TU_CHECK(0, "%s: cannot create caches / table: %s / %s", c->name, mla_ctx_last_error(cpu),
              mla_ctx_last_error(gpu));
     return -1;
   }
-  tu_poison_cache(w->cache);
+  tu_poison_cache(w->d.cache);
   /* free pages handed out in a shuffled order, requests grown interleaved;
    * the rows they own: c, r ~ N(0, 1), quantized by the CPU cache */
-  if (tu_grow_requests(&rng, w->rt, c->bs, w->kv_len, NPAD, c->P, 3 * c->P + 40, w->req_ids) ||
-      tu_fill_owned_rows(&rng, w->cache, w->rt, c->bs, w->req_ids, w->kv_len, maxkv, operand_of(c->kv), &w->c_d,
-                         &w->r_d))
+  if (tu_grow_requests(&rng, w->d.rt, c->bs, w->d.kv_len, NPAD, c->P, 3 * c->P + 40, w->d.req_ids) ||
+      tu_fill_owned_rows(&rng, w->d.cache, w->d.rt, c->bs, w->d.req_ids, w->d.kv_len, maxkv, operand_of(c->kv),
+                         &w->d.c_d,
+                         &w->d.r_d))
     return -1;
-  tu_cache_to_device(w->cache, w->dcache, (size_t)pages * c->P);
+  tu_cache_to_device(w->d.cache, w->d.dcache, (size_t)pages * c->P);
   mla_batch b;
   memset(&b, 0, sizeof b);
   b.mode = c->mode;
   b.batch_size = c->bs;
-  b.req_ids = w->req_ids;
-  b.seq_lens = w->seq;
-  if (c->mode == MLA_MODE_EXTEND) b.prefix_lens = w->pre;
-  else b.extend_lens = w->ext;
+  b.req_ids = w->d.req_ids;
+  b.seq_lens = w->d.seq;
+  if (c->mode == MLA_MODE_EXTEND) b.prefix_lens = w->d.pre;
+  else b.extend_lens = w->d.ext;
   /* pages only: what a GPU consumer plans (the kernels read the block table) */
-  mla_plan_limits lim = {c->bs, (int)w->Tq + 1, (int)w->Tk + 1, maxkv, c->P, 132, MLA_PLAN_PAGES_ONLY};
+  mla_plan_limits lim = {c->bs, (int)w->d.Tq + 1, (int)w->d.Tk + 1, maxkv, c->P, 132, MLA_PLAN_PAGES_ONLY};
   size_t pb = 0;
   TU_STATUS(mla_plan_workspace_size(cpu, &lim, &pb), MLA_OK);
-  w->pws = malloc(pb);
-  mla_status st = mla_plan_build(cpu, w->rt, &b, &lim, c->H, w->pws, pb, &w->plan);
+  w->d.pws = malloc(pb);
+  mla_status st = mla_plan_build(cpu, w->d.rt, &b, &lim, c->H, w->d.pws, pb, &w->d.plan);
   TU_CHECK(st == MLA_OK, "%s: mla_plan_build: %s", c->name, mla_ctx_last_error(cpu));
   if (st != MLA_OK) return -1;
-  tu_guard_block_table(&w->plan, c->bs, w->kv_len, c->P);
+  tu_guard_block_table(&w->d.plan, c->bs, w->d.kv_len, c->P);
   if (!with_q) return 0;
-  tu_make_q(&rng, c->act, w->Tq * c->H, 1, &w->qn, &w->qr, &w->qn_d, &w->qr_d);
+  tu_make_q(&rng, c->act, w->d.Tq * c->H, 1, &w->d.qn, &w->d.qr, &w->d.qn_d, &w->d.qr_d);
   return 0;
 }
 
-static void world_free(world *w) {
-  mla_req_table_destroy(w->rt);
-  mla_kv_cache_destroy(w->cache);
-  mla_kv_cache_destroy(w->dcache);
-  free(w->pws);
-  free(w->qn);
-  free(w->qr);
-  free(w->qn_d);
-  free(w->qr_d);
-  free(w->c_d);
-  free(w->r_d);
-}
+static void world_free(world *w) { tu_dworld_free(&w->d); }
 
 /* Float64 attention of one (token, head) row: o [512], lse (natural), and the
  * P-rounding bound per element. Returns the visible key count. */
@@ -154,8 +136,9 @@ static int oracle_row(const world *w, int64_t k0, int K, int Q, int t, int64_t r
   const double sc = (double)(float)SCALE;
   const double u = operand_of(w->c->kv) == MLA_DTYPE_F16 ? 1.0 / 2048 : 1.0 / 256;
   const int vis = K - Q + t + 1; /* causal, bottom-right */
-  const double *c = w->c_d + k0 * MLA_LATENT;
-  *lse = tu_row_softmax(w->qn_d + row * MLA_LATENT, w->qr_d + row * MLA_ROPE, c, w->r_d + k0 * MLA_ROPE, vis, sc, s);
+  const double *c = w->d.c_d + k0 * MLA_LATENT;
+  *lse = tu_row_softmax(w->d.qn_d + row * MLA_LATENT, w->d.qr_d + row * MLA_ROPE, c, w->d.r_d + k0 * MLA_ROPE, vis,
+                        sc, s);
   for (int d = 0; d < MLA_LATENT; d++) o[d] = bound[d] = 0;
   for (int j = 0; j < vis; j++)
     for (int d = 0; d < MLA_LATENT; d++) o[d] += s[j] * c[(size_t)j * MLA_LATENT + d];
@@ -170,17 +153,17 @@ static void run_case(const pcase *c) {
     return;
   }
   const int H = c->H;
-  const int64_t nq = w.Tq * H;
+  const int64_t nq = w.d.Tq * H;
   const size_t es = tu_act_size(c->act);
   const size_t ob = es * (size_t)nq * MLA_LATENT, lb = sizeof(float) * (size_t)nq;
-  void *dqn = tu_dev_copy(w.qn, es * (size_t)(nq ? nq : 1) * MLA_LATENT);
-  void *dqr = tu_dev_copy(w.qr, es * (size_t)(nq ? nq : 1) * MLA_ROPE);
+  void *dqn = tu_dev_copy(w.d.qn, es * (size_t)(nq ? nq : 1) * MLA_LATENT);
+  void *dqr = tu_dev_copy(w.d.qr, es * (size_t)(nq ? nq : 1) * MLA_ROPE);
   void *dout = tu_dev_alloc(ob + 4 * GUARD);
   float *dlse = tu_dev_alloc(lb + 4 * GUARD);
   CK(cudaMemset(dout, 0xFF, ob + 4 * GUARD));
   CK(cudaMemset(dlse, 0xFF, lb + 4 * GUARD));
   size_t wsb = 0;
-  TU_STATUS(mla_attention_absorbed_workspace_size(gpu, &w.plan, H, &wsb), MLA_OK);
+  TU_STATUS(mla_attention_absorbed_workspace_size(gpu, &w.d.plan, H, &wsb), MLA_OK);
   void *dws = tu_dev_alloc(wsb ? wsb : 16);
   mla_absorbed_args a;
   memset(&a, 0, sizeof a);
@@ -191,7 +174,7 @@ static void run_case(const pcase *c) {
   a.q_rope = dqr;
   a.out = dout;
   a.lse = dlse;
-  mla_status st = mla_attention_absorbed(gpu, w.dcache, 0, &w.plan, &a, dws, wsb);
+  mla_status st = mla_attention_absorbed(gpu, w.d.dcache, 0, &w.d.plan, &a, dws, wsb);
   TU_CHECK(st == MLA_OK, "%s: mla_attention_absorbed: %s", c->name, mla_ctx_last_error(gpu));
   CK(cudaDeviceSynchronize());
   unsigned char *out = malloc(ob + 4 * GUARD);
@@ -214,12 +197,12 @@ static void run_case(const pcase *c) {
   double o[MLA_LATENT], bound[MLA_LATENT], lref;
   int maxk = 1;
   for (int i = 0; i < c->bs; i++)
-    if (w.kv_len[i] > maxk) maxk = w.kv_len[i];
+    if (w.d.kv_len[i] > maxk) maxk = w.d.kv_len[i];
   double *s = malloc(sizeof(double) * (size_t)maxk);
   int64_t t0 = 0, k0 = 0, rows = 0, bad = 0, lbad = 0;
   double worst = 0, lworst = 0;
   for (int i = 0; i < c->bs; i++) {
-    const int Q = w.ext[i], K = w.kv_len[i];
+    const int Q = w.d.ext[i], K = w.d.kv_len[i];
     for (int n = 0; n < SAMPLE_TOKENS && n < Q; n++) {
       const int t = n == 0 ? 0 : n == 1 ? Q - 1 : tu_randint(&rng, 0, Q - 1);
       for (int m = 0; m < (H <= 4 ? H : 4); m++) {
@@ -246,11 +229,12 @@ static void run_case(const pcase *c) {
            c->name, (long long)rows, (long long)bad, worst, (long long)lbad, lworst);
   printf("  %-44s P=%-3d H=%-3d Tq=%-5lld Tk=%-6lld parts=%-3d splits=%d ws=%zu B: %lld rows, worst err/tol %.3f, "
          "lse err %.2g\n",
-         c->name, c->P, H, (long long)w.Tq, (long long)w.Tk, (int)w.plan.num_sm_parts, (int)w.plan.total_splits, wsb,
+         c->name, c->P, H, (long long)w.d.Tq, (long long)w.d.Tk, (int)w.d.plan.num_sm_parts,
+                            (int)w.d.plan.total_splits, wsb,
          (long long)rows, worst, lworst);
   /* a one-part plan keeps no partial states: far below one per request */
-  if (w.plan.num_sm_parts == 1)
-    TU_CHECK(wsb < (size_t)c->bs * w.plan.max_q_len * H * MLA_LATENT * sizeof(float),
+  if (w.d.plan.num_sm_parts == 1)
+    TU_CHECK(wsb < (size_t)c->bs * w.d.plan.max_q_len * H * MLA_LATENT * sizeof(float),
              "%s: one-part plan, workspace %zu bytes holds partial states", c->name, wsb);
   free(s);
   free(got);
@@ -278,7 +262,7 @@ static void too_long(void) {
   void *dout = tu_dev_alloc(2 * 64);
   CK(cudaMemset(dout, 0xFF, 2 * 64));
   size_t wsb = 0;
-  TU_STATUS(mla_attention_absorbed_workspace_size(gpu, &w.plan, 128, &wsb), MLA_OK);
+  TU_STATUS(mla_attention_absorbed_workspace_size(gpu, &w.d.plan, 128, &wsb), MLA_OK);
   void *dws = tu_dev_alloc(wsb);
   mla_absorbed_args a;
   memset(&a, 0, sizeof a);
@@ -288,7 +272,7 @@ static void too_long(void) {
   a.q_nope = dqn;
   a.q_rope = dqr;
   a.out = dout;
-  TU_STATUS(mla_attention_absorbed(gpu, w.dcache, 0, &w.plan, &a, dws, wsb), MLA_ERR_UNSUPPORTED);
+  TU_STATUS(mla_attention_absorbed(gpu, w.d.dcache, 0, &w.d.plan, &a, dws, wsb), MLA_ERR_UNSUPPORTED);
   TU_CHECK(strstr(mla_ctx_last_error(gpu), "max_q_len") != NULL, "too long: message names the bound: %s",
            mla_ctx_last_error(gpu));
   unsigned char chk[128];

@@ -20,7 +20,7 @@
 #include <string.h>
 
 #include "mla.h"
-#include "paged_world.h"
+#include "decode_world.h"
 #include "test_util.h"
 
 #define MAXB 8
@@ -32,90 +32,59 @@ static tu_rng rng;
 static mla_ctx *cpu;
 
 typedef struct world {
-  mla_mode mode;
-  mla_dtype kv;
-  int ndt, P, H, bs, maxkv;
-  float kv_scale;
-  mla_kv_cache *cache;
-  mla_req_table *rt;
-  int32_t req_ids[MAXB], seq[MAXB];
-  int q_len[MAXB], kv_len[MAXB];
-  int Tq, Tk;
-  void *pws;
-  mla_plan plan;
-  void *qn, *qr; /* bf16 [Tq, H, 512], [Tq, H, 64] */
-  double *qn_d, *qr_d;
+  tu_dworld d; /* bf16 q [Tq, H, 512], [Tq, H, 64] */
   size_t o_bytes, l_bytes;
 } world;
+_Static_assert(MAXB <= TU_DW_MAXB, "MAXB");
 
 static const char *mode_name(mla_mode m) {
   return m == MLA_MODE_DECODE ? "decode" : m == MLA_MODE_TARGET_VERIFY ? "verify" : "draft_extend";
 }
 
 static void case_str(const world *w, char *buf, size_t n) {
-  snprintf(buf, n, "%s ndt=%d kv=%s P=%d H=%d bs=%d", mode_name(w->mode), w->ndt, mla_dtype_name(w->kv), w->P,
-           w->H, w->bs);
+  snprintf(buf, n, "%s ndt=%d kv=%s P=%d H=%d bs=%d", mode_name(w->d.mode), w->d.ndt, mla_dtype_name(w->d.kv), w->d.P,
+           w->d.H, w->d.bs);
 }
 
-static void world_free(world *w) {
-  mla_req_table_destroy(w->rt);
-  mla_kv_cache_destroy(w->cache);
-  free(w->pws);
-  free(w->qn);
-  free(w->qr);
-  free(w->qn_d);
-  free(w->qr_d);
-}
+static void world_free(world *w) { tu_dworld_free(&w->d); }
 
 /* Key lengths 0 (decode), 1, 63, 64, 65, then random ones up to 700. */
 static int world_build(world *w) {
   static const int fixed[5] = {0, 1, 63, 64, 65};
-  w->maxkv = 1;
-  for (int i = 0; i < w->bs; i++) {
+  w->d.maxkv = 1;
+  for (int i = 0; i < w->d.bs; i++) {
     int kv = i < 5 ? fixed[i] : tu_randint(&rng, 100, 700);
-    if (w->mode == MLA_MODE_TARGET_VERIFY && kv < w->ndt) kv = w->ndt;     /* seq_len 0: drafts only */
-    w->kv_len[i] = kv;
-    w->q_len[i] = w->mode == MLA_MODE_DECODE ? 1 : w->ndt;
-    w->seq[i] = w->mode == MLA_MODE_TARGET_VERIFY ? kv - w->ndt : kv;
-    w->Tq += w->q_len[i];
-    w->Tk += kv;
-    if (kv > w->maxkv) w->maxkv = kv;
+    if (w->d.mode == MLA_MODE_TARGET_VERIFY && kv < w->d.ndt) kv = w->d.ndt;     /* seq_len 0: drafts only */
+    w->d.kv_len[i] = kv;
+    w->d.q_len[i] = w->d.mode == MLA_MODE_DECODE ? 1 : w->d.ndt;
+    w->d.seq[i] = w->d.mode == MLA_MODE_TARGET_VERIFY ? kv - w->d.ndt : kv;
+    w->d.Tq += w->d.q_len[i];
+    w->d.Tk += kv;
+    if (kv > w->d.maxkv) w->d.maxkv = kv;
   }
   int pages = 2 + NPAD;
-  for (int i = 0; i < w->bs; i++) pages += (w->kv_len[i] + w->P - 1) / w->P;
-  mla_kv_cache_desc cd = {1, pages, w->P, w->kv, w->kv == MLA_DTYPE_FP8_E4M3 ? &w->kv_scale : NULL};
-  mla_req_table_desc rd = {w->bs + NPAD, w->maxkv, pages, w->P};
-  if (mla_kv_cache_create(cpu, &cd, &w->cache) != MLA_OK ||
-      mla_req_table_create(cpu, &rd, w->cache, &w->rt) != MLA_OK) {
+  for (int i = 0; i < w->d.bs; i++) pages += (w->d.kv_len[i] + w->d.P - 1) / w->d.P;
+  mla_kv_cache_desc cd = {1, pages, w->d.P, w->d.kv, w->d.kv == MLA_DTYPE_FP8_E4M3 ? &w->d.kv_scale : NULL};
+  mla_req_table_desc rd = {w->d.bs + NPAD, w->d.maxkv, pages, w->d.P};
+  if (mla_kv_cache_create(cpu, &cd, &w->d.cache) != MLA_OK ||
+      mla_req_table_create(cpu, &rd, w->d.cache, &w->d.rt) != MLA_OK) {
     TU_CHECK(0, "cannot create the cache / table: %s", mla_ctx_last_error(cpu));
     return -1;
   }
-  tu_poison_cache(w->cache);
+  tu_poison_cache(w->d.cache);
   double *c_d = NULL, *r_d = NULL;
-  const int cap = 2 * w->P < 64 ? 64 : 2 * w->P;
-  int rc = tu_grow_requests(&rng, w->rt, w->bs, w->kv_len, NPAD, w->P, cap, w->req_ids);
+  const int cap = 2 * w->d.P < 64 ? 64 : 2 * w->d.P;
+  int rc = tu_grow_requests(&rng, w->d.rt, w->d.bs, w->d.kv_len, NPAD, w->d.P, cap, w->d.req_ids);
   if (rc == 0)
-    rc = tu_fill_owned_rows(&rng, w->cache, w->rt, w->bs, w->req_ids, w->kv_len, w->maxkv, MLA_DTYPE_F32, &c_d, &r_d);
+    rc = tu_fill_owned_rows(&rng, w->d.cache, w->d.rt, w->d.bs, w->d.req_ids, w->d.kv_len, w->d.maxkv, MLA_DTYPE_F32,
+                            &c_d, &r_d);
   free(c_d);
   free(r_d);
   if (rc) return -1;
-  mla_batch b;
-  memset(&b, 0, sizeof b);
-  b.mode = w->mode;
-  b.batch_size = w->bs;
-  b.req_ids = w->req_ids;
-  b.seq_lens = w->seq;
-  b.num_draft_tokens = w->ndt;
-  mla_plan_limits lim = {w->bs, w->Tq + 1, w->Tk + 1, w->maxkv, w->P, NUM_SM, 0};
-  size_t pb = 0;
-  TU_STATUS(mla_plan_workspace_size(cpu, &lim, &pb), MLA_OK);
-  w->pws = malloc(pb);
-  mla_status st = mla_plan_build(cpu, w->rt, &b, &lim, w->H, w->pws, pb, &w->plan);
-  TU_CHECK(st == MLA_OK, "mla_plan_build: %s", mla_ctx_last_error(cpu));
-  if (st != MLA_OK) return -1;
-  tu_make_q(&rng, MLA_DTYPE_BF16, (int64_t)w->Tq * w->H, 0, &w->qn, &w->qr, &w->qn_d, &w->qr_d);
-  w->o_bytes = 2 * (size_t)w->Tq * w->H * MLA_LATENT;
-  w->l_bytes = sizeof(float) * (size_t)w->Tq * w->H;
+  if (tu_dworld_plan(&w->d, cpu, NUM_SM)) return -1; /* DECODE: ndt = 0 */
+  tu_make_q(&rng, MLA_DTYPE_BF16, (int64_t)w->d.Tq * w->d.H, 0, &w->d.qn, &w->d.qr, &w->d.qn_d, &w->d.qr_d);
+  w->o_bytes = 2 * (size_t)w->d.Tq * w->d.H * MLA_LATENT;
+  w->l_bytes = sizeof(float) * (size_t)w->d.Tq * w->d.H;
   return 0;
 }
 
@@ -137,16 +106,8 @@ static void outs_free(outs *r) {
 }
 
 static mla_absorbed_args args_of(const world *w, outs *r, unsigned flags) {
-  mla_absorbed_args a;
-  memset(&a, 0, sizeof a);
-  a.num_heads = w->H;
-  a.scale = SCALE;
+  mla_absorbed_args a = tu_dworld_args(&w->d, w->d.qn, w->d.qr, r->o, r->lse);
   a.flags = flags;
-  a.act_dtype = MLA_DTYPE_BF16;
-  a.q_nope = w->qn;
-  a.q_rope = w->qr;
-  a.out = r->o;
-  a.lse = r->lse;
   return a;
 }
 
@@ -155,11 +116,11 @@ static mla_absorbed_args args_of(const world *w, outs *r, unsigned flags) {
 static int rows_written(const world *w, const outs *r) {
   int bad = 0;
   int64_t t = 0;
-  for (int i = 0; i < w->bs; i++)
-    for (int q = 0; q < w->q_len[i]; q++, t++)
-      for (int h = 0; h < w->H; h++) {
-        const int64_t row = t * w->H + h;
-        const int vis = w->kv_len[i] - w->q_len[i] + q + 1; /* causal, bottom-right (decode: all keys) */
+  for (int i = 0; i < w->d.bs; i++)
+    for (int q = 0; q < w->d.q_len[i]; q++, t++)
+      for (int h = 0; h < w->d.H; h++) {
+        const int64_t row = t * w->d.H + h;
+        const int vis = w->d.kv_len[i] - w->d.q_len[i] + q + 1; /* causal, bottom-right (decode: all keys) */
         const uint16_t *o = (const uint16_t *)r->o + row * MLA_LATENT;
         int nonzero = 0;
         for (int d = 0; d < MLA_LATENT; d++) nonzero += o[d] != 0;
@@ -178,14 +139,14 @@ static int same(const world *w, const outs *a, const outs *b) {
  * LSE_BASE2); an unknown bit refused, nothing written. */
 static void absorbed_calls(const world *w, const char *cs) {
   size_t wsb = 0;
-  TU_STATUS(mla_attention_absorbed_workspace_size(cpu, &w->plan, w->H, &wsb), MLA_OK);
+  TU_STATUS(mla_attention_absorbed_workspace_size(cpu, &w->d.plan, w->d.H, &wsb), MLA_OK);
   void *ws = malloc(wsb ? wsb : 1);
   for (int base2 = 0; base2 < 2; base2++) {
     const unsigned f = base2 ? MLA_FLAG_LSE_BASE2 : 0;
     outs a = outs_new(w), b = outs_new(w);
     mla_absorbed_args aa = args_of(w, &a, f), ab = args_of(w, &b, f | MLA_FLAG_FP8_MATH);
-    TU_STATUS(mla_attention_absorbed(cpu, w->cache, 0, &w->plan, &aa, ws, wsb), MLA_OK);
-    const mla_status st = mla_attention_absorbed(cpu, w->cache, 0, &w->plan, &ab, ws, wsb);
+    TU_STATUS(mla_attention_absorbed(cpu, w->d.cache, 0, &w->d.plan, &aa, ws, wsb), MLA_OK);
+    const mla_status st = mla_attention_absorbed(cpu, w->d.cache, 0, &w->d.plan, &ab, ws, wsb);
     TU_CHECK(st == MLA_OK, "%s base2=%d: mla_attention_absorbed with MLA_FLAG_FP8_MATH: %s (%s)", cs, base2,
              mla_status_string(st), mla_ctx_last_error(cpu));
     TU_CHECK(rows_written(w, &a) == 0, "%s base2=%d: %d rows not written as expected", cs, base2,
@@ -196,7 +157,7 @@ static void absorbed_calls(const world *w, const char *cs) {
   }
   outs c = outs_new(w);
   mla_absorbed_args ac = args_of(w, &c, MLA_FLAG_FP8_MATH | 8u);
-  TU_STATUS(mla_attention_absorbed(cpu, w->cache, 0, &w->plan, &ac, ws, wsb), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_attention_absorbed(cpu, w->d.cache, 0, &w->d.plan, &ac, ws, wsb), MLA_ERR_INVALID_ARGUMENT);
   TU_CHECK(strstr(mla_ctx_last_error(cpu), "flags") != NULL, "%s: the message names flags: %s", cs,
            mla_ctx_last_error(cpu));
   TU_CHECK(tu_all_poisoned(c.o, w->o_bytes) && tu_all_poisoned(c.lse, w->l_bytes), "%s: a refused call wrote",
@@ -211,42 +172,42 @@ static void absorbed_calls(const world *w, const char *cs) {
 static void step_calls(const world *w, const char *cs) {
   mla_step_desc d;
   memset(&d, 0, sizeof d);
-  d.mode = w->mode;
-  d.batch_size = w->bs;
-  d.num_draft_tokens = w->ndt;
-  d.max_kv_len = w->maxkv;
-  d.num_heads = w->H;
-  d.page_size = w->P;
+  d.mode = w->d.mode;
+  d.batch_size = w->d.bs;
+  d.num_draft_tokens = w->d.ndt;
+  d.max_kv_len = w->d.maxkv;
+  d.num_heads = w->d.H;
+  d.page_size = w->d.P;
   d.num_sm = NUM_SM;
   const int32_t *r2t = NULL;
-  TU_STATUS(mla_req_table_data(w->rt, &r2t), MLA_OK);
-  mla_step_inputs in = {r2t, w->maxkv, w->bs + NPAD, w->req_ids, w->seq, NULL};
+  TU_STATUS(mla_req_table_data(w->d.rt, &r2t), MLA_OK);
+  mla_step_inputs in = {r2t, w->d.maxkv, w->d.bs + NPAD, w->d.req_ids, w->d.seq, NULL};
   size_t wsb = 0;
   TU_STATUS(mla_step_workspace_size(cpu, &d, &wsb), MLA_OK);
   void *ws = malloc(wsb ? wsb : 1);
-  mla_status st = mla_step_prepare(cpu, &d, w->cache, &in, ws, wsb);
+  mla_status st = mla_step_prepare(cpu, &d, w->d.cache, &in, ws, wsb);
   TU_CHECK(st == MLA_OK, "%s: mla_step_prepare: %s", cs, mla_ctx_last_error(cpu));
   if (st != MLA_OK) {
     free(ws);
     return;
   }
   size_t pwb = 0;
-  TU_STATUS(mla_attention_absorbed_workspace_size(cpu, &w->plan, w->H, &pwb), MLA_OK);
+  TU_STATUS(mla_attention_absorbed_workspace_size(cpu, &w->d.plan, w->d.H, &pwb), MLA_OK);
   void *pw = malloc(pwb ? pwb : 1);
   const unsigned f = tu_uniform(&rng) < 0.5 ? MLA_FLAG_LSE_BASE2 : 0;
   outs a = outs_new(w), b = outs_new(w), p = outs_new(w);
   mla_absorbed_args aa = args_of(w, &a, f), ab = args_of(w, &b, f | MLA_FLAG_FP8_MATH), ap = args_of(w, &p, f);
-  TU_STATUS(mla_step_attention(cpu, &d, w->cache, 0, &aa, ws, wsb), MLA_OK);
-  st = mla_step_attention(cpu, &d, w->cache, 0, &ab, ws, wsb);
+  TU_STATUS(mla_step_attention(cpu, &d, w->d.cache, 0, &aa, ws, wsb), MLA_OK);
+  st = mla_step_attention(cpu, &d, w->d.cache, 0, &ab, ws, wsb);
   TU_CHECK(st == MLA_OK, "%s: mla_step_attention with MLA_FLAG_FP8_MATH: %s (%s)", cs, mla_status_string(st),
            mla_ctx_last_error(cpu));
-  TU_STATUS(mla_attention_absorbed(cpu, w->cache, 0, &w->plan, &ap, pw, pwb), MLA_OK);
+  TU_STATUS(mla_attention_absorbed(cpu, w->d.cache, 0, &w->d.plan, &ap, pw, pwb), MLA_OK);
   TU_CHECK(rows_written(w, &a) == 0, "%s: step: %d rows not written as expected", cs, rows_written(w, &a));
   TU_CHECK(same(w, &a, &b), "%s: mla_step_attention differs with MLA_FLAG_FP8_MATH", cs);
   TU_CHECK(same(w, &a, &p), "%s: mla_step_attention differs from the host plan's attention", cs);
   outs c = outs_new(w);
   mla_absorbed_args ac = args_of(w, &c, f | MLA_FLAG_FP8_MATH | 8u);
-  TU_STATUS(mla_step_attention(cpu, &d, w->cache, 0, &ac, ws, wsb), MLA_ERR_INVALID_ARGUMENT);
+  TU_STATUS(mla_step_attention(cpu, &d, w->d.cache, 0, &ac, ws, wsb), MLA_ERR_INVALID_ARGUMENT);
   TU_CHECK(tu_all_poisoned(c.o, w->o_bytes) && tu_all_poisoned(c.lse, w->l_bytes),
            "%s: a refused step call wrote", cs);
   outs_free(&a);
@@ -260,13 +221,15 @@ static void step_calls(const world *w, const char *cs) {
 static void run_case(mla_mode mode, int ndt, mla_dtype kv, int P, int H, int bs) {
   world w;
   memset(&w, 0, sizeof w);
-  w.mode = mode;
-  w.ndt = ndt;
-  w.kv = kv;
-  w.P = P;
-  w.H = H;
-  w.bs = bs;
-  w.kv_scale = (float)(0.004 + 0.02 * tu_uniform(&rng));
+  w.d.mode = mode;
+  w.d.ndt = ndt;
+  w.d.kv = kv;
+  w.d.P = P;
+  w.d.H = H;
+  w.d.bs = bs;
+  w.d.kv_scale = (float)(0.004 + 0.02 * tu_uniform(&rng));
+  w.d.act = MLA_DTYPE_BF16;
+  w.d.scale = SCALE;
   char cs[128];
   case_str(&w, cs, sizeof cs);
   if (world_build(&w) == 0) {
