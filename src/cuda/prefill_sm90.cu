@@ -482,7 +482,7 @@ __device__ __forceinline__ void ovl_step(float (&o)[64], float (&s)[64], uint32_
   kv_it++;
 }
 
-// The item's O rows t_lo, t_lo + 8 of this thread, o / l in 16-bit, as
+// The item's O rows t_lo, t_lo + 8 of this thread, o * inv (= o / l) in 16-bit, as
 // 8-byte stores. A thread holds columns 8 c + 2 (lane % 4) and + 1 of each
 // group c; lanes 2i and 2i + 1 swap one word per two groups (one shuffle), so
 // the even lane stores 4 columns of group c and the odd one 4 of group c + 1:
@@ -493,17 +493,16 @@ __device__ __forceinline__ void ovl_step(float (&o)[64], float (&s)[64], uint32_
 // computed and not stored: every lane takes part in the shuffles.
 template <bool F16>
 __device__ __forceinline__ void store_o_pairs(const mla_prefill_params &p, const Item &it, const float (&o)[64],
-                                              const float (&l)[2], int t_lo, int lane) {
+                                              const float (&inv)[2], int t_lo, int lane) {
   const bool odd = lane & 1;
 #pragma unroll
   for (int r = 0; r < 2; r++) {
     const int t = t_lo + 8 * r;
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;  // rows without a key: o = 0
     uint16_t *row = (uint16_t *)p.out + ((int64_t)(it.q0 + t) * p.num_heads + it.h) * 128;
 #pragma unroll
     for (int c = 0; c < 16; c += 2) {
-      const uint32_t w0 = pack2<F16>(o[4 * c + 2 * r] * inv, o[4 * c + 2 * r + 1] * inv);
-      const uint32_t w1 = pack2<F16>(o[4 * c + 4 + 2 * r] * inv, o[4 * c + 4 + 2 * r + 1] * inv);
+      const uint32_t w0 = pack2<F16>(o[4 * c + 2 * r] * inv[r], o[4 * c + 2 * r + 1] * inv[r]);
+      const uint32_t w1 = pack2<F16>(o[4 * c + 4 + 2 * r] * inv[r], o[4 * c + 4 + 2 * r + 1] * inv[r]);
       const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? w0 : w1, 1);
       const int col = odd ? 8 * (c + 1) + 2 * ((lane & 3) - 1) : 8 * c + 2 * (lane & 3);
       if (t < it.Q) *reinterpret_cast<uint2 *>(row + col) = odd ? make_uint2(got, w1) : make_uint2(w0, got);
@@ -825,19 +824,22 @@ __global__ void __launch_bounds__(kThreads, 1)
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
       }
-      if (pair_ok) store_o_pairs<F16>(p, it, o, l, t_lo, lane);
+      float inv[2];  // 1 / l; 0 for rows without a key (their o is 0)
+#pragma unroll
+      for (int r = 0; r < 2; r++) inv[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+      if (pair_ok) store_o_pairs<F16>(p, it, o, inv, t_lo, lane);
 #pragma unroll
       for (int r = 0; r < 2; r++) {
         const int t = r ? t_hi : t_lo;
         if (t >= it.Q) continue;
         const bool empty = !(l[r] > 0.0f);
-        const float inv = empty ? 0.0f : 1.0f / l[r];
         const int64_t orow = ((int64_t)(it.q0 + t) * p.num_heads + it.h) * DV;
         if (!pair_ok) {  // (else store_o_pairs wrote the rows)
 #pragma unroll
           for (int c = 0; c < 16; c++) {
             const int col = 8 * c + 2 * (lane & 3);
-            const float v0 = empty ? 0.0f : o[4 * c + 2 * r] * inv, v1 = empty ? 0.0f : o[4 * c + 2 * r + 1] * inv;
+            const float v0 = empty ? 0.0f : o[4 * c + 2 * r] * inv[r];
+            const float v1 = empty ? 0.0f : o[4 * c + 2 * r + 1] * inv[r];
             if (p.out_f32)
               *reinterpret_cast<float2 *>((float *)p.out + orow + col) = make_float2(v0, v1);
             else
