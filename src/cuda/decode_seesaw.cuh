@@ -299,14 +299,12 @@ template <int LM>
 __device__ __forceinline__ void next_tiles(const mla_decode_params &p, const int *meta, int mb, int er, bool issuer,
                                            int myrow, bool has1, const BufCursor &cur0, const BufCursor &cur1,
                                            BufCursor &nx0, BufCursor &nx1, TileSrc &ld0, TileSrc &ld1) {
-  nx0 = cur0;
-  nx1 = cur1;
-  cursor_next(p, meta, mb, nx0);
-  if (has1) cursor_next(p, meta, mb, nx1);
-  ld0.valid = ld1.valid = 0;
-  if (issuer) {
-    ld0 = tile_src<LM>(p, er, nx0, myrow);
-    if (has1) ld1 = tile_src<LM>(p, er, nx1, myrow);
+  next_tile<LM>(p, meta, mb, er, issuer, myrow, cur0, nx0, ld0);
+  if (has1) {
+    next_tile<LM>(p, meta, mb, er, issuer, myrow, cur1, nx1, ld1);
+  } else {
+    nx1 = cur1;
+    ld1.valid = 0;
   }
 }
 
