@@ -754,7 +754,7 @@ int bench_cuda_main(int argc, char **argv) {
           if (math ? !(o.fp8_math && o.dt[di] == MLA_DTYPE_FP8_E4M3) : !o.dt_plain[di]) continue;
           const char *name = math ? "fp8-math" : dt_name(o.dt[di]);
           for (int qi = 0; qi < o.nsq; qi++) {
-            if (math && o.sq[qi] * o.H[hi] <= 32) continue; /* the flag is a no-op there */
+            if (math && o.sq[qi] * o.H[hi] <= 32) continue; /* mla.h, MLA_FLAG_FP8_MATH: a no-op there */
             bc_result r;
             if (run_case(ctx, &o, &w, o.sk[si], o.H[hi], o.sq[qi], math ? MLA_FLAG_FP8_MATH : 0u, flush,
                          flush_bytes, &seed, &r) != 0)
