@@ -41,15 +41,15 @@ for ((r = 1; r <= rounds; r++)); do
   for b in "${builds[@]}"; do
     name=${b%%=*}
     path=${b#*=}
-    envset=
+    envset=()
     if [[ $name == *@* ]]; then  # NAME@VAR=VALUE=PATH
-      envset=${name#*@}=${path%%=*}
+      envset=("${name#*@}=${path%%=*}")
       name=${name%%@*}
       path=${path#*=}
     fi
     for c in "${cases[@]}"; do
       read -r cb ch cq ck cd cp <<<"$c"
-      line=$(env $envset "$path" bench --device cuda --b "$cb" --h "$ch" --sq "$cq" --sk "$ck" --dtype "$cd" \
+      line=$(env ${envset[@]+"${envset[@]}"} "$path" bench --device cuda --b "$cb" --h "$ch" --sq "$cq" --sk "$ck" --dtype "$cd" \
         --page-size "$cp" --no-prefill --no-kv-write --runs "$runs" 2>&1 | tail -n 1)
       t=$(awk '{print $6}' <<<"$line")
       [[ $t =~ ^[0-9.]+$ ]] || t="($line)"
