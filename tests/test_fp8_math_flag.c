@@ -51,27 +51,15 @@ static void world_free(world *w) { tu_dworld_free(&w->d); }
 /* Key lengths 0 (decode), 1, 63, 64, 65, then random ones up to 700. */
 static int world_build(world *w) {
   static const int fixed[5] = {0, 1, 63, 64, 65};
-  w->d.maxkv = 1;
   for (int i = 0; i < w->d.bs; i++) {
     int kv = i < 5 ? fixed[i] : tu_randint(&rng, 100, 700);
     if (w->d.mode == MLA_MODE_TARGET_VERIFY && kv < w->d.ndt) kv = w->d.ndt;     /* seq_len 0: drafts only */
     w->d.kv_len[i] = kv;
     w->d.q_len[i] = w->d.mode == MLA_MODE_DECODE ? 1 : w->d.ndt;
     w->d.seq[i] = w->d.mode == MLA_MODE_TARGET_VERIFY ? kv - w->d.ndt : kv;
-    w->d.Tq += w->d.q_len[i];
-    w->d.Tk += kv;
-    if (kv > w->d.maxkv) w->d.maxkv = kv;
   }
-  int pages = 2 + NPAD;
-  for (int i = 0; i < w->d.bs; i++) pages += (w->d.kv_len[i] + w->d.P - 1) / w->d.P;
-  mla_kv_cache_desc cd = {1, pages, w->d.P, w->d.kv, w->d.kv == MLA_DTYPE_FP8_E4M3 ? &w->d.kv_scale : NULL};
-  mla_req_table_desc rd = {w->d.bs + NPAD, w->d.maxkv, pages, w->d.P};
-  if (mla_kv_cache_create(cpu, &cd, &w->d.cache) != MLA_OK ||
-      mla_req_table_create(cpu, &rd, w->d.cache, &w->d.rt) != MLA_OK) {
-    TU_CHECK(0, "cannot create the cache / table: %s", mla_ctx_last_error(cpu));
-    return -1;
-  }
-  tu_poison_cache(w->d.cache);
+  const int pages = tu_dworld_totals(&w->d, NPAD);
+  if (tu_dworld_create(&w->d, cpu, NULL, pages, NPAD)) return -1;
   double *c_d = NULL, *r_d = NULL;
   const int cap = 2 * w->d.P < 64 ? 64 : 2 * w->d.P;
   int rc = tu_grow_requests(&rng, w->d.rt, w->d.bs, w->d.kv_len, NPAD, w->d.P, cap, w->d.req_ids);

@@ -162,8 +162,12 @@ int main(int argc, char **argv) {
   CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, dev));
   Config one = {sms, 2, 1, 248, 3500};
   bool sweep = true;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  for (int i = 1; i < argc; i += 2) {
     sweep = false;
+    if (i + 1 == argc) {
+      fprintf(stderr, "option %s needs a value\n", argv[i]);
+      return 2;
+    }
     if (!strcmp(argv[i], "--ctas")) one.ctas = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--nbuf")) one.nbuf = atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--shared")) one.shared = atoi(argv[i + 1]);

@@ -63,10 +63,7 @@ void tu_dworld_oracle(tu_dworld *w, int with_pbound) {
   if (!with_pbound) return;
   /* softmax weights in float64, bottom-right causal as the plan says */
   w->pbound = calloc((size_t)(nq + 1) * MLA_LATENT, sizeof(double));
-  int maxk = 1;
-  for (int i = 0; i < w->bs; i++)
-    if (w->kv_len[i] > maxk) maxk = w->kv_len[i];
-  double *s = malloc(sizeof(double) * (size_t)maxk);
+  double *s = malloc(sizeof(double) * (size_t)w->maxkv); /* (tu_dworld_totals set maxkv) */
   int64_t t0 = 0, k0 = 0;
   for (int i = 0; i < w->bs; i++) {
     const int Q = w->q_len[i], K = w->kv_len[i];

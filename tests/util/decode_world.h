@@ -56,7 +56,7 @@ int tu_dworld_plan(tu_dworld *w, mla_ctx *ctx, int num_sm);
 
 /* o_ref, lse_ref: ref_absorbed over the whole batch at softmax scale
  * (double)w->scale, causal as the plan says; with_pbound: also pbound with
- * unit p_unit (rows without a visible key: 0). */
+ * unit p_unit (rows without a visible key: 0). After tu_dworld_totals. */
 void tu_dworld_oracle(tu_dworld *w, int with_pbound);
 
 /* Arguments of one absorbed call: heads, scale, act dtype from w; the
