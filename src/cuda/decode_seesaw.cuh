@@ -667,14 +667,40 @@ __device__ __forceinline__ void load_q(const mla_decode_params &p, const ReqWork
   fence_proxy_async();
 }
 
+// Staged rows: row r of the m-block at r * 1024 bytes, its 16-byte unit u at
+// unit u ^ (r & 7) (the accumulator fragments put a warp's eight rows in one
+// store, so unswizzled they would all hit the same four banks).
+__device__ __forceinline__ uint32_t staged_off(int r, int unit) { return r * 1024 + ((unit ^ (r & 7)) << 4); }
+
+// Copies staged rows [0, rows) to dst + r * dst_row_bytes (16-byte aligned):
+// a warp writes 512 contiguous bytes per instruction.
+__device__ __forceinline__ void copy_staged_rows(const uint8_t *st, uint8_t *dst, int rows, int dst_row_bytes,
+                                                 int tid) {
+  for (int idx = tid; idx < rows * 64; idx += kThreads) {
+    const int r = idx >> 6, u = idx & 63;
+    const uint4 v = *reinterpret_cast<const uint4 *>(st + staged_off(r, u));
+    *reinterpret_cast<uint4 *>(dst + (size_t)r * dst_row_bytes + (u << 4)) = v;
+  }
+}
+
 // Epilogue of one request: l = both warpgroups' partial sums; m is the final
 // running max in shared memory.
-template <bool kF16>
+//
+// The m-block's rows are contiguous in either destination (out: token-major
+// rows q0 * H + 64 mb + r; o_accum: rows split_idx * R + 64 mb + r), so they
+// are staged in shared memory and written out in whole 16-byte units. Stored
+// straight from the fragments (each warp store touching eight rows, 16 or 32
+// bytes apiece), a request boundary at H = 128 spent 11-25 us in these stores;
+// staged, ~5 (docs/decode-kernel.md §6, session 11).
+template <bool kF16, bool kStaged = true>
 // osc: the output's factor (the fp8 math kernel's cache scale); offL / offM:
-// where the layout keeps the row sums and the running max.
+// where the layout keeps the row sums and the running max; offStage: 64 KB
+// free once both warpgroups are past their last Q.K^T and P.V (the caller's
+// next use of it comes after a __syncthreads).
 __device__ __forceinline__ void epilogue(const mla_decode_params &p, const ReqWork &w, int mb, uint8_t *smem,
                                          const float (&o)[128], float lsA, float lsB, int wg, int rA, int rB, int cq,
-                                         bool lead, float osc = 1.f, uint32_t offL = kOffL, uint32_t offM = kOffM) {
+                                         bool lead, float osc = 1.f, uint32_t offL = kOffL, uint32_t offM = kOffM,
+                                         uint32_t offStage = kOffQ) {
   float *sL = reinterpret_cast<float *>(smem + offL);
   const float *sM = reinterpret_cast<const float *>(smem + offM);
   lsA += __shfl_xor_sync(0xffffffffu, lsA, 1);
@@ -688,11 +714,48 @@ __device__ __forceinline__ void epilogue(const mla_decode_params &p, const ReqWo
   __syncthreads();
   const float tA = sL[rA] + sL[64 + rA], tB = sL[rB] + sL[64 + rB];
   const float iA = tA > 0.f ? osc / tA : 0.f, iB = tB > 0.f ? osc / tB : 0.f;
+  uint8_t *st = smem + offStage;
+  const int tid = threadIdx.x;
+  // (o[i], o[i + 1]): row rowB ? rB : rA, columns 256 wg + 8 (i / 4) + cq, + 1
+  if constexpr (!kStaged) {
 #pragma unroll
-  for (int i = 0; i < 128; i += 2) {
-    const bool rowB = (i >> 1) & 1;
-    const int r = rowB ? rB : rA;
-    if (r < w.rows) store_out_pair<kF16>(p, w, mb, r, 256 * wg + 8 * (i >> 2) + cq, o[i], o[i + 1], rowB ? iB : iA);
+    for (int i = 0; i < 128; i += 2) {
+      const bool rowB = (i >> 1) & 1;
+      const int r = rowB ? rB : rA;
+      if (r < w.rows) store_out_pair<kF16>(p, w, mb, r, 256 * wg + 8 * (i >> 2) + cq, o[i], o[i + 1], rowB ? iB : iA);
+    }
+  } else if (!w.is_split) {
+    // [rows, 512] bf16 / f16: each warpgroup stages its 256 columns (units 32 wg ..)
+#pragma unroll
+    for (int i = 0; i < 128; i += 2) {
+      const bool rowB = (i >> 1) & 1;
+      const int r = rowB ? rB : rA;
+      const float f = rowB ? iB : iA;
+      *reinterpret_cast<uint32_t *>(st + staged_off(r, 32 * wg + (i >> 2)) + 2 * cq) =
+          pack2<kF16>(o[i] * f, o[i + 1] * f);
+    }
+    __syncthreads();
+    uint16_t *dst = p.out + ((size_t)w.q0 * p.num_heads + mb * 64) * 512;
+    copy_staged_rows(st, reinterpret_cast<uint8_t *>(dst), w.rows, 1024, tid);
+  } else {
+    // [rows, 512] fp32: one warpgroup's 256 columns (1 KB a row) at a time
+    float *dst = p.o_accum + ((size_t)w.split_idx * mla_decode_rows(&p) + mb * 64) * 512;
+#pragma unroll 1
+    for (int half = 0; half < 2; half++) {
+      if (half) __syncthreads();  // the first half is copied out
+      if (wg == half) {
+#pragma unroll
+        for (int i = 0; i < 128; i += 2) {
+          const bool rowB = (i >> 1) & 1;
+          const int r = rowB ? rB : rA;
+          const float f = rowB ? iB : iA;
+          *reinterpret_cast<float2 *>(st + staged_off(r, 2 * (i >> 2) + (cq >> 2)) + 4 * (cq & 3)) =
+              make_float2(o[i] * f, o[i + 1] * f);
+        }
+      }
+      __syncthreads();
+      copy_staged_rows(st, reinterpret_cast<uint8_t *>(dst + 256 * half), w.rows, 2048, tid);
+    }
   }
   if (wg == 0 && lead) {
     if (rA < w.rows) store_lse(p, w, mb, rA, tA > 0.f ? sM[rA] + log2f(tA) : -INFINITY);

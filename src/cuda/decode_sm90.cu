@@ -842,7 +842,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       cur0 = nx0;
       if (has1) cur1 = nx1;
     }
-    epilogue<false>(p, w, mb, smem, o, lsA, lsB, wg, rA, rB, cq, lead, p.kv_scale, L::kOffL, L::kOffM);
+#ifdef MLA_EXP_WIDE8_DIRECT
+    epilogue<false, false>(p, w, mb, smem, o, lsA, lsB, wg, rA, rB, cq, lead, p.kv_scale, L::kOffL, L::kOffM, L::kOffV0);
+#else
+    epilogue<false>(p, w, mb, smem, o, lsA, lsB, wg, rA, rB, cq, lead, p.kv_scale, L::kOffL, L::kOffM, L::kOffV0);
+#endif
   }
 #endif
 }
