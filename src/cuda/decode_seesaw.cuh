@@ -26,6 +26,7 @@ constexpr uint32_t kOffL = kOffS1 + 256;        // float[2][64]
 constexpr uint32_t kOffLim = kOffL + 512;       // int[64]
 constexpr uint32_t kOffBar = kOffLim + 256;     // 18 mbarriers: full[buf][chunk]
 constexpr uint32_t kSmemBytes = kOffBar + 18 * 8 + 1024;  // + alignment slack
+static_assert(kOffB0 - kOffQ == 65536, "the epilogue stages 64 rows x 1 KB over Q");
 
 // Lazy rescale: the running max m only moves when a tile's row max exceeds it
 // by more than this (log2 units), so P = 2^(s - m) <= 2^8 (exact in bf16's
@@ -692,7 +693,7 @@ __device__ __forceinline__ void copy_staged_rows(const uint8_t *st, uint8_t *dst
 // straight from the fragments (each warp store touching eight rows, 16 or 32
 // bytes apiece), a request boundary at H = 128 spent 11-25 us in these stores;
 // staged, ~5 (docs/decode-kernel.md §6, session 11).
-template <bool kF16, bool kStaged = true>
+template <bool kF16>
 // osc: the output's factor (the fp8 math kernel's cache scale); offL / offM:
 // where the layout keeps the row sums and the running max; offStage: 64 KB
 // free once both warpgroups are past their last Q.K^T and P.V (the caller's
@@ -717,14 +718,7 @@ __device__ __forceinline__ void epilogue(const mla_decode_params &p, const ReqWo
   uint8_t *st = smem + offStage;
   const int tid = threadIdx.x;
   // (o[i], o[i + 1]): row rowB ? rB : rA, columns 256 wg + 8 (i / 4) + cq, + 1
-  if constexpr (!kStaged) {
-#pragma unroll
-    for (int i = 0; i < 128; i += 2) {
-      const bool rowB = (i >> 1) & 1;
-      const int r = rowB ? rB : rA;
-      if (r < w.rows) store_out_pair<kF16>(p, w, mb, r, 256 * wg + 8 * (i >> 2) + cq, o[i], o[i + 1], rowB ? iB : iA);
-    }
-  } else if (!w.is_split) {
+  if (!w.is_split) {
     // [rows, 512] bf16 / f16: each warpgroup stages its 256 columns (units 32 wg ..)
 #pragma unroll
     for (int i = 0; i < 128; i += 2) {

@@ -44,6 +44,7 @@ struct W8 {
   static constexpr uint32_t kOffBar = kOffRed + 32;        // 6 mbarriers: [buf][latent 0-255, 256-511, rope]
   static constexpr uint32_t kSmem = kOffBar + 6 * 8 + 1024;  // + alignment slack
   static_assert(kOffBar % 8 == 0, "mbarrier alignment");
+  static_assert(kOffP - kOffV0 == 65536, "the epilogue stages 64 rows x 1 KB over V^T");
   static_assert(kSmem <= 232448, "over the opt-in shared memory of sm_90");
 };
 

@@ -510,6 +510,55 @@ __device__ __forceinline__ void store_o_pairs(const mla_prefill_params &p, const
   }
 }
 
+// The item's O rows t_lo, t_lo + 8 of this thread, o * inv in 16-bit, as
+// 16-byte stores (out 16-byte aligned). Per row and group g of 32 columns the
+// quad's 4 x 4 words (lane j: the pair 8 c + 2 j, + 1 of each group c = 4 g ..
+// 4 g + 3) are transposed with two xor shuffle stages, so lane q holds all
+// eight columns of group 4 g + q: a quad writes 64 contiguous bytes of a row
+// and a warp instruction 8 half lines, where store_o_pairs writes 8 single
+// sectors (in the decode kernels, whole-line stores took a request boundary's
+// output from 11-25 us to ~5; docs/decode-kernel.md §6, session 11). Rows past
+// the request are computed and not stored: every lane takes part.
+template <bool F16>
+__device__ __forceinline__ void store_o_quads(const mla_prefill_params &p, const Item &it, const float (&o)[64],
+                                              const float (&inv)[2], int t_lo, int lane) {
+  const int q = lane & 3;
+  const bool b1 = q & 2, b0 = q & 1;
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const int t = t_lo + 8 * r;
+    uint16_t *row = (uint16_t *)p.out + ((int64_t)(it.q0 + t) * p.num_heads + it.h) * 128;
+#pragma unroll
+    for (int g = 0; g < 4; g++) {
+      uint32_t a[4];  // a[k]: columns 8 (4 g + k) + 2 q, + 1
+#pragma unroll
+      for (int k = 0; k < 4; k++)
+        a[k] = pack2<F16>(o[4 * (4 * g + k) + 2 * r] * inv[r], o[4 * (4 * g + k) + 2 * r + 1] * inv[r]);
+      // stage 1 (lanes q, q ^ 2): swap the off-diagonal 2 x 2 blocks
+      const uint32_t x0 = __shfl_xor_sync(0xffffffffu, b1 ? a[0] : a[2], 2);
+      const uint32_t x1 = __shfl_xor_sync(0xffffffffu, b1 ? a[1] : a[3], 2);
+      if (b1) {
+        a[0] = x0;
+        a[1] = x1;
+      } else {
+        a[2] = x0;
+        a[3] = x1;
+      }
+      // stage 2 (lanes q, q ^ 1): transpose each 2 x 2 block
+      const uint32_t y0 = __shfl_xor_sync(0xffffffffu, b0 ? a[0] : a[1], 1);
+      const uint32_t y1 = __shfl_xor_sync(0xffffffffu, b0 ? a[2] : a[3], 1);
+      if (b0) {
+        a[0] = y0;
+        a[2] = y1;
+      } else {
+        a[1] = y0;
+        a[3] = y1;
+      }
+      if (t < it.Q) *reinterpret_cast<uint4 *>(row + 32 * g + 8 * q) = make_uint4(a[0], a[1], a[2], a[3]);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // The kernel
 // ---------------------------------------------------------------------------
@@ -704,6 +753,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // 16-bit output, 8-byte aligned: the O rows leave as 8-byte stores
     // (store_o_pairs), else as the 4-byte pairs the accumulator holds.
     const bool pair_ok = !p.out_f32 && ((uintptr_t)p.out & 7) == 0;
+    const bool quad_ok = !p.out_f32 && ((uintptr_t)p.out & 15) == 0;
     // Turns alternate (warpgroup 0 first): every item gives both warpgroups
     // the same ntiles + 1 turns, so the sequence stays in step.
     if (LOOP == 2 && cw == 1) named_bar_arrive(1, 256);
@@ -827,7 +877,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       float inv[2];  // 1 / l; 0 for rows without a key (their o is 0)
 #pragma unroll
       for (int r = 0; r < 2; r++) inv[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-      if (pair_ok) store_o_pairs<F16>(p, it, o, inv, t_lo, lane);
+      if (quad_ok) store_o_quads<F16>(p, it, o, inv, t_lo, lane);
+      else if (pair_ok) store_o_pairs<F16>(p, it, o, inv, t_lo, lane);
 #pragma unroll
       for (int r = 0; r < 2; r++) {
         const int t = r ? t_hi : t_lo;
