@@ -7,8 +7,9 @@
  * lengths crossing the 128-row / 128-key tiles, one long request (~2.5K),
  * heads 1, 16 (grouped kv heads 4 and 2) and 128, qk/v dims 192/128 and
  * 128/128, bf16 and f16, causal and not, softcap, natural and base-2 LSE,
- * MLA_FLAG_OUT_F32, a NULL lse; long varlen batches (lengths up to 8192,
- * >= 32K tokens, heads 1, 16, 128; the oracle on sampled rows there); every
+ * MLA_FLAG_OUT_F32, a NULL lse, a batch of 600 short requests; long varlen
+ * batches (lengths up to 8192, >= 32K tokens, heads 1, 16, 128; the oracle
+ * on sampled rows there); every
  * consumer loop of the kernel
  * (MLA_PREFILL_VARIANT plain, pingpong) and the default. Outputs are poisoned (0xFF) with guard
  * elements after them: every row must be written, the guards must not.
@@ -45,7 +46,7 @@ int main(void) {
 #include "cuda_util.h"
 
 #define GUARD 64 /* poisoned elements after every output */
-#define MAXB 8
+#define MAXB 600 /* the batch of "many requests" */
 
 static tu_rng rng;
 static mla_ctx *gpu, *cpu;
@@ -537,6 +538,8 @@ int main(int argc, char **argv) {
       {"h16 gqa2 causal softcap no-lse", 5, 16, 2, 192, 128, 1, 20.0f, 0, MLA_DTYPE_BF16, 0, 200, 150, 0},
       {"h1 128/128 noncausal", 5, 1, 1, 128, 128, 0, 0.0f, MLA_FLAG_LSE_BASE2 | MLA_FLAG_OUT_F32, MLA_DTYPE_BF16, 1,
        400, 600, 0},
+      /* many short requests: a long prefix table, items of one or two tiles */
+      {"h4 many requests", 600, 4, 2, 192, 128, 1, 0.0f, 0, MLA_DTYPE_BF16, 1, 24, 40, 0},
   };
   if (small) {
     const rcase sc = {"small", 4, 2, 1, 192, 128, 1, 0.0f, 0, MLA_DTYPE_BF16, 1, 140, 60, 0};
