@@ -75,55 +75,34 @@ static mla_dtype operand_of(mla_dtype kv) { return kv == MLA_DTYPE_F16 ? MLA_DTY
 static int world_build(world *w, const pcase *c, int with_q) {
   memset(w, 0, sizeof *w);
   w->c = c;
-  int pages = 2 + NPAD, maxkv = 1;
+  tu_dworld *d = &w->d;
+  d->mode = c->mode;
+  d->kv = c->kv;
+  d->kv_scale = 0.5f; /* fp8 per-tensor: stored = value / scale */
+  d->P = c->P;
+  d->H = c->H;
+  d->bs = c->bs;
   for (int i = 0; i < c->bs; i++) {
-    w->d.kv_len[i] = c->prefix[i] + c->ext[i];
-    w->d.pre[i] = c->prefix[i];
-    w->d.ext[i] = c->ext[i];
-    w->d.seq[i] = w->d.kv_len[i];
-    pages += (w->d.kv_len[i] + c->P - 1) / c->P;
-    w->d.Tq += c->ext[i];
-    w->d.Tk += w->d.kv_len[i];
-    if (w->d.kv_len[i] > maxkv) maxkv = w->d.kv_len[i];
+    d->kv_len[i] = c->prefix[i] + c->ext[i];
+    d->q_len[i] = d->ext[i] = c->ext[i];
+    d->pre[i] = c->prefix[i];
+    d->seq[i] = d->kv_len[i];
   }
-  mla_kv_cache_desc cd = {1, pages, c->P, c->kv, NULL};
-  float scale = 0.5f; /* fp8 per-tensor: stored = value / scale */
-  if (c->kv == MLA_DTYPE_FP8_E4M3) cd.fp8_scales = &scale;
-  mla_req_table_desc rd = {c->bs + NPAD, maxkv, pages, c->P};
-  if (mla_kv_cache_create(cpu, &cd, &w->d.cache) != MLA_OK || mla_kv_cache_create(gpu, &cd, &w->d.dcache) != MLA_OK ||
-      mla_req_table_create(cpu, &rd, w->d.cache, &w->d.rt) != MLA_OK) {
-    TU_CHECK(0, "%s: cannot create caches / table: %s / %s", c->name, mla_ctx_last_error(cpu),
-             mla_ctx_last_error(gpu));
-    return -1;
-  }
-  tu_poison_cache(w->d.cache);
+  const int pages = tu_dworld_totals(d, NPAD);
+  if (tu_dworld_create(d, cpu, gpu, pages, NPAD)) return -1;
   /* free pages handed out in a shuffled order, requests grown interleaved;
    * the rows they own: c, r ~ N(0, 1), quantized by the CPU cache */
-  if (tu_grow_requests(&rng, w->d.rt, c->bs, w->d.kv_len, NPAD, c->P, 3 * c->P + 40, w->d.req_ids) ||
-      tu_fill_owned_rows(&rng, w->d.cache, w->d.rt, c->bs, w->d.req_ids, w->d.kv_len, maxkv, operand_of(c->kv),
-                         &w->d.c_d,
-                         &w->d.r_d))
+  if (tu_grow_requests(&rng, d->rt, c->bs, d->kv_len, NPAD, c->P, 3 * c->P + 40, d->req_ids) ||
+      tu_fill_owned_rows(&rng, d->cache, d->rt, c->bs, d->req_ids, d->kv_len, d->maxkv, operand_of(c->kv), &d->c_d,
+                         &d->r_d))
     return -1;
-  tu_cache_to_device(w->d.cache, w->d.dcache, (size_t)pages * c->P);
-  mla_batch b;
-  memset(&b, 0, sizeof b);
-  b.mode = c->mode;
-  b.batch_size = c->bs;
-  b.req_ids = w->d.req_ids;
-  b.seq_lens = w->d.seq;
-  if (c->mode == MLA_MODE_EXTEND) b.prefix_lens = w->d.pre;
-  else b.extend_lens = w->d.ext;
+  tu_cache_to_device(d->cache, d->dcache, (size_t)pages * c->P);
   /* pages only: what a GPU consumer plans (the kernels read the block table) */
-  mla_plan_limits lim = {c->bs, (int)w->d.Tq + 1, (int)w->d.Tk + 1, maxkv, c->P, 132, MLA_PLAN_PAGES_ONLY};
-  size_t pb = 0;
-  TU_STATUS(mla_plan_workspace_size(cpu, &lim, &pb), MLA_OK);
-  w->d.pws = malloc(pb);
-  mla_status st = mla_plan_build(cpu, w->d.rt, &b, &lim, c->H, w->d.pws, pb, &w->d.plan);
-  TU_CHECK(st == MLA_OK, "%s: mla_plan_build: %s", c->name, mla_ctx_last_error(cpu));
-  if (st != MLA_OK) return -1;
-  tu_guard_block_table(&w->d.plan, c->bs, w->d.kv_len, c->P);
+  d->plan_flags = MLA_PLAN_PAGES_ONLY;
+  if (tu_dworld_plan(d, cpu, 132)) return -1;
+  tu_guard_block_table(&d->plan, c->bs, d->kv_len, c->P);
   if (!with_q) return 0;
-  tu_make_q(&rng, c->act, w->d.Tq * c->H, 1, &w->d.qn, &w->d.qr, &w->d.qn_d, &w->d.qr_d);
+  tu_make_q(&rng, c->act, d->Tq * c->H, 1, &d->qn, &d->qr, &d->qn_d, &d->qr_d);
   return 0;
 }
 

@@ -42,8 +42,10 @@ int tu_dworld_plan(tu_dworld *w, mla_ctx *ctx, int num_sm) {
   b.batch_size = w->bs;
   b.req_ids = w->req_ids;
   b.seq_lens = w->seq;
-  if (w->mode != MLA_MODE_DECODE) b.num_draft_tokens = w->ndt;
-  mla_plan_limits lim = {w->bs, (int)w->Tq + 1, (int)w->Tk + 1, w->maxkv, w->P, num_sm, 0};
+  if (w->mode == MLA_MODE_EXTEND) b.prefix_lens = w->pre;
+  else if (w->mode == MLA_MODE_DRAFT_EXTEND && w->ndt == 0) b.extend_lens = w->ext;
+  else if (w->mode != MLA_MODE_DECODE) b.num_draft_tokens = w->ndt;
+  mla_plan_limits lim = {w->bs, (int)w->Tq + 1, (int)w->Tk + 1, w->maxkv, w->P, num_sm, w->plan_flags};
   size_t pb = 0;
   TU_STATUS(mla_plan_workspace_size(ctx, &lim, &pb), MLA_OK);
   w->pws = malloc(pb);

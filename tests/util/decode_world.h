@@ -24,6 +24,7 @@ typedef struct tu_dworld {
   double p_unit;        /* unit roundoff of P for pbound: 2^-8 (bf16) or 2^-11 (f16) */
   int ndt, P, H, bs;    /* draft tokens / fixed window, page size, heads, batch size */
   int maxkv;            /* longest request: the table's row width */
+  unsigned plan_flags;  /* mla_plan_limits.flags of tu_dworld_plan (e.g. MLA_PLAN_PAGES_ONLY) */
   mla_kv_cache *cache;  /* CPU */
   mla_kv_cache *dcache; /* GPU, the same bytes (NULL in CPU tests) */
   mla_req_table *rt;
@@ -49,9 +50,11 @@ int tu_dworld_totals(tu_dworld *w, int npad);
  * or -1 after a failed check. */
 int tu_dworld_create(tu_dworld *w, mla_ctx *cpu, mla_ctx *gpu, int pages, int npad);
 
-/* The host plan of the batch (mode, bs, req_ids, seq; ndt draft tokens
- * unless DECODE) on ctx, limits {bs, Tq + 1, Tk + 1, maxkv, P, num_sm, 0},
- * its workspace in pws. Returns 0, or -1 after a failed check. */
+/* The host plan of the batch on ctx: mode, bs, req_ids, seq; EXTEND takes
+ * prefix_lens = pre, DRAFT_EXTEND with ndt = 0 extend_lens = ext, every
+ * other non-DECODE mode ndt draft tokens. Limits {bs, Tq + 1, Tk + 1, maxkv,
+ * P, num_sm, plan_flags}, the workspace in pws. Returns 0, or -1 after a
+ * failed check. */
 int tu_dworld_plan(tu_dworld *w, mla_ctx *ctx, int num_sm);
 
 /* o_ref, lse_ref: ref_absorbed over the whole batch at softmax scale
