@@ -482,43 +482,16 @@ __device__ __forceinline__ void ovl_step(float (&o)[64], float (&s)[64], uint32_
   kv_it++;
 }
 
-// The item's O rows t_lo, t_lo + 8 of this thread, o * inv (= o / l) in 16-bit, as
-// 8-byte stores. A thread holds columns 8 c + 2 (lane % 4) and + 1 of each
-// group c; lanes 2i and 2i + 1 swap one word per two groups (one shuffle), so
-// the even lane stores 4 columns of group c and the odd one 4 of group c + 1:
-// a warp instruction writes 8 whole 32-byte sectors, where the 4-byte pairs
-// wrote half sectors at twice the instruction count (measured on an H200:
-// without any O store the 16 x 1K prefill ran 15 % faster; these stores made
-// it 3 % faster, docs/prefill-kernel.md §6). Rows past the request are
-// computed and not stored: every lane takes part in the shuffles.
-template <bool F16>
-__device__ __forceinline__ void store_o_pairs(const mla_prefill_params &p, const Item &it, const float (&o)[64],
-                                              const float (&inv)[2], int t_lo, int lane) {
-  const bool odd = lane & 1;
-#pragma unroll
-  for (int r = 0; r < 2; r++) {
-    const int t = t_lo + 8 * r;
-    uint16_t *row = (uint16_t *)p.out + ((int64_t)(it.q0 + t) * p.num_heads + it.h) * 128;
-#pragma unroll
-    for (int c = 0; c < 16; c += 2) {
-      const uint32_t w0 = pack2<F16>(o[4 * c + 2 * r] * inv[r], o[4 * c + 2 * r + 1] * inv[r]);
-      const uint32_t w1 = pack2<F16>(o[4 * c + 4 + 2 * r] * inv[r], o[4 * c + 4 + 2 * r + 1] * inv[r]);
-      const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? w0 : w1, 1);
-      const int col = odd ? 8 * (c + 1) + 2 * ((lane & 3) - 1) : 8 * c + 2 * (lane & 3);
-      if (t < it.Q) *reinterpret_cast<uint2 *>(row + col) = odd ? make_uint2(got, w1) : make_uint2(w0, got);
-    }
-  }
-}
-
 // The item's O rows t_lo, t_lo + 8 of this thread, o * inv in 16-bit, as
 // 16-byte stores (out 16-byte aligned). Per row and group g of 32 columns the
 // quad's 4 x 4 words (lane j: the pair 8 c + 2 j, + 1 of each group c = 4 g ..
 // 4 g + 3) are transposed with two xor shuffle stages, so lane q holds all
-// eight columns of group 4 g + q: a quad writes 64 contiguous bytes of a row
-// and a warp instruction 8 half lines, where store_o_pairs writes 8 single
-// sectors (in the decode kernels, whole-line stores took a request boundary's
-// output from 11-25 us to ~5; docs/decode-kernel.md §6, session 11). Rows past
-// the request are computed and not stored: every lane takes part.
+// eight columns of group 4 g + q: a quad writes 64 contiguous bytes of a row,
+// a warp instruction 8 half lines. Measured on an H200 (docs/prefill-kernel.md
+// §6): without any O store 16 x 1K ran 15 % faster; 8-byte stores (8 whole
+// sectors per instruction) made it 3 % faster than the 4-byte pairs the
+// accumulator holds, these 16-byte ones 2 % more. Rows past the request are
+// computed and not stored: every lane takes part in the shuffles.
 template <bool F16>
 __device__ __forceinline__ void store_o_quads(const mla_prefill_params &p, const Item &it, const float (&o)[64],
                                               const float (&inv)[2], int t_lo, int lane) {
@@ -750,9 +723,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       sf.cap_in = sf.cap_out = 0.0f;
     }
     uint32_t kv_it = 0, q_it = 0;
-    // 16-bit output, 8-byte aligned: the O rows leave as 8-byte stores
-    // (store_o_pairs), else as the 4-byte pairs the accumulator holds.
-    const bool pair_ok = !p.out_f32 && ((uintptr_t)p.out & 7) == 0;
+    // 16-bit output, 16-byte aligned (what ragged.c accepts): the O rows
+    // leave as 16-byte stores (store_o_quads); fp32 output (or a misaligned
+    // one) as the pairs the accumulator holds.
     const bool quad_ok = !p.out_f32 && ((uintptr_t)p.out & 15) == 0;
     // Turns alternate (warpgroup 0 first): every item gives both warpgroups
     // the same ntiles + 1 turns, so the sequence stays in step.
@@ -878,14 +851,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int r = 0; r < 2; r++) inv[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
       if (quad_ok) store_o_quads<F16>(p, it, o, inv, t_lo, lane);
-      else if (pair_ok) store_o_pairs<F16>(p, it, o, inv, t_lo, lane);
 #pragma unroll
       for (int r = 0; r < 2; r++) {
         const int t = r ? t_hi : t_lo;
         if (t >= it.Q) continue;
         const bool empty = !(l[r] > 0.0f);
         const int64_t orow = ((int64_t)(it.q0 + t) * p.num_heads + it.h) * DV;
-        if (!pair_ok) {  // (else store_o_pairs wrote the rows)
+        if (!quad_ok) {  // (else store_o_quads wrote the rows)
 #pragma unroll
           for (int c = 0; c < 16; c++) {
             const int col = 8 * c + 2 * (lane & 3);
