@@ -1006,6 +1006,46 @@ __device__ __forceinline__ void cons_sync() {
   if constexpr (kNamed) named_bar_sync(kBarCons, kThreads);
   else __syncthreads();
 }
+// One half (256 dims) of the merged rows from the scratch to global memory in
+// 16-byte units, a warp writing 512 contiguous bytes: bf16 / f16 rows of
+// `out` (8 values a thread) or the split piece's fp32 o_accum rows (4). Store
+// pairs (a warp writing 128 bytes, a division per pair) cost ~1.8 us per half
+// at b = 128, H = 16 (dev timeline, bench/RESULTS.md session 12, run 3).
+// Both destinations are 16-byte aligned: `out` by attention.c's check,
+// o_accum by the workspace carving (256 bytes), rows of 512 values.
+template <int N, bool kF16>
+__device__ __forceinline__ void store_rows_half(const mla_decode_params &p, const ReqWork &w, int mb, int half,
+                                                const float *scr, const float *lfin, int tid) {
+  if (w.is_split) {
+    const size_t base = ((size_t)w.split_idx * mla_decode_rows(&p) + mb * 64) * 512 + 256 * half;
+    for (int idx = tid; idx < N * 64; idx += kThreads) {  // rows x 64 units of 4 floats
+      const int c = idx >> 6, u = idx & 63;
+      if (c < w.rows) {
+        const float il = lfin[c];
+        const float4 v = *reinterpret_cast<const float4 *>(scr + c * kMergeScr + 4 * u);
+        *reinterpret_cast<float4 *>(p.o_accum + base + (size_t)c * 512 + 4 * u) =
+            make_float4(v.x * il, v.y * il, v.z * il, v.w * il);
+      }
+    }
+  } else {
+    for (int idx = tid; idx < N * 32; idx += kThreads) {  // rows x 32 units of 8 values
+      const int c = idx >> 5, u = idx & 31;
+      if (c < w.rows) {
+        const float il = lfin[c];
+        const float4 a = *reinterpret_cast<const float4 *>(scr + c * kMergeScr + 8 * u);
+        const float4 b = *reinterpret_cast<const float4 *>(scr + c * kMergeScr + 8 * u + 4);
+        const int rg = mb * 64 + c, t = rg / p.num_heads, h = rg - t * p.num_heads;
+        uint4 pk;
+        pk.x = pack2<kF16>(a.x * il, a.y * il);
+        pk.y = pack2<kF16>(a.z * il, a.w * il);
+        pk.z = pack2<kF16>(b.x * il, b.y * il);
+        pk.w = pack2<kF16>(b.z * il, b.w * il);
+        *reinterpret_cast<uint4 *>(p.out + ((size_t)(w.q0 + t) * p.num_heads + h) * 512 + 256 * half + 8 * u) = pk;
+      }
+    }
+  }
+}
+
 template <int N, bool kF16, bool kNamed>
 __device__ __forceinline__ void merge_rows(const mla_decode_params &p, const ReqWork &w, int mb, const float (&lp)[N / 4],
                                            const float (&m)[N / 4], const float (&o)[8][N / 2],
@@ -1065,11 +1105,7 @@ __device__ __forceinline__ void merge_rows(const mla_decode_params &p, const Req
         }
     }
     cons_sync<kNamed>();
-    for (int idx = tid; idx < N * 128; idx += kThreads) {
-      const int c = idx >> 7, d = (idx & 127) * 2;
-      if (c < w.rows)
-        store_out_pair<kF16>(p, w, mb, c, 256 * half + d, scr[c * kMergeScr + d], scr[c * kMergeScr + d + 1], lfin[c]);
-    }
+    store_rows_half<N, kF16>(p, w, mb, half, scr, lfin, tid);
     cons_sync<kNamed>();
   }
 }
