@@ -247,25 +247,6 @@ static __device__ __forceinline__ int row_limit(const mla_decode_params &p, cons
   return lim;
 }
 
-// Writes one (row, 2 columns) pair of the result: final bf16 output or the
-// fp32 partial of a split request. inv_l = 1/l (0 for an empty row).
-// kF16: the output is f16 (f16 activations), else bf16.
-template <bool kF16>
-static __device__ __forceinline__ void store_out_pair(const mla_decode_params &p, const ReqWork &w,
-                                                      int mb, int r, int col, float o0, float o1,
-                                                      float inv_l) {
-  const int rg = mb * 64 + r;
-  if (w.is_split) {
-    float2 v = make_float2(o0 * inv_l, o1 * inv_l);
-    size_t off = ((size_t)w.split_idx * mla_decode_rows(&p) + rg) * 512 + col;
-    *reinterpret_cast<float2 *>(p.o_accum + off) = v;
-  } else {
-    const int t = rg / p.num_heads, h = rg % p.num_heads;
-    size_t off = ((size_t)(w.q0 + t) * p.num_heads + h) * 512 + col;
-    *reinterpret_cast<uint32_t *>(p.out + off) = pack2<kF16>(o0 * inv_l, o1 * inv_l);
-  }
-}
-
 // lse2: log2-domain lse of the row (-inf when empty).
 static __device__ __forceinline__ void store_lse(const mla_decode_params &p, const ReqWork &w, int mb,
                                                  int r, float lse2) {

@@ -1008,9 +1008,9 @@ __device__ __forceinline__ void cons_sync() {
 }
 // One half (256 dims) of the merged rows from the scratch to global memory in
 // 16-byte units, a warp writing 512 contiguous bytes: bf16 / f16 rows of
-// `out` (8 values a thread) or the split piece's fp32 o_accum rows (4). Store
-// pairs (a warp writing 128 bytes, a division per pair) cost ~1.8 us per half
-// at b = 128, H = 16 (dev timeline, bench/RESULTS.md session 12, run 3).
+// `out` (8 values a thread) or the split piece's fp32 o_accum rows (4). The
+// pairs written before (a warp writing 128 bytes, a division per pair) were
+// 0.2-2.6 us slower per call (bench/RESULTS.md session 12, run 4).
 // Both destinations are 16-byte aligned: `out` by attention.c's check,
 // o_accum by the workspace carving (256 bytes), rows of 512 values.
 template <int N, bool kF16>
