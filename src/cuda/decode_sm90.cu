@@ -1046,7 +1046,9 @@ __device__ __forceinline__ void store_rows_half(const mla_decode_params &p, cons
   }
 }
 
-template <int N, bool kF16, bool kNamed>
+// kPermD: O^T's fragment rows g / g + 8 of warp w hold dims 16 w + 2g / 2g + 1
+// (the register-operand P V of the per-tensor fp8 ring), not 16 w + g / g + 8.
+template <int N, bool kF16, bool kNamed, bool kPermD = false>
 __device__ __forceinline__ void merge_rows(const mla_decode_params &p, const ReqWork &w, int mb, const float (&lp)[N / 4],
                                            const float (&m)[N / 4], const float (&o)[8][N / 2],
                                            const int (&col)[N / 4], float osc, int tid, int wg, int wi, int lane,
@@ -1089,7 +1091,8 @@ __device__ __forceinline__ void merge_rows(const mla_decode_params &p, const Req
 #pragma unroll
         for (int i = 0; i < NR; i++) {
           const int j = 2 * (i >> 2) + (i & 1);
-          const int d = 64 * q + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
+          const int d = kPermD ? 64 * q + 16 * wi + 2 * (lane >> 2) + ((i >> 1) & 1)
+                               : 64 * q + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
           scr[col[j] * kMergeScr + d] = o[4 * half + q][i] * fg[j];
         }
     }
@@ -1100,7 +1103,8 @@ __device__ __forceinline__ void merge_rows(const mla_decode_params &p, const Req
 #pragma unroll
         for (int i = 0; i < NR; i++) {
           const int j = 2 * (i >> 2) + (i & 1);
-          const int d = 64 * q + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
+          const int d = kPermD ? 64 * q + 16 * wi + 2 * (lane >> 2) + ((i >> 1) & 1)
+                               : 64 * q + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
           scr[col[j] * kMergeScr + d] += o[4 * half + q][i] * fg[j];
         }
     }
@@ -1289,7 +1293,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 // warp fills the slots in the order the tiles are consumed (per tile: the
 // rope chunk, then latent chunks 0-7) as soon as a slot is released: the rope
 // slot right after QK^T, the latent slots pairwise as the P V groups retire.
-// 25 slots = 2.8 tiles, all of them in flight whenever the warpgroups wait.
+// 25 slots = 2.8 tiles, all of them in flight whenever the warpgroups wait
+// (per-tensor fp8: 5 raw tiles, qk_rs_tile).
 // 16-bit caches and the per-tensor fp8 cache (f16 operands,
 // a raw ring, each warpgroup dequantizing into its own tile; §3.5), through
 // TMA (page size >= 8).
@@ -1316,16 +1321,15 @@ struct RingLay {
 };
 constexpr int kRingThreads = kThreads + 32;  // two consumer warpgroups + the producer warp
 
-// fp8 caches (per-tensor: f16 tiles; block-scaled: bf16): the ring region
-// holds the two consumer warpgroups' own tiles (slots 0-8 and 9-17, each
-// dequantized by its warpgroup) and a raw
-// ring of kRawSlots slots (18-24) the producer fills with 5 positions per
-// tile (ring_load's k = 0 the rope box, 1-4 the latent pairs). A consumer
-// releases a raw slot as soon as it has read it, so the raw ring holds only
-// bytes in flight: ~1.4 tiles of 36 KB, the byte depth of the 16-bit ring.
-// (Dequantizing in place, the f16 chunks taking the raw slots' places, held
-// every slot until P V: half the bytes in flight, 316 us at b = 128 s_k =
-// 8192, no faster than bf16; docs/decode-kernel.md section 3.5.)
+// The block-scaled fp8 cache (bf16 operands): the ring region holds the two
+// consumer warpgroups' own tiles (slots 0-8 and 9-17, each dequantized by its
+// warpgroup) and a raw ring of kRawSlots slots (18-24) the producer fills
+// with 5 positions per tile (ring_load's k = 0 the rope box, 1-4 the latent
+// pairs). A consumer releases a raw slot as soon as it has read it, so the
+// raw ring holds only bytes in flight: ~1.4 tiles of 36 KB. (The per-tensor
+// format ran this way until session 12, 255 us at b = 128, H = 16, s_k =
+// 8192; it now reads the raw bytes as register operands over the whole ring,
+// 210 us: qk_rs_tile below, docs/decode-kernel.md section 3.5.)
 constexpr int kRawBase = 18, kRawSlots = 7;
 static_assert(kRawBase == 2 * 9 && kRawBase + kRawSlots == RingLay::kSlots, "two f16 tiles, then the raw ring");
 
@@ -1431,8 +1435,10 @@ __device__ __forceinline__ void ring_produce(const mla_decode_params &p, const C
                                              int mb, uint32_t ring, uint32_t fullb, uint32_t emptyb, uint32_t iss,
                                              int l2_hint) {
   // Positions per tile, the slots filled (16-bit: all; fp8: the raw ring).
-  constexpr bool kRaw = LM == LOAD_FP8_TMA || LM == LOAD_FP8_BLOCK_TMA;
-  constexpr int kPos = kRaw ? 5 : 9, kBase = kRaw ? kRawBase : 0, kN = kRaw ? kRawSlots : RingLay::kSlots;
+  // (per-tensor fp8: 5 raw positions per tile over the whole ring; the block
+  // format: 5 over the raw ring beside the warpgroups' own tiles)
+  constexpr bool kRaw = LM == LOAD_FP8_TMA || LM == LOAD_FP8_BLOCK_TMA, kOwn = LM == LOAD_FP8_BLOCK_TMA;
+  constexpr int kPos = kRaw ? 5 : 9, kBase = kOwn ? kRawBase : 0, kN = kOwn ? kRawSlots : RingLay::kSlots;
   const int er = meta[SCHED_END_REQ];
   const uint64_t pol = l2_evict_first();
   const bool hint = l2_hint != 0;
@@ -1479,41 +1485,28 @@ __device__ __forceinline__ void ring_produce(const mla_decode_params &p, const C
   }
 }
 
-// Four e4m3 values (byte 0 first) as four f16, exactly (no scale).
-__device__ __forceinline__ uint2 e4m3x4_to_f16x4(uint32_t w) {
-  uint2 r;
-  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %2;\ncvt.rn.f16x2.e4m3x2 %0, lo;\ncvt.rn.f16x2.e4m3x2 %1, hi;\n}"
-      : "=r"(r.x), "=r"(r.y)
-      : "r"(w));
-  return r;
-}
-
-
-// Per-tensor fp8, one tile: the raw positions q0 .. q0 + 4 -> this
-// warpgroup's f16 tile at own (chunks 0-7 latent, 8 the rope), exactly
-// (e4m3 -> f16 is exact; the per-tensor scale goes on the scores and the
-// output). Warp w of the warpgroup takes row quads w, w + 4, w + 8, w + 12,
-// 8 lanes per row on consecutive pieces: contiguous reads, conflict-free
-// swizzled writes. Each raw slot goes back (one arrival per warp) right after
-// the warp's reads. Rows >= nvalid become zeros.
-//
-// The block format (LM == LOAD_FP8_BLOCK_TMA) instead yields bf16, each value
+// The block format, one tile: the raw positions q0 .. q0 + 4 -> this
+// warpgroup's bf16 tile at own (chunks 0-7 latent, 8 the rope), each value
 // bf16_rn(f32(e4m3) * its row's block scale) as the CPU rounds it (the scale
 // varies along the reduction, so it cannot move to the scores); the scales
 // (16 bytes a row) are read from global memory at the start, one 16-byte
 // load per row of the lane's four; the bf16 rope box is copied as it is.
+// Warp w of the warpgroup takes row quads w, w + 4, w + 8, w + 12, 8 lanes
+// per row on consecutive pieces: contiguous reads, conflict-free swizzled
+// writes. Each raw slot goes back (one arrival per warp) right after the
+// warp's reads. Rows >= nvalid become zeros.
 template <int LM>
 __device__ __forceinline__ void ring_dequant_own(const mla_decode_params &p, int req, int kt, uint8_t *ringp,
                                                  uint8_t *own, uint32_t fullb, uint32_t emptyb, int q0, int w,
                                                  int lane, int nvalid) {
-  constexpr bool kBlock = LM == LOAD_FP8_BLOCK_TMA;
+  static_assert(LM == LOAD_FP8_BLOCK_TMA, "the block format only (per-tensor fp8: qk_rs_tile / pv_rs_tile)");
   const int j = lane & 7, rq = lane >> 3, h = j >> 2;
-  float4 bs[4];  // block format: the scales of the lane's rows
+  float4 bs[4];  // the scales of the lane's rows
 #pragma unroll
   for (int i = 0; i < 4; i++) {
     bs[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     const int r = 4 * (w + 4 * i) + rq;
-    if (kBlock && r < nvalid) {
+    if (r < nvalid) {
       const int key = kt + r, lp = __ffs(p.page_size) - 1;
       const int page = p.block_table[(size_t)req * p.block_table_width + (key >> lp)];
       const size_t row = (size_t)page * p.page_size + (key & (p.page_size - 1));
@@ -1529,12 +1522,7 @@ __device__ __forceinline__ void ring_dequant_own(const mla_decode_params &p, int
 #pragma unroll
     for (int i = 0; i < 4; i++) {
       const int r = 4 * (w + 4 * i) + rq;
-      if (k == 0 && !kBlock) {  // rope: raw bytes 64..127; lane j: 64 + 8 j .. + 7 -> f16 piece j
-        const uint2 x = *reinterpret_cast<const uint2 *>(raw + r * 128 + 64 + 8 * j);
-        v[i] = make_uint4(x.x, x.y, 0, 0);
-      } else {  // (block format rope: the swizzled bf16 row, piece j)
-        v[i] = *reinterpret_cast<const uint4 *>(raw + r * 128 + 16 * j);
-      }
+      v[i] = *reinterpret_cast<const uint4 *>(raw + r * 128 + 16 * j);  // (the rope: the swizzled bf16 row, piece j)
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(emptyb + 8 * sg);
@@ -1542,27 +1530,12 @@ __device__ __forceinline__ void ring_dequant_own(const mla_decode_params &p, int
     for (int i = 0; i < 4; i++) {
       const int r = 4 * (w + 4 * i) + rq, sw = r & 7;
       const bool zero = r >= nvalid;
-      if constexpr (kBlock) {
-        if (k == 0) {
-          *reinterpret_cast<uint4 *>(own + 8 * kChunk + r * 128 + 16 * j) = zero ? make_uint4(0, 0, 0, 0) : v[i];
-        } else {
-          const float sc = k == 1 ? bs[i].x : k == 2 ? bs[i].y : k == 3 ? bs[i].z : bs[i].w;
-          const uint2 a = dq4_e4m3(v[i].x, sc), b = dq4_e4m3(v[i].y, sc);
-          const uint2 c = dq4_e4m3(v[i].z, sc), d = dq4_e4m3(v[i].w, sc);
-          uint8_t *dst = own + (2 * (k - 1) + h) * kChunk + r * 128;
-          *reinterpret_cast<uint4 *>(dst + (((2 * (j & 3)) ^ sw) << 4)) =
-              zero ? make_uint4(0, 0, 0, 0) : make_uint4(a.x, a.y, b.x, b.y);
-          *reinterpret_cast<uint4 *>(dst + (((2 * (j & 3) + 1) ^ sw) << 4)) =
-              zero ? make_uint4(0, 0, 0, 0) : make_uint4(c.x, c.y, d.x, d.y);
-        }
-        continue;
-      }
-      const uint2 a = e4m3x4_to_f16x4(v[i].x), b = e4m3x4_to_f16x4(v[i].y);
       if (k == 0) {
-        *reinterpret_cast<uint4 *>(own + 8 * kChunk + r * 128 + ((j ^ sw) << 4)) =
-            zero ? make_uint4(0, 0, 0, 0) : make_uint4(a.x, a.y, b.x, b.y);
+        *reinterpret_cast<uint4 *>(own + 8 * kChunk + r * 128 + 16 * j) = zero ? make_uint4(0, 0, 0, 0) : v[i];
       } else {
-        const uint2 c = e4m3x4_to_f16x4(v[i].z), d = e4m3x4_to_f16x4(v[i].w);
+        const float sc = k == 1 ? bs[i].x : k == 2 ? bs[i].y : k == 3 ? bs[i].z : bs[i].w;
+        const uint2 a = dq4_e4m3(v[i].x, sc), b = dq4_e4m3(v[i].y, sc);
+        const uint2 c = dq4_e4m3(v[i].z, sc), d = dq4_e4m3(v[i].w, sc);
         uint8_t *dst = own + (2 * (k - 1) + h) * kChunk + r * 128;
         *reinterpret_cast<uint4 *>(dst + (((2 * (j & 3)) ^ sw) << 4)) =
             zero ? make_uint4(0, 0, 0, 0) : make_uint4(a.x, a.y, b.x, b.y);
@@ -1608,31 +1581,190 @@ __device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t a, uint32_t
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
 
+// ---- Per-tensor fp8 through the whole ring: the raw bytes as register A
+// operands (docs/decode-kernel.md §3.5, session 12; dev/cuda/fp8_rs.cu checks
+// the layouts). A tile takes 5 ring positions (ring_load: k = 0 the rope box,
+// row bytes 448..575, k = 1..4 the latent bytes 128 (k - 1) .. + 127), and 25
+// slots hold 5 tiles, aligned (a tile's positions share one slot group).
+//  - S^T = K Q^T: ldmatrix of the b16 view of a box gives a thread bytes
+//    4c..4c+3 (c = lane % 4) of a 16-byte row piece; as f16 they fill the
+//    fragment's k slots {2c, 2c+1} and {2c+8, 2c+9}, so Q is stored with each
+//    16-dim group permuted the same way (ring_q_f16).
+//  - O^T += V^T P^T: ldmatrix.trans gives a thread keys 2c, 2c+1 of the byte
+//    pair 2g, 2g+1 (g = lane / 4); a byte permute makes (dim 2g: keys 2c,
+//    2c+1) and (dim 2g+1: keys 2c, 2c+1): fragment rows g / g + 8 of warp w
+//    hold dims 16 w + 2g / 2g + 1 of the m-tile (merge_rows<.., kPermD>).
+// Four e4m3 (bytes 0-3) to two f16x2, (b0, b1) and (b2, b3), exactly.
+__device__ __forceinline__ void e4m3x4_f16x2x2(uint32_t v, uint32_t &lo, uint32_t &hi) {
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(v));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr)
+               : "memory");
+}
+// D[64x16] (+)= A[64x16] (registers, f16) * B[16x16] (smem desc, K-major, f16)
+__device__ __forceinline__ void wgmma_rs_m64n16k16_h(float (&d)[8], const uint32_t (&a)[4], uint64_t db, int accum) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, "
+      "p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
+}
+// Byte b (0..127) of row `key` of a raw box (128B-swizzled, 1024-aligned).
+__device__ __forceinline__ uint32_t box_off(int key, int b) {
+  return (uint32_t)(key * 128 + ((((b >> 4) ^ (key & 7)) & 7) << 4));
+}
+// A register buffers of the P V (one batch per m-tile): a batch's registers
+// are rewritten only after wait_group kRsBuf - 1.
+#ifndef MLA_DEV_PVBUF
+#define MLA_DEV_PVBUF 2
+#endif
+constexpr int kRsBuf = MLA_DEV_PVBUF;
+static_assert(RingLay::kSlots % 5 == 0, "a tile's 5 raw positions must share one slot group");  // A register buffers: a batch's registers are rewritten only after wait_group 2
+
+// S^T = K Q^T of one tile (positions' slots sl[0..4], full-barrier parity
+// par): the rope box first, then the latent chunks 0-7, in batches of kQkB
+// k-steps (16 dims each) over kQkBuf register buffers; each box waited for
+// just before its first ldmatrix. The rope box goes back to the producer once
+// the last batch has retired.
+#ifndef MLA_DEV_QKB
+#define MLA_DEV_QKB 4
+#endif
+#ifndef MLA_DEV_QKBUF
+#define MLA_DEV_QKBUF 2
+#endif
+constexpr int kQkB = MLA_DEV_QKB, kQkBuf = MLA_DEV_QKBUF;
+static_assert(kQkB == 2 || kQkB == 4, "a batch is one or two ldmatrix.x4 of the same chunk");
+__device__ __forceinline__ void qk_rs_tile(float (&s)[8], uint32_t ring, uint32_t fullb, uint32_t emptyb,
+                                           const int (&sl)[5], uint32_t par, uint32_t sQ, int wi, int lane) {
+  uint32_t a[kQkBuf][kQkB][4];
+  const int key = 16 * wi + (lane & 7) + 8 * ((lane >> 3) & 1);  // this lane's ldmatrix row
+  const int usel = 16 * (lane >> 4);                              // first / second 16-byte piece
+#pragma unroll
+  for (int bt = 0; bt < 36 / kQkB; bt++) {
+    const int ks0 = bt * kQkB, ci = ks0 >> 2, j0 = ks0 & 3;  // first k-step, its chunk (in order) and step
+    const int c = ci == 0 ? 8 : ci - 1;                      // Q chunk: rope, then latent 0-7
+    const int box = ci == 0 ? 0 : 1 + (c >> 1);              // raw box holding those 64 dims
+    const int b0 = ci == 0 ? 64 : 64 * (c & 1);              // their first byte in the box's rows
+    if (j0 == 0 && (ci <= 1 || (c & 1) == 0)) mbar_wait(fullb + 8 * sl[box], par);
+    uint32_t(&A)[kQkB][4] = a[bt % kQkBuf];
+    if (bt >= kQkBuf) wgmma_wait<kQkBuf - 1>();
+    const uint32_t base = ring + sl[box] * kChunk;
+#pragma unroll
+    for (int j = 0; j < kQkB; j += 2) {  // ldmatrix.x4: two k-steps (32 bytes)
+      uint32_t x0, x1, x2, x3;
+      ldsm_x4(base + box_off(key, b0 + 16 * (j0 + j) + usel), x0, x1, x2, x3);
+      e4m3x4_f16x2x2(x0, A[j][0], A[j][2]);
+      e4m3x4_f16x2x2(x1, A[j][1], A[j][3]);
+      e4m3x4_f16x2x2(x2, A[j + 1][0], A[j + 1][2]);
+      e4m3x4_f16x2x2(x3, A[j + 1][1], A[j + 1][3]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < kQkB; j++)
+      wgmma_rs_m64n16k16_h(s, A[j], desc_sw128(sQ + c * RingLay::kQChunk + (j0 + j) * 32, 16, 1024), ks0 + j > 0);
+    wgmma_commit();
+  }
+  wgmma_wait<0>();
+  reg_fence(s);
+  if (lane == 0) mbar_arrive(emptyb + 8 * sl[0]);  // the rope box: read by QK^T only
+}
+
+// O^T += V^T P^T of one tile: m-tile mt reads dims 64 mt .. 64 mt + 63 of box
+// 1 + mt / 2; a latent box goes back to the producer once both its m-tiles'
+// groups have retired.
+__device__ __forceinline__ void pv_rs_tile(float (&o)[8][8], uint32_t ring, uint32_t emptyb, const int (&sl)[5],
+                                           uint32_t sP, int wi, int lane) {
+  uint32_t a[kRsBuf][4][4];
+  const int kr = (lane & 7) + 8 * (lane >> 3);  // this lane's ldmatrix row: key 0..31 of a k-step pair
+#pragma unroll
+  for (int mt = 0; mt < 8; mt++) {
+    uint32_t(&A)[4][4] = a[mt % kRsBuf];
+    if (mt >= kRsBuf) {
+      wgmma_wait<kRsBuf - 1>();  // m-tiles <= mt - kRsBuf have retired
+      if (((mt - kRsBuf) & 1) && lane == 0) mbar_arrive(emptyb + 8 * sl[1 + ((mt - kRsBuf) >> 1)]);
+    }
+    const uint32_t base = ring + sl[1 + (mt >> 1)] * kChunk;
+    const int b = 64 * (mt & 1) + 16 * wi;  // this warp's 16 dims
+#pragma unroll
+    for (int kp = 0; kp < 2; kp++) {  // keys 32 kp .. 32 kp + 31
+      uint32_t x0, x1, x2, x3;
+      ldsm_x4_t(base + box_off(32 * kp + kr, b), x0, x1, x2, x3);
+      const uint32_t y0 = __byte_perm(x0, 0, 0x3120), y1 = __byte_perm(x1, 0, 0x3120);
+      const uint32_t y2 = __byte_perm(x2, 0, 0x3120), y3 = __byte_perm(x3, 0, 0x3120);
+      e4m3x4_f16x2x2(y0, A[2 * kp][0], A[2 * kp][1]);  // keys 0-7 of the step: dims 2g, 2g + 1
+      e4m3x4_f16x2x2(y1, A[2 * kp][2], A[2 * kp][3]);  // keys 8-15
+      e4m3x4_f16x2x2(y2, A[2 * kp + 1][0], A[2 * kp + 1][1]);
+      e4m3x4_f16x2x2(y3, A[2 * kp + 1][2], A[2 * kp + 1][3]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ks++) wgmma_rs_m64n16k16_h(o[mt], A[ks], desc_sw128(sP + ks * 32, 16, 1024), 1);
+    wgmma_commit();
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int mt = 0; mt < 8; mt++) reg_fence(o[mt]);
+  if (lane == 0)
+#pragma unroll
+    for (int m = 8 - kRsBuf; m < 8; m += 2) mbar_arrive(emptyb + 8 * sl[1 + (m >> 1)]);
+}
+
+// Rows past the piece end may hold anything (NaN codes, a slot's stale rows):
+// zero latent rows >= nvalid of the tile's four latent boxes (raw bytes).
+__device__ __forceinline__ void zero_tail_raw(uint8_t *ringp, const int (&sl)[5], int nvalid, int t128) {
+  const int nz = (64 - nvalid) * 32;  // rows x 4 boxes x 8 16-byte pieces
+  for (int i = t128; i < nz; i += 128) {
+    const int r = nvalid + (i >> 5), bx = 1 + ((i >> 3) & 3), x = i & 7;
+    *reinterpret_cast<uint4 *>(ringp + sl[bx] * kChunk + r * 128 + x * 16) = make_uint4(0, 0, 0, 0);
+  }
+}
+
 // Per-tensor fp8: the request's Q rows as f16 in the swizzled Q chunks, times
 // 2^e chosen so that the largest |q| lands in [2^14, 2^15) (f16 holds every
 // bf16 value of that binade and the 2^29 below exactly; what flushes is
 // < 2^-29 of the largest term). Returns 2^-e, the factor the scores need
-// back. The 256 consumer threads; red: 8 floats of scratch.
+// back. The 256 consumer threads; red: 8 floats of scratch. Each 16-dim group
+// is stored permuted for qk_rs_tile: slot s holds dim 4 (s / 2) + s % 2
+// (s < 8) or 4 ((s - 8) / 2) + 2 + s % 2, i.e. the group's 32-bit words 0, 2,
+// 4, 6 then 1, 3, 5, 7.
 __device__ __forceinline__ float ring_q_f16(const mla_decode_params &p, const ReqWork &w, int mb, uint32_t sQ,
                                             float *red, int tid) {
-  constexpr int N = RingLay::N, kPer = (N * 72 + kThreads - 1) / kThreads;
+  // units: 16-dim groups, two 16-byte loads of bf16 each
+  constexpr int N = RingLay::N, kU = 2, kPerRow = 72 / kU;
+  constexpr int kPer = (N * kPerRow + kThreads - 1) / kThreads;
   const int H = p.num_heads;
-  uint4 v[kPer];
+  uint4 v[kPer][kU];
   float mx = 0.f;
 #pragma unroll
   for (int i = 0; i < kPer; i++) {
-    const int ci = tid + i * kThreads, r = ci / 72, pc = ci - r * 72, ch = pc >> 3;
-    v[i] = make_uint4(0, 0, 0, 0);
-    if (ci < N * 72 && r < w.rows) {
-      const int rg = mb * 64 + r, t = rg / H, h = rg % H;
-      const uint16_t *src = ch < 8 ? p.q_nope + (w.q0 + t) * p.q_nope_stride_token + h * p.q_nope_stride_head + pc * 8
-                                   : p.q_rope + (w.q0 + t) * p.q_rope_stride_token + h * p.q_rope_stride_head +
-                                         (pc - 64) * 8;
-      v[i] = *reinterpret_cast<const uint4 *>(src);
-      const uint32_t x[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+    const int ci = tid + i * kThreads, r = ci / kPerRow, pc = (ci - r * kPerRow) * kU;  // first 8-dim piece
 #pragma unroll
-      for (int k = 0; k < 4; k++)  // |bf16| as f32: the magnitude bits of each half, shifted up
-        mx = fmaxf(mx, fmaxf(__uint_as_float((x[k] & 0x7fffu) << 16), __uint_as_float(x[k] & 0x7fff0000u)));
+    for (int u = 0; u < kU; u++) v[i][u] = make_uint4(0, 0, 0, 0);
+    if (ci < N * kPerRow && r < w.rows) {
+      const int rg = mb * 64 + r, t = rg / H, h = rg % H;
+      const uint16_t *src = pc < 64 ? p.q_nope + (w.q0 + t) * p.q_nope_stride_token + h * p.q_nope_stride_head + pc * 8
+                                    : p.q_rope + (w.q0 + t) * p.q_rope_stride_token + h * p.q_rope_stride_head +
+                                          (pc - 64) * 8;
+#pragma unroll
+      for (int u = 0; u < kU; u++) {
+        v[i][u] = *reinterpret_cast<const uint4 *>(src + 8 * u);
+        const uint32_t x[4] = {v[i][u].x, v[i][u].y, v[i][u].z, v[i][u].w};
+#pragma unroll
+        for (int k = 0; k < 4; k++)  // |bf16| as f32: the magnitude bits of each half, shifted up
+          mx = fmaxf(mx, fmaxf(__uint_as_float((x[k] & 0x7fffu) << 16), __uint_as_float(x[k] & 0x7fff0000u)));
+      }
     }
   }
 #pragma unroll
@@ -1652,14 +1784,18 @@ __device__ __forceinline__ float ring_q_f16(const mla_decode_params &p, const Re
   const float up = __uint_as_float((uint32_t)(127 + e) << 23);  // 2^e, a normal float
 #pragma unroll
   for (int i = 0; i < kPer; i++) {
-    const int ci = tid + i * kThreads, r = ci / 72, pc = ci - r * 72, ch = pc >> 3;
-    if (ci < N * 72) {
-      const uint32_t x[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
-      uint32_t y[4];
+    const int ci = tid + i * kThreads, r = ci / kPerRow, pc = (ci - r * kPerRow) * kU, ch = pc >> 3;
+    if (ci < N * kPerRow) {
+      uint32_t y[4 * kU];
 #pragma unroll
-      for (int k = 0; k < 4; k++)
-        y[k] = pack_f16(__uint_as_float(x[k] << 16) * up, __uint_as_float(x[k] & 0xffff0000u) * up);
-      st_shared_v4(sQ + ch * RingLay::kQChunk + sw128_off(r, (pc & 7) * 8), y[0], y[1], y[2], y[3]);
+      for (int u = 0; u < kU; u++) {
+        const uint32_t x[4] = {v[i][u].x, v[i][u].y, v[i][u].z, v[i][u].w};
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+          y[4 * u + k] = pack_f16(__uint_as_float(x[k] << 16) * up, __uint_as_float(x[k] & 0xffff0000u) * up);
+      }
+      st_shared_v4(sQ + ch * RingLay::kQChunk + sw128_off(r, (pc & 7) * 8), y[0], y[2], y[4], y[6]);
+      st_shared_v4(sQ + ch * RingLay::kQChunk + sw128_off(r, (pc & 7) * 8 + 8), y[1], y[3], y[5], y[7]);
     }
   }
   return __uint_as_float((uint32_t)(127 - e) << 23);
@@ -1674,9 +1810,12 @@ __global__ void __launch_bounds__(kRingThreads, 1)
   constexpr int N = L::N, S = L::kSlots;
   // Per-tensor fp8 runs f16 operands (exact e4m3 values, Q in f16) and
   // writes the activations' bf16; kF16 is the 16-bit f16 cache.
-  // kRaw: an fp8 cache through the raw ring (ring_dequant_own); kFp8: per-tensor, exact f16 operands.
-  constexpr bool kRaw = LM == LOAD_FP8_TMA || LM == LOAD_FP8_BLOCK_TMA;
-  constexpr bool kFp8 = LM == LOAD_FP8_TMA, kMF16 = kF16 || kFp8;
+  // kRs: per-tensor fp8, exact f16 operands converted from the raw bytes in
+  // registers (qk_rs_tile / pv_rs_tile), the whole ring raw; kOwn: the block
+  // format through the raw ring, each warpgroup dequantizing into its own tile
+  // (ring_dequant_own).
+  constexpr bool kRs = LM == LOAD_FP8_TMA, kOwn = LM == LOAD_FP8_BLOCK_TMA, kRaw = kRs || kOwn;
+  constexpr bool kFp8 = kRs, kMF16 = kF16 || kFp8;
   constexpr int kPos = kRaw ? 5 : 9;  // ring positions per tile (ring_produce)
   constexpr int NR = N / 2;  // accumulator registers per m64nN tile
   constexpr int NC = N / 4;  // columns (rows of the m-block) per thread
@@ -1769,9 +1908,13 @@ __global__ void __launch_bounds__(kRingThreads, 1)
       const int nv = min(64, w.kend_blk - kt);
       const bool full = kt + 64 <= lim0;
       const int q0 = kPos * (gbase + t);  // ring positions q0 (rope), q0 + 1 + c (latent chunk c)
-      int sl[9];
-      uint32_t parm = 0;  // bit k: full-barrier parity of position q0 + k
-      if constexpr (kRaw) {
+      int sl[9], rsl[5];
+      uint32_t parm = 0;  // bit k: full-barrier parity of position q0 + k (kRs: of all five)
+      if constexpr (kRs) {
+#pragma unroll
+        for (int k = 0; k < 5; k++) rsl[k] = q0 % S + k;  // (the ring holds 5 aligned tiles)
+        parm = (uint32_t)(q0 / S) & 1u;
+      } else if constexpr (kOwn) {
 #pragma unroll
         for (int k = 0; k < 9; k++) sl[k] = 9 * wg + (k == 0 ? 8 : k - 1);  // this warpgroup's f16 tile
       } else {
@@ -1783,37 +1926,46 @@ __global__ void __launch_bounds__(kRingThreads, 1)
 #pragma unroll
       for (int i = 0; i < NR; i++) s[i] = 0.f;
       wait_issued(iss, q0 + kPos);  // the tile is issued (ring_produce says why)
-      if constexpr (kRaw) {
-        // Into this warpgroup's own f16 tile: its last P V (two tiles ago)
-        // must have retired in all four warps first. (Three converter warps
-        // doing this ahead of the consumers measured slower: 369 vs 316 us
-        // at b = 128, s_k = 8192, in-place staging; docs section 3.5.)
-        named_bar_sync(nb + NB_MAX - 1, 128);
-        ring_dequant_own<LM>(p, req, kt, ringp, ringp + 9 * wg * kChunk, fullb, emptyb, q0, wi, lane, nv);
-        fence_proxy_async();
-        named_bar_sync(nb + NB_P - 1, 128);
-      }
+      if constexpr (kRs) {
+        qk_rs_tile(s, ring, fullb, emptyb, rsl, parm, sQ, wi, lane);
+      } else {
+        if constexpr (kOwn) {
+          // Into this warpgroup's own bf16 tile: its last P V (two tiles ago)
+          // must have retired in all four warps first. (Three converter warps
+          // doing this ahead of the consumers measured slower: 369 vs 316 us
+          // at b = 128, s_k = 8192, in-place staging; docs section 3.5.)
+          named_bar_sync(nb + NB_MAX - 1, 128);
+          ring_dequant_own<LM>(p, req, kt, ringp, ringp + 9 * wg * kChunk, fullb, emptyb, q0, wi, lane, nv);
+          fence_proxy_async();
+          named_bar_sync(nb + NB_P - 1, 128);
+        }
 #pragma unroll
-      for (int k = 0; k < 9; k++) {
-        const int c = k == 0 ? 8 : k - 1;
-        if constexpr (!kRaw) mbar_wait(fullb + 8 * sl[k], (parm >> k) & 1u);
-        wgmma_fence();
-        const uint32_t sa = ring + sl[k] * kChunk;
+        for (int k = 0; k < 9; k++) {
+          const int c = k == 0 ? 8 : k - 1;
+          if constexpr (!kRaw) mbar_wait(fullb + 8 * sl[k], (parm >> k) & 1u);
+          wgmma_fence();
+          const uint32_t sa = ring + sl[k] * kChunk;
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++)
-          qk_wgmma<N, kMF16>(s, desc_sw128(sa + kk * 32, 16, 1024), desc_sw128(sQ + c * L::kQChunk + kk * 32, 16, 1024),
-                             k > 0 || kk > 0);
+          for (int kk = 0; kk < 4; kk++)
+            qk_wgmma<N, kMF16>(s, desc_sw128(sa + kk * 32, 16, 1024), desc_sw128(sQ + c * L::kQChunk + kk * 32, 16, 1024),
+                               k > 0 || kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        reg_fence(s);
+        if (!kRaw && lane == 0) mbar_arrive(emptyb + 8 * sl[0]);  // the rope slot: read by QK^T only
       }
-      wgmma_commit();
-      wgmma_wait<0>();
-      reg_fence(s);
-      if (!kRaw && lane == 0) mbar_arrive(emptyb + 8 * sl[0]);  // the rope slot: read by QK^T only
 
       // ---- softmax down the columns, P^T -> shared memory ----
       col_softmax_p<N, kMF16>(s, m, lp, o, col, limc, sl2, full, kt, wg, wi, lane, nb, red, sP);
-      if (!kRaw && nv < 64) zero_tail_ring(ringp, q0, nv, t128);  // (fp8: dequantized to zeros)
+      if (kRs && nv < 64) zero_tail_raw(ringp, rsl, nv, t128);
+      if (!kRaw && nv < 64) zero_tail_ring(ringp, q0, nv, t128);  // (block format: dequantized to zeros)
       fence_proxy_async();
       named_bar_sync(nb + NB_P - 1, 128);
+      if constexpr (kRs) {
+        pv_rs_tile(o, ring, emptyb, rsl, sP, wi, lane);
+        continue;
+      }
 
       // ---- O^T += V^T P^T: m-tile pairs in four commit groups; a pair's
       // two slots go back to the producer as soon as its group retires ----
@@ -1863,7 +2015,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
 
     // ---- merge the two warpgroups' states, write the request's rows ----
     // (the first barrier: both warpgroups past their last QK^T, Q becomes the scratch)
-    merge_rows<N, kF16, true>(p, w, mb, lp, m, o, col, osc, tid, wg, wi, lane, redL, mfin, lfin, scr);
+    merge_rows<N, kF16, true, kRs>(p, w, mb, lp, m, o, col, osc, tid, wg, wi, lane, redL, mfin, lfin, scr);
   }
 #endif
 }
@@ -1997,8 +2149,8 @@ cudaError_t encode_kv_maps(const mla_decode_params *p, KvMaps *map) {
     return e == cudaSuccess ? make_kv_tmap(p, &map->m[1], CU_TENSOR_MAP_L2_PROMOTION_L2_128B) : e;
   }
   cudaError_t e = make_kv_tmap_bytes(p, &map->m[0], 128, false);  // latent pairs (and the per-tensor rope)
-  if (e == cudaSuccess && fp8)  // the same boxes for the ring kernel
-    e = make_kv_tmap_bytes(p, &map->m[1], 128, false, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
+  if (e == cudaSuccess && fp8)  // the ring kernel's boxes: swizzled for its ldmatrix reads (qk_rs_tile)
+    e = make_kv_tmap_bytes(p, &map->m[1], 128, true, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
   if (e == cudaSuccess && fp8) e = make_kv_tmap_bytes(p, &map->m[2], 128, true);  // swizzled: the fp8 math kernel
   if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map->m[1], 16, false);  // block scales
   if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map->m[2], 128, true);  // bf16 rope, swizzled
