@@ -209,7 +209,9 @@ __device__ __forceinline__ void find_first_part(const mla_decode_params &p, int 
   }
 }
 
-// (<= 64 registers: a block fits beside a ring kernel block, 288 x 168.)
+// (<= 64 registers: a block fitted beside a ring kernel block of 288 x 168;
+// the ring block is 384 x 168 since session 12 and leaves no room, with no
+// change at b = 64, bench/RESULTS.md session 12 run 12.)
 template <bool kF16>
 __global__ void __launch_bounds__(kCombineWarps * 32, 4)
     decode_combine_warp_kernel(const mla_decode_params p) {  // kF16: f16 output
@@ -853,7 +855,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ---------------------------------------------------------------------------
 // Narrow kernel (ladder v10): m-blocks of <= 32 rows, transposed GEMMs.
 // ---------------------------------------------------------------------------
-// The ring kernel's 256 consumer threads (bar 0 would count its producer warp).
+// The ring kernel's 256 consumer threads (bar 0 would count its producer warpgroup).
 constexpr int kBarCons = 10;
 // Row stride (floats) of the merge scratch: 256 dims + 4, conflict-free column writes.
 constexpr uint32_t kMergeScr = 260;
@@ -999,7 +1001,7 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[N / 2], uint64_t da, uint64_
 // states per column (row of the m-block) through the fp32 scratch scr
 // [N][kMergeScr] (two rounds of 256 dims), write the rows (out times osc / l,
 // or the split piece's o_accum) and the LSE. kNamed: the consumers' named
-// barrier (the ring kernel, whose producer warp takes no part), else
+// barrier (the ring kernel, whose producer warpgroup takes no part), else
 // __syncthreads.
 template <bool kNamed>
 __device__ __forceinline__ void cons_sync() {
@@ -1319,7 +1321,14 @@ struct RingLay {
   static_assert(kOffBar % 8 == 0, "mbarrier alignment");
   static_assert(kSmem <= 232448, "over the opt-in shared memory of sm_90");
 };
-constexpr int kRingThreads = kThreads + 32;  // two consumer warpgroups + the producer warp
+// Two consumer warpgroups and a producer warpgroup whose thread 0 issues the
+// loads (the other three warps leave at once). A whole producer warpgroup so
+// that setmaxnreg can hand the consumers 232 registers: with a lone producer
+// warp (288 threads) the SM sub-partition holding it had three warps, which
+// capped every thread at 168 (512 / 3), and the per-tensor fp8 path spilled
+// there; 40 / 232 made it 3.7 % faster at b = 128, H = 16 (bf16 unchanged;
+// bench/RESULTS.md session 12, run 12).
+constexpr int kRingThreads = kThreads + 128, kRingProdRegs = 40, kRingConsRegs = 232;
 
 // The block-scaled fp8 cache (bf16 operands): the ring region holds the two
 // consumer warpgroups' own tiles (slots 0-8 and 9-17, each dequantized by its
@@ -1838,9 +1847,11 @@ __global__ void __launch_bounds__(kRingThreads, 1)
   }
   __syncthreads();
   if (tid >= kThreads) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRingProdRegs));
     if (tid == kThreads) ring_produce<LM>(p, kv_maps.m, meta, mb, ring, fullb, emptyb, iss, l2_hint);
     return;
   }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRingConsRegs));
   const int wg = tid >> 7, t128 = tid & 127, wi = (tid >> 5) & 3, lane = tid & 31;
   const int er = meta[SCHED_END_REQ];
   float sl2 = p.scale * kLog2e;  // fp8: times the per-tensor scale and Q's 2^-e, per request
