@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "decode_common.cuh"
+#include "decode_fp8_rs.cuh"  // e4m3x4_f16x2x2, rs_k_pair, rs_vt_pair, wgmma_rs_m64n16k16_h
 
 namespace {
 
@@ -56,37 +57,6 @@ __device__ __forceinline__ uint32_t raw_off(int key, int byte) {  // byte 0..575
 }
 __host__ __device__ __forceinline__ int pi16(int s) { return s < 8 ? 4 * (s >> 1) + (s & 1) : 4 * ((s - 8) >> 1) + 2 + (s & 1); }
 
-__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-// four e4m3 (bytes 0-3) to two f16x2: (b0, b1) and (b2, b3); the halves are
-// taken with a PTX register split, no shifts or masks
-__device__ __forceinline__ void e4m3x4_f16x2x2(uint32_t v, uint32_t &lo, uint32_t &hi) {
-  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
-      : "=r"(lo), "=r"(hi)
-      : "r"(v));
-}
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(d) : "r"(a), "r"(sel));
-  return d;
-}
-
-// D[64x16] (+)= A[64x16] (registers, f16) * B[16x16] (smem desc, K-major)
-__device__ __forceinline__ void wgmma_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t db, int accum) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
-}
 // SS variants (f16): A K-major / A MN-major (V^T view)
 __device__ __forceinline__ void wgmma_ss(float (&d)[8], uint64_t da, uint64_t db, int accum) {
   asm volatile(
@@ -116,20 +86,13 @@ __device__ __forceinline__ void qk_rs(float (&s)[8], uint32_t raw, uint32_t sQ, 
     uint32_t(&A)[6][4] = a[b % NB];
     if (b >= NB) wgmma_wait<NB - 1>();
 #pragma unroll
-    for (int j = 0; j < 6; j += 2) {  // ldmatrix.x4 covers two k-steps (32 bytes)
-      const int byte = 16 * (6 * b + j) + 16 * usel;
-      uint32_t x0, x1, x2, x3;
-      ldsm_x4(raw + raw_off(rsel, byte), x0, x1, x2, x3);
-      e4m3x4_f16x2x2(x0, A[j][0], A[j][2]);
-      e4m3x4_f16x2x2(x1, A[j][1], A[j][3]);
-      e4m3x4_f16x2x2(x2, A[j + 1][0], A[j + 1][2]);
-      e4m3x4_f16x2x2(x3, A[j + 1][1], A[j + 1][3]);
-    }
+    for (int j = 0; j < 6; j += 2)  // ldmatrix.x4 covers two k-steps (32 bytes)
+      rs_k_pair(raw + raw_off(rsel, 16 * (6 * b + j) + 16 * usel), A[j], A[j + 1]);
     wgmma_fence();
 #pragma unroll
     for (int j = 0; j < 6; j++) {
       const int k = 6 * b + j;  // Q chunk k / 4, k-step k % 4 inside it
-      wgmma_rs(s, A[j], desc_sw128(sQ + (k >> 2) * kQChunk + (k & 3) * 32, 16, 1024), k > 0);
+      wgmma_rs_m64n16k16_h(s, A[j], desc_sw128(sQ + (k >> 2) * kQChunk + (k & 3) * 32, 16, 1024), k > 0);
     }
     wgmma_commit();
   }
@@ -149,18 +112,11 @@ __device__ __forceinline__ void pv_rs(float (&o)[8][8], uint32_t raw, uint32_t s
     if (mt >= NB) wgmma_wait<NB - 1>();
     const int byte = 64 * mt + 16 * wi;  // this warp's 16 dims
 #pragma unroll
-    for (int kp = 0; kp < 2; kp++) {  // keys 32 kp .. 32 kp + 31
-      uint32_t x0, x1, x2, x3;
-      ldsm_x4_t(raw + raw_off(32 * kp + ksel, byte), x0, x1, x2, x3);
-      const uint32_t y0 = prmt(x0, 0x3120), y1 = prmt(x1, 0x3120), y2 = prmt(x2, 0x3120), y3 = prmt(x3, 0x3120);
-      e4m3x4_f16x2x2(y0, A[2 * kp][0], A[2 * kp][1]);  // keys 0-7 of step 2kp: dims 2g, 2g+1
-      e4m3x4_f16x2x2(y1, A[2 * kp][2], A[2 * kp][3]);  // keys 8-15
-      e4m3x4_f16x2x2(y2, A[2 * kp + 1][0], A[2 * kp + 1][1]);
-      e4m3x4_f16x2x2(y3, A[2 * kp + 1][2], A[2 * kp + 1][3]);
-    }
+    for (int kp = 0; kp < 2; kp++)  // keys 32 kp .. 32 kp + 31
+      rs_vt_pair(raw + raw_off(32 * kp + ksel, byte), A[2 * kp], A[2 * kp + 1]);
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ks++) wgmma_rs(o[mt], A[ks], desc_sw128(sP + ks * 32, 16, 1024), 1);
+    for (int ks = 0; ks < 4; ks++) wgmma_rs_m64n16k16_h(o[mt], A[ks], desc_sw128(sP + ks * 32, 16, 1024), 1);
     wgmma_commit();
   }
   wgmma_wait<0>();

@@ -22,6 +22,7 @@
 #include "decode_seesaw.cuh"
 #include "decode_wgmma_narrow.cuh"
 #include "decode_wide_fp8.cuh"
+#include "decode_fp8_rs.cuh"
 #include "launch_once.cuh"
 #include "mla.h"
 #include "runtime.h"
@@ -1603,33 +1604,6 @@ __device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t a, uint32_t
 //    pair 2g, 2g+1 (g = lane / 4); a byte permute makes (dim 2g: keys 2c,
 //    2c+1) and (dim 2g+1: keys 2c, 2c+1): fragment rows g / g + 8 of warp w
 //    hold dims 16 w + 2g / 2g + 1 of the m-tile (merge_rows<.., kPermD>).
-// Four e4m3 (bytes 0-3) to two f16x2, (b0, b1) and (b2, b3), exactly.
-__device__ __forceinline__ void e4m3x4_f16x2x2(uint32_t v, uint32_t &lo, uint32_t &hi) {
-  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
-      : "=r"(lo), "=r"(hi)
-      : "r"(v));
-}
-__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr)
-               : "memory");
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr)
-               : "memory");
-}
-// D[64x16] (+)= A[64x16] (registers, f16) * B[16x16] (smem desc, K-major, f16)
-__device__ __forceinline__ void wgmma_rs_m64n16k16_h(float (&d)[8], const uint32_t (&a)[4], uint64_t db, int accum) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, "
-      "p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
-}
 // Byte b (0..127) of row `key` of a raw box (128B-swizzled, 1024-aligned).
 __device__ __forceinline__ uint32_t box_off(int key, int b) {
   return (uint32_t)(key * 128 + ((((b >> 4) ^ (key & 7)) & 7) << 4));
@@ -1640,7 +1614,7 @@ __device__ __forceinline__ uint32_t box_off(int key, int b) {
 #define MLA_DEV_PVBUF 2
 #endif
 constexpr int kRsBuf = MLA_DEV_PVBUF;
-static_assert(RingLay::kSlots % 5 == 0, "a tile's 5 raw positions must share one slot group");  // A register buffers: a batch's registers are rewritten only after wait_group 2
+static_assert(RingLay::kSlots % 5 == 0, "a tile's 5 raw positions must share one slot group");
 
 // S^T = K Q^T of one tile (positions' slots sl[0..4], full-barrier parity
 // par): the rope box first, then the latent chunks 0-7, in batches of kQkB
@@ -1671,14 +1645,7 @@ __device__ __forceinline__ void qk_rs_tile(float (&s)[8], uint32_t ring, uint32_
     if (bt >= kQkBuf) wgmma_wait<kQkBuf - 1>();
     const uint32_t base = ring + sl[box] * kChunk;
 #pragma unroll
-    for (int j = 0; j < kQkB; j += 2) {  // ldmatrix.x4: two k-steps (32 bytes)
-      uint32_t x0, x1, x2, x3;
-      ldsm_x4(base + box_off(key, b0 + 16 * (j0 + j) + usel), x0, x1, x2, x3);
-      e4m3x4_f16x2x2(x0, A[j][0], A[j][2]);
-      e4m3x4_f16x2x2(x1, A[j][1], A[j][3]);
-      e4m3x4_f16x2x2(x2, A[j + 1][0], A[j + 1][2]);
-      e4m3x4_f16x2x2(x3, A[j + 1][1], A[j + 1][3]);
-    }
+    for (int j = 0; j < kQkB; j += 2) rs_k_pair(base + box_off(key, b0 + 16 * (j0 + j) + usel), A[j], A[j + 1]);
     wgmma_fence();
 #pragma unroll
     for (int j = 0; j < kQkB; j++)
@@ -1707,16 +1674,7 @@ __device__ __forceinline__ void pv_rs_tile(float (&o)[8][8], uint32_t ring, uint
     const uint32_t base = ring + sl[1 + (mt >> 1)] * kChunk;
     const int b = 64 * (mt & 1) + 16 * wi;  // this warp's 16 dims
 #pragma unroll
-    for (int kp = 0; kp < 2; kp++) {  // keys 32 kp .. 32 kp + 31
-      uint32_t x0, x1, x2, x3;
-      ldsm_x4_t(base + box_off(32 * kp + kr, b), x0, x1, x2, x3);
-      const uint32_t y0 = __byte_perm(x0, 0, 0x3120), y1 = __byte_perm(x1, 0, 0x3120);
-      const uint32_t y2 = __byte_perm(x2, 0, 0x3120), y3 = __byte_perm(x3, 0, 0x3120);
-      e4m3x4_f16x2x2(y0, A[2 * kp][0], A[2 * kp][1]);  // keys 0-7 of the step: dims 2g, 2g + 1
-      e4m3x4_f16x2x2(y1, A[2 * kp][2], A[2 * kp][3]);  // keys 8-15
-      e4m3x4_f16x2x2(y2, A[2 * kp + 1][0], A[2 * kp + 1][1]);
-      e4m3x4_f16x2x2(y3, A[2 * kp + 1][2], A[2 * kp + 1][3]);
-    }
+    for (int kp = 0; kp < 2; kp++) rs_vt_pair(base + box_off(32 * kp + kr, b), A[2 * kp], A[2 * kp + 1]);  // keys 32 kp ..
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < 4; ks++) wgmma_rs_m64n16k16_h(o[mt], A[ks], desc_sw128(sP + ks * 32, 16, 1024), 1);
