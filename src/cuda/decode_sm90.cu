@@ -1609,7 +1609,10 @@ __device__ __forceinline__ uint32_t box_off(int key, int b) {
   return (uint32_t)(key * 128 + ((((b >> 4) ^ (key & 7)) & 7) << 4));
 }
 // A register buffers of the P V (one batch per m-tile): a batch's registers
-// are rewritten only after wait_group kRsBuf - 1.
+// are rewritten only after wait_group kRsBuf - 1. The MLA_DEV_* values here
+// and below are compile-time overrides for A/B builds only; at 168 registers
+// 3 P V buffers (spills) and Q.K^T batches of 2 k-steps with 3 or 4 buffers
+// measured slower (bench/RESULTS.md session 12, run 9).
 #ifndef MLA_DEV_PVBUF
 #define MLA_DEV_PVBUF 2
 #endif
