@@ -7,7 +7,8 @@
 #   env       nvidia-smi, nvcc, SM clock
 #   build     dev/cuda harness (nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -lineinfo -Xptxas -v),
 #             ptxas report and HGMMA/HMMA counts from cuobjdump --dump-sass
-#   unit      descriptor / TMA unit tests (dev/cuda/desc_test.cu)
+#   unit      descriptor / TMA unit tests (dev/cuda/desc_test.cu) and the fp8 register-operand layout check
+#             (dev/cuda/fp8_rs.cu check: raw e4m3 rows as wgmma A fragments against float64)
 #   check     correctness grid for every version (H 1,3,16,64,128 x s_q 1,2,4 x pages 1,4,16,64,128, varlen, zero lengths)
 #   sanitize  compute-sanitizer memcheck (every version) and racecheck (wgmma versions) on a tiny grid
 #   bench     b=128, s_k 4096/8192/16384, H 16/128, s_q 1/2, page 64; b=64 s_k=4096 H=16 s_q=1;
@@ -79,6 +80,7 @@ if want build; then
     else
       echo "== make (dev/cuda)"
       make -C "$ROOT/dev/cuda" -j"$JOBS" 2>&1 || { echo "BUILD FAILED"; exit 1; }
+      make -C "$ROOT/dev/cuda" build/fp8_rs 2>&1 || { echo "BUILD FAILED (fp8_rs)"; exit 1; }
     fi
     echo "== ptxas"
     cat "$ROOT"/dev/cuda/build/*.ptxas.txt
@@ -103,6 +105,11 @@ fi
 
 if want unit; then
   { echo "== unit"; timeout 120 "$H" unit; } > "$OUT/check.txt" 2>&1 || status=1
+  if [ -x "$ROOT/dev/cuda/build/fp8_rs" ]; then
+    { echo "== unit fp8_rs"; timeout 60 "$ROOT/dev/cuda/build/fp8_rs" check; } >> "$OUT/check.txt" 2>&1 || status=1
+  else
+    echo "fp8_rs check: not built" >> "$OUT/check.txt"
+  fi
 fi
 
 if want check; then
@@ -283,6 +290,7 @@ fi
   [ -f "$OUT/build.txt" ] && grep -E "^SASS|BUILD FAILED" "$OUT/build.txt"
   [ -f "$OUT/build.txt" ] && grep -E "^REGS" "$OUT/build.txt"
   [ -f "$OUT/check.txt" ] && sed -n '/^== unit/,/^== check/p' "$OUT/check.txt" | grep "desc_test"
+  [ -f "$OUT/check.txt" ] && grep -E "^(check: S max|fp8_rs)" "$OUT/check.txt" | sed 's/^check:/fp8_rs check:/'
   if [ -f "$OUT/check.txt" ]; then
     for v in ${CHECK_VERSIONS//,/ }; do
       p=$(grep -c "^CHECK v$v .*PASS$" "$OUT/check.txt"); f=$(grep -c "^CHECK v$v .*FAIL" "$OUT/check.txt")
