@@ -25,6 +25,7 @@
 // runs every SM with two warpgroups looping over smem-resident tiles, no
 // loads: (a) SS: f16 tiles already in shared memory (the bf16 ring kernel's
 // compute, softmax left out), (b) RS: the raw bytes converted in registers,
+// (c) RS with block-format scales (two roundings; timing only, not checked),
 // and prints cycles per tile per warpgroup.
 //
 // Build: make -C dev/cuda build/fp8_rs (needs no GPU). Run on the device.
@@ -122,6 +123,118 @@ __device__ __forceinline__ void pv_rs(float (&o)[8][8], uint32_t raw, uint32_t s
   wgmma_wait<0>();
 }
 
+// ---- block-scaled fp8 (timing only): A values = e4m3 x a per-(key, 128-byte
+// box) scale. SC 0: bf16_rn(f32(e4m3) * scale), the CPU's rounding, bf16
+// wgmma; SC 1: f16 e4m3 times the scale in f16 (hmul2; a different rounding,
+// and f16 range), f16 wgmma. Scales in shared memory as [4 boxes][64 keys]
+// floats. (docs/decode-kernel.md §3.5.1: is the conversion's ALU cost
+// affordable for the block format?)
+__device__ __forceinline__ void wgmma_rs_bf16(float (&d)[8], const uint32_t (&a)[4], uint64_t db, int accum) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, "
+      "p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
+}
+// four e4m3 -> two pairs, the low pair times (s0, s1), the high pair times (s2, s3)
+template <int SC>
+__device__ __forceinline__ void cvt4_scaled(uint32_t v, float s0, float s1, float s2, float s3, uint32_t &lo,
+                                            uint32_t &hi) {
+  uint32_t h0, h1;
+  e4m3x4_f16x2x2(v, h0, h1);
+  if constexpr (SC == 0) {
+    const float2 f0 = __half22float2(*reinterpret_cast<const __half2 *>(&h0));
+    const float2 f1 = __half22float2(*reinterpret_cast<const __half2 *>(&h1));
+    lo = pack_bf16(f0.x * s0, f0.y * s1);
+    hi = pack_bf16(f1.x * s2, f1.y * s3);
+  } else {
+    const __half2 a = __hmul2(*reinterpret_cast<const __half2 *>(&h0), __floats2half2_rn(s0, s1));
+    const __half2 b = __hmul2(*reinterpret_cast<const __half2 *>(&h1), __floats2half2_rn(s2, s3));
+    lo = *reinterpret_cast<const uint32_t *>(&a);
+    hi = *reinterpret_cast<const uint32_t *>(&b);
+  }
+}
+template <int SC>
+__device__ __forceinline__ void wgmma_rs_sc(float (&d)[8], const uint32_t (&a)[4], uint64_t db, int accum) {
+  if constexpr (SC == 0) wgmma_rs_bf16(d, a, db, accum);
+  else wgmma_rs_m64n16k16_h(d, a, db, accum);
+}
+template <int SC>
+__device__ __forceinline__ void qk_rs_blk(float (&s)[8], uint32_t raw, uint32_t sQ, const float *ssc, int wi,
+                                          int lane) {
+  uint32_t a[2][6][4];
+  const int rsel = 16 * wi + (lane & 7) + 8 * ((lane >> 3) & 1);
+  const int usel = lane >> 4, kg = 16 * wi + (lane >> 2);
+  float sg[4], sg8[4];  // this lane's fragment rows kg, kg + 8: their four box scales
+#pragma unroll
+  for (int bx = 0; bx < 4; bx++) {
+    sg[bx] = ssc[bx * 64 + kg];
+    sg8[bx] = ssc[bx * 64 + kg + 8];
+  }
+#pragma unroll
+  for (int b = 0; b < 6; b++) {
+    uint32_t(&A)[6][4] = a[b & 1];
+    if (b >= 2) wgmma_wait<1>();
+#pragma unroll
+    for (int j = 0; j < 6; j += 2) {
+      const int dim = 16 * (6 * b + j), bx = dim < 512 ? dim >> 7 : 3;
+      uint32_t x0, x1, x2, x3;
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(x0), "=r"(x1), "=r"(x2), "=r"(x3)
+                   : "r"(raw + raw_off(rsel, dim + 16 * usel))
+                   : "memory");
+      cvt4_scaled<SC>(x0, sg[bx], sg[bx], sg[bx], sg[bx], A[j][0], A[j][2]);
+      cvt4_scaled<SC>(x1, sg8[bx], sg8[bx], sg8[bx], sg8[bx], A[j][1], A[j][3]);
+      cvt4_scaled<SC>(x2, sg[bx], sg[bx], sg[bx], sg[bx], A[j + 1][0], A[j + 1][2]);
+      cvt4_scaled<SC>(x3, sg8[bx], sg8[bx], sg8[bx], sg8[bx], A[j + 1][1], A[j + 1][3]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 6; j++) {
+      const int k = 6 * b + j;
+      wgmma_rs_sc<SC>(s, A[j], desc_sw128(sQ + (k >> 2) * kQChunk + (k & 3) * 32, 16, 1024), k > 0);
+    }
+    wgmma_commit();
+  }
+  wgmma_wait<0>();
+}
+template <int SC>
+__device__ __forceinline__ void pv_rs_blk(float (&o)[8][8], uint32_t raw, uint32_t sP, const float *ssc, int wi,
+                                          int lane) {
+  uint32_t a[2][4][4];
+  const int ksel = (lane & 7) + 8 * (lane >> 3), c2 = 2 * (lane & 3);
+  float2 sk[8];  // keys 8 m + 2c, + 1 (m = 0..7) of the current box
+#pragma unroll
+  for (int mt = 0; mt < 8; mt++) {
+    uint32_t(&A)[4][4] = a[mt & 1];
+    if (mt >= 2) wgmma_wait<1>();
+    if ((mt & 1) == 0)
+#pragma unroll
+      for (int m = 0; m < 8; m++) sk[m] = *reinterpret_cast<const float2 *>(ssc + (mt >> 1) * 64 + 8 * m + c2);
+    const int byte = 64 * mt + 16 * wi;
+#pragma unroll
+    for (int kp = 0; kp < 2; kp++) {
+      uint32_t x[4];
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
+                   : "r"(raw + raw_off(32 * kp + ksel, byte))
+                   : "memory");
+#pragma unroll
+      for (int q = 0; q < 4; q++) {  // matrix q: keys 32 kp + 8 q + 2c, + 1
+        const float2 k2 = sk[4 * kp + q];
+        cvt4_scaled<SC>(__byte_perm(x[q], 0, 0x3120), k2.x, k2.y, k2.x, k2.y, A[2 * kp + (q >> 1)][2 * (q & 1)],
+                        A[2 * kp + (q >> 1)][2 * (q & 1) + 1]);
+      }
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ks++) wgmma_rs_sc<SC>(o[mt], A[ks], desc_sw128(sP + ks * 32, 16, 1024), 1);
+    wgmma_commit();
+  }
+  wgmma_wait<0>();
+}
+
 // ---- check: one warpgroup, one tile --------------------------------------
 // k8 [64][576] e4m3 bytes, q [16][576] f16 bits, p [16][64] f16 bits;
 // s_out [16][64], o_out [16][512] fp32.
@@ -169,7 +282,8 @@ __global__ void __launch_bounds__(128) rs_check(const uint8_t *k8, const uint16_
 
 // ---- timing: every SM, two warpgroups, smem-resident tiles ---------------
 // mode 0: SS (f16 tiles: 9 chunks per warpgroup), mode 1 / 2: RS from the raw
-// bytes with two / three A register buffers. cycles[cta * 2 + wg] = clock64 cycles of the loop.
+// bytes with two / three A register buffers; mode 3 / 4: block-scaled RS
+// (SC 0 / 1 above), a 1 KB scale table per warpgroup after the P^T. cycles[cta * 2 + wg] = clock64 cycles of the loop.
 template <int MODE>
 __global__ void __launch_bounds__(256, 1) rs_time(int tiles, long long *cycles, float *sink) {
   extern __shared__ uint8_t smem_raw[];
@@ -183,6 +297,8 @@ __global__ void __launch_bounds__(256, 1) rs_time(int tiles, long long *cycles, 
   for (uint32_t i = tid * 4; i < 2 * tileb; i += 256 * 4)
     *reinterpret_cast<uint32_t *>(sm + i) = MODE == 0 ? 0x38003800u : 0x30303030u;
   for (uint32_t i = tid * 4; i < kQ + 2 * kP; i += 256 * 4) *reinterpret_cast<uint32_t *>(sm + 2 * tileb + i) = 0x38003800u;
+  float *ssc = reinterpret_cast<float *>(sm + 2 * tileb + kQ + 2 * kP) + wg * 256;  // [4][64] scales (modes 3, 4)
+  for (int i = t128; i < 256; i += 128) ssc[i] = 0.5f;
   fence_proxy_async();
   __syncthreads();
   float o[8][8];
@@ -196,7 +312,9 @@ __global__ void __launch_bounds__(256, 1) rs_time(int tiles, long long *cycles, 
     float s[8];
 #pragma unroll
     for (int i = 0; i < 8; i++) s[i] = 0.f;
-    if constexpr (MODE >= 1) {
+    if constexpr (MODE >= 3) {
+      qk_rs_blk<MODE - 3>(s, tile, sQ, ssc, wi, lane);
+    } else if constexpr (MODE >= 1) {
       qk_rs<MODE == 1 ? 2 : 3>(s, tile, sQ, wi, lane);
     } else {
       wgmma_fence();
@@ -217,7 +335,9 @@ __global__ void __launch_bounds__(256, 1) rs_time(int tiles, long long *cycles, 
       *reinterpret_cast<uint32_t *>(sm + (sP - sb) + sw128_off(lane, 16 * wi + 2 * (t & 7))) = pack_f16(s[0] * 1e-3f, s[1] * 1e-3f);
     fence_proxy_async();
     named_bar_sync(1 + wg, 128);
-    if constexpr (MODE >= 1) {
+    if constexpr (MODE >= 3) {
+      pv_rs_blk<MODE - 3>(o, tile, sP, ssc, wi, lane);
+    } else if constexpr (MODE >= 1) {
       pv_rs<MODE == 1 ? 2 : 3>(o, tile, sP, wi, lane);
     } else {
       wgmma_fence();
@@ -321,7 +441,7 @@ int run_time(int tiles) {
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int tileb = MODE == 0 ? 9 * kChunk16 : kRaw;
-  const int smem = 2 * tileb + kQ + 2 * kP + 1024;
+  const int smem = 2 * tileb + kQ + 2 * kP + 2048 + 1024;
   long long *dc;
   float *sink;
   CK(cudaMalloc(&dc, sms * 2 * 8));
@@ -344,7 +464,11 @@ int run_time(int tiles) {
     for (long long v : c) avg += (double)v;
     avg /= c.size();
     printf("time %s: %d tiles per warpgroup, %.1f us, %.0f cycles per tile per warpgroup (%.3f us per tile per CTA)\n",
-           MODE == 0 ? "SS f16 tile " : MODE == 1 ? "RS raw fp8 2 buffers" : "RS raw fp8 3 buffers", tiles, ms * 1e3, avg / tiles, ms * 1e3 / (2.0 * tiles));
+           MODE == 0   ? "SS f16 tile "
+           : MODE == 1 ? "RS raw fp8 2 buffers"
+           : MODE == 2 ? "RS raw fp8 3 buffers"
+           : MODE == 3 ? "RS block fp8, exact bf16"
+                       : "RS block fp8, f16 hmul2", tiles, ms * 1e3, avg / tiles, ms * 1e3 / (2.0 * tiles));
   }
   return 0;
 }
@@ -357,5 +481,7 @@ int main(int argc, char **argv) {
   const int tiles = argc > 2 ? atoi(argv[2]) : 2000;
   if (run_time<0>(tiles)) return 1;
   if (run_time<1>(tiles)) return 1;
-  return run_time<2>(tiles);
+  if (run_time<2>(tiles)) return 1;
+  if (run_time<3>(tiles)) return 1;
+  return run_time<4>(tiles);
 }
