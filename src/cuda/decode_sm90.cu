@@ -1785,7 +1785,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
   // format through the raw ring, each warpgroup dequantizing into its own tile
   // (ring_dequant_own).
   constexpr bool kRs = LM == LOAD_FP8_TMA, kOwn = LM == LOAD_FP8_BLOCK_TMA, kRaw = kRs || kOwn;
-  constexpr bool kFp8 = kRs, kMF16 = kF16 || kFp8;
+  constexpr bool kMF16 = kF16 || kRs;  // f16 operands
   constexpr int kPos = kRaw ? 5 : 9;  // ring positions per tile (ring_produce)
   constexpr int NR = N / 2;  // accumulator registers per m64nN tile
   constexpr int NC = N / 4;  // columns (rows of the m-block) per thread
@@ -1816,7 +1816,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
   const int wg = tid >> 7, t128 = tid & 127, wi = (tid >> 5) & 3, lane = tid & 31;
   const int er = meta[SCHED_END_REQ];
   float sl2 = p.scale * kLog2e;  // fp8: times the per-tensor scale and Q's 2^-e, per request
-  const float osc = kFp8 ? p.kv_scale : 1.f;  // fp8: the output's factor
+  const float osc = kRs ? p.kv_scale : 1.f;  // per-tensor fp8: the output's factor
   float *red = reinterpret_cast<float *>(smem + L::kOffRed);
   float *redL = reinterpret_cast<float *>(smem + L::kOffRedL);
   float *mfin = reinterpret_cast<float *>(smem + L::kOffMf);
@@ -1836,7 +1836,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
     const ReqWork w = req_work(p, meta, req, mb);
     if (w.rows == 0) continue;  // (n_tiles == 0: the producer skips it too)
     named_bar_sync(kBarCons, kThreads);  // the last request is done with Q / the scratch and the row arrays
-    if constexpr (kFp8) {
+    if constexpr (kRs) {
       if (tid < N) lim[tid] = tid < w.rows ? row_limit(p, w, mb, tid) : 0;  // padding rows see no key
       sl2 = p.scale * kLog2e * p.kv_scale * ring_q_f16(p, w, mb, sQ, red, tid);
       fence_proxy_async();
