@@ -26,7 +26,7 @@
 // loads: (a) SS: f16 tiles already in shared memory (the bf16 ring kernel's
 // compute, softmax left out), (b) RS: the raw bytes converted in registers,
 // (c) RS with block-format scales (two roundings; timing only, not checked),
-// and prints cycles per tile per warpgroup.
+// (d) (b) without the conversions (raw registers as A; timing only), and prints cycles per tile per warpgroup.
 //
 // Build: make -C dev/cuda build/fp8_rs (needs no GPU). Run on the device.
 #include <stdio.h>
@@ -115,6 +115,58 @@ __device__ __forceinline__ void pv_rs(float (&o)[8][8], uint32_t raw, uint32_t s
 #pragma unroll
     for (int kp = 0; kp < 2; kp++)  // keys 32 kp .. 32 kp + 31
       rs_vt_pair(raw + raw_off(32 * kp + ksel, byte), A[2 * kp], A[2 * kp + 1]);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ks++) wgmma_rs_m64n16k16_h(o[mt], A[ks], desc_sw128(sP + ks * 32, 16, 1024), 1);
+    wgmma_commit();
+  }
+  wgmma_wait<0>();
+}
+
+// Timing only (mode 5): the same loops with the raw registers as A, no
+// conversion (wrong values): what the conversions add to the chain.
+__device__ __forceinline__ void qk_raw(float (&s)[8], uint32_t raw, uint32_t sQ, int wi, int lane) {
+  uint32_t a[2][6][4];
+  const int rsel = 16 * wi + (lane & 7) + 8 * ((lane >> 3) & 1);
+  const int usel = lane >> 4;
+#pragma unroll
+  for (int b = 0; b < 6; b++) {
+    uint32_t(&A)[6][4] = a[b % 2];
+    if (b >= 2) wgmma_wait<1>();
+#pragma unroll
+    for (int j = 0; j < 6; j += 2)
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(A[j][0]), "=r"(A[j][1]), "=r"(A[j + 1][0]), "=r"(A[j + 1][1])
+                   : "r"(raw + raw_off(rsel, 16 * (6 * b + j) + 16 * usel))
+                   : "memory");
+#pragma unroll
+    for (int j = 0; j < 6; j++) A[j][2] = A[j][0], A[j][3] = A[j][1];
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 6; j++) {
+      const int k = 6 * b + j;
+      wgmma_rs_m64n16k16_h(s, A[j], desc_sw128(sQ + (k >> 2) * kQChunk + (k & 3) * 32, 16, 1024), k > 0);
+    }
+    wgmma_commit();
+  }
+  wgmma_wait<0>();
+}
+__device__ __forceinline__ void pv_raw(float (&o)[8][8], uint32_t raw, uint32_t sP, int wi, int lane) {
+  uint32_t a[2][4][4];
+  const int ksel = (lane & 7) + 8 * (lane >> 3);
+#pragma unroll
+  for (int mt = 0; mt < 8; mt++) {
+    uint32_t(&A)[4][4] = a[mt % 2];
+    if (mt >= 2) wgmma_wait<1>();
+    const int byte = 64 * mt + 16 * wi;
+#pragma unroll
+    for (int kp = 0; kp < 2; kp++)
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(A[2 * kp][0]), "=r"(A[2 * kp][1]), "=r"(A[2 * kp + 1][0]), "=r"(A[2 * kp + 1][1])
+                   : "r"(raw + raw_off(32 * kp + ksel, byte))
+                   : "memory");
+#pragma unroll
+    for (int j = 0; j < 4; j++) A[j][2] = A[j][0], A[j][3] = A[j][1];
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < 4; ks++) wgmma_rs_m64n16k16_h(o[mt], A[ks], desc_sw128(sP + ks * 32, 16, 1024), 1);
@@ -283,21 +335,25 @@ __global__ void __launch_bounds__(128) rs_check(const uint8_t *k8, const uint16_
 // ---- timing: every SM, two warpgroups, smem-resident tiles ---------------
 // mode 0: SS (f16 tiles: 9 chunks per warpgroup), mode 1 / 2: RS from the raw
 // bytes with two / three A register buffers; mode 3 / 4: block-scaled RS
-// (SC 0 / 1 above), a 1 KB scale table per warpgroup after the P^T. cycles[cta * 2 + wg] = clock64 cycles of the loop.
-template <int MODE>
-__global__ void __launch_bounds__(256, 1) rs_time(int tiles, long long *cycles, float *sink) {
+// (SC 0 / 1 above), a 1 KB scale table per warpgroup after the P^T; mode 5:
+// mode 1 with the raw registers as A, no conversion (wrong values). cycles[cta * NWG + wg] = clock64 cycles of the loop.
+// NWG warpgroups per CTA (session 14: does a third consumer warpgroup add
+// throughput?); warpgroup w works on tile slot w % 2 (two tiles in shared
+// memory, read concurrently by the warpgroups sharing one: timing only).
+template <int MODE, int NWG>
+__global__ void __launch_bounds__(128 * NWG, 1) rs_time(int tiles, long long *cycles, float *sink) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t *sm = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const uint32_t sb = smem_u32(sm);
   const int tid = threadIdx.x, wg = tid >> 7, t128 = tid & 127, wi = (tid >> 5) & 3, lane = tid & 31;
   // per warpgroup: tile (raw 40 KB or f16 72 KB), then Q 18 KB and P^T 2 KB shared by both
   const uint32_t tileb = MODE == 0 ? 9 * kChunk16 : kRaw;
-  const uint32_t tile = sb + wg * tileb, sQ = sb + 2 * tileb, sP = sQ + kQ + wg * kP;
+  const uint32_t tile = sb + (wg & 1) * tileb, sQ = sb + 2 * tileb, sP = sQ + kQ + wg * kP;
   // small values everywhere (e4m3 0x30 = 0.5; f16 0x3800 = 0.5): no overflow
-  for (uint32_t i = tid * 4; i < 2 * tileb; i += 256 * 4)
+  for (uint32_t i = tid * 4; i < 2 * tileb; i += 128 * NWG * 4)
     *reinterpret_cast<uint32_t *>(sm + i) = MODE == 0 ? 0x38003800u : 0x30303030u;
-  for (uint32_t i = tid * 4; i < kQ + 2 * kP; i += 256 * 4) *reinterpret_cast<uint32_t *>(sm + 2 * tileb + i) = 0x38003800u;
-  float *ssc = reinterpret_cast<float *>(sm + 2 * tileb + kQ + 2 * kP) + wg * 256;  // [4][64] scales (modes 3, 4)
+  for (uint32_t i = tid * 4; i < kQ + NWG * kP; i += 128 * NWG * 4) *reinterpret_cast<uint32_t *>(sm + 2 * tileb + i) = 0x38003800u;
+  float *ssc = reinterpret_cast<float *>(sm + 2 * tileb + kQ + NWG * kP) + wg * 256;  // [4][64] scales (modes 3, 4)
   for (int i = t128; i < 256; i += 128) ssc[i] = 0.5f;
   fence_proxy_async();
   __syncthreads();
@@ -312,7 +368,9 @@ __global__ void __launch_bounds__(256, 1) rs_time(int tiles, long long *cycles, 
     float s[8];
 #pragma unroll
     for (int i = 0; i < 8; i++) s[i] = 0.f;
-    if constexpr (MODE >= 3) {
+    if constexpr (MODE == 5) {
+      qk_raw(s, tile, sQ, wi, lane);
+    } else if constexpr (MODE >= 3) {
       qk_rs_blk<MODE - 3>(s, tile, sQ, ssc, wi, lane);
     } else if constexpr (MODE >= 1) {
       qk_rs<MODE == 1 ? 2 : 3>(s, tile, sQ, wi, lane);
@@ -335,7 +393,9 @@ __global__ void __launch_bounds__(256, 1) rs_time(int tiles, long long *cycles, 
       *reinterpret_cast<uint32_t *>(sm + (sP - sb) + sw128_off(lane, 16 * wi + 2 * (t & 7))) = pack_f16(s[0] * 1e-3f, s[1] * 1e-3f);
     fence_proxy_async();
     named_bar_sync(1 + wg, 128);
-    if constexpr (MODE >= 3) {
+    if constexpr (MODE == 5) {
+      pv_raw(o, tile, sP, wi, lane);
+    } else if constexpr (MODE >= 3) {
       pv_rs_blk<MODE - 3>(o, tile, sP, ssc, wi, lane);
     } else if constexpr (MODE >= 1) {
       pv_rs<MODE == 1 ? 2 : 3>(o, tile, sP, wi, lane);
@@ -355,7 +415,7 @@ __global__ void __launch_bounds__(256, 1) rs_time(int tiles, long long *cycles, 
     named_bar_sync(1 + wg, 128);
   }
   const long long t1 = clock64();
-  if (t128 == 0) cycles[blockIdx.x * 2 + wg] = t1 - t0;
+  if (t128 == 0) cycles[blockIdx.x * NWG + wg] = t1 - t0;
 #pragma unroll
   for (int mt = 0; mt < 8; mt++)
 #pragma unroll
@@ -436,39 +496,41 @@ int run_check() {
   return ok ? 0 : 1;
 }
 
-template <int MODE>
+template <int MODE, int NWG = 2>
 int run_time(int tiles) {
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int tileb = MODE == 0 ? 9 * kChunk16 : kRaw;
-  const int smem = 2 * tileb + kQ + 2 * kP + 2048 + 1024;
+  const int smem = 2 * tileb + kQ + NWG * kP + NWG * 1024 + 1024;
   long long *dc;
   float *sink;
-  CK(cudaMalloc(&dc, sms * 2 * 8));
-  CK(cudaMalloc(&sink, 256 * 4));
-  CK(cudaFuncSetAttribute(rs_time<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CK(cudaMalloc(&dc, sms * NWG * 8));
+  CK(cudaMalloc(&sink, 128 * NWG * 4));
+  CK(cudaFuncSetAttribute(rs_time<MODE, NWG>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   for (int rep = 0; rep < 3; rep++) {
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
     cudaEventRecord(e0);
-    rs_time<MODE><<<sms, 256, smem>>>(tiles, dc, sink);
+    rs_time<MODE, NWG><<<sms, 128 * NWG, smem>>>(tiles, dc, sink);
     cudaEventRecord(e1);
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
     float ms = 0;
     cudaEventElapsedTime(&ms, e0, e1);
-    std::vector<long long> c(sms * 2);
+    std::vector<long long> c(sms * NWG);
     CK(cudaMemcpy(c.data(), dc, c.size() * 8, cudaMemcpyDeviceToHost));
     double avg = 0;
     for (long long v : c) avg += (double)v;
     avg /= c.size();
-    printf("time %s: %d tiles per warpgroup, %.1f us, %.0f cycles per tile per warpgroup (%.3f us per tile per CTA)\n",
+    printf("time %s, %d WG: %d tiles per warpgroup, %.1f us, %.0f cycles per tile per warpgroup, %.0f per tile per SM (%.3f us per tile per CTA)\n",
            MODE == 0   ? "SS f16 tile "
            : MODE == 1 ? "RS raw fp8 2 buffers"
            : MODE == 2 ? "RS raw fp8 3 buffers"
            : MODE == 3 ? "RS block fp8, exact bf16"
-                       : "RS block fp8, f16 hmul2", tiles, ms * 1e3, avg / tiles, ms * 1e3 / (2.0 * tiles));
+           : MODE == 4 ? "RS block fp8, f16 hmul2"
+                       : "RS raw bits, no conversion (timing only)", NWG, tiles, ms * 1e3, avg / tiles, avg / tiles / NWG,
+           ms * 1e3 / ((double)NWG * tiles));
   }
   return 0;
 }
@@ -479,9 +541,15 @@ int main(int argc, char **argv) {
   const char *what = argc > 1 ? argv[1] : "check";
   if (!strcmp(what, "check")) return run_check();
   const int tiles = argc > 2 ? atoi(argv[2]) : 2000;
+  if (!strcmp(what, "wgs")) {  // modes 0 / 1 / 5 with 1-4 warpgroups per CTA
+    if (run_time<0, 1>(tiles) || run_time<0, 2>(tiles) || run_time<0, 3>(tiles) || run_time<0, 4>(tiles)) return 1;
+    if (run_time<1, 1>(tiles) || run_time<1, 2>(tiles) || run_time<1, 3>(tiles) || run_time<1, 4>(tiles)) return 1;
+    return run_time<5, 1>(tiles) || run_time<5, 2>(tiles) || run_time<5, 3>(tiles) || run_time<5, 4>(tiles);
+  }
   if (run_time<0>(tiles)) return 1;
   if (run_time<1>(tiles)) return 1;
   if (run_time<2>(tiles)) return 1;
   if (run_time<3>(tiles)) return 1;
-  return run_time<4>(tiles);
+  if (run_time<4>(tiles)) return 1;
+  return run_time<5>(tiles);
 }
