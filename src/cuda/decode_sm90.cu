@@ -16,6 +16,7 @@
 //  - bf16 or f16 operands (f16 cache with f16 activations, kF16);
 //  - then the split-KV combine as a programmatic dependent.
 #include <pthread.h>
+#include <stdio.h>  // (the MLA_DEV_TIMELINE dev build's printout)
 #include <stdlib.h>
 #include <string.h>
 
@@ -1004,9 +1005,9 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[N / 2], uint64_t da, uint64_
 // or the split piece's o_accum) and the LSE. kNamed: the consumers' named
 // barrier (the ring kernel, whose producer warpgroup takes no part), else
 // __syncthreads.
-template <bool kNamed>
+template <bool kNamed, int NWG = 2>
 __device__ __forceinline__ void cons_sync() {
-  if constexpr (kNamed) named_bar_sync(kBarCons, kThreads);
+  if constexpr (kNamed) named_bar_sync(kBarCons, NWG * 128);
   else __syncthreads();
 }
 // One half (256 dims) of the merged rows from the scratch to global memory in
@@ -1016,12 +1017,13 @@ __device__ __forceinline__ void cons_sync() {
 // 0.2-2.6 us slower per call (bench/RESULTS.md session 12, run 4).
 // Both destinations are 16-byte aligned: `out` by attention.c's check,
 // o_accum by the workspace carving (256 bytes), rows of 512 values.
-template <int N, bool kF16>
+// NWG warpgroups (tid < NWG * 128) share the units.
+template <int N, bool kF16, int NWG = 2>
 __device__ __forceinline__ void store_rows_half(const mla_decode_params &p, const ReqWork &w, int mb, int half,
                                                 const float *scr, const float *lfin, int tid) {
   if (w.is_split) {
     const size_t base = ((size_t)w.split_idx * mla_decode_rows(&p) + mb * 64) * 512 + 256 * half;
-    for (int idx = tid; idx < N * 64; idx += kThreads) {  // rows x 64 units of 4 floats
+    for (int idx = tid; idx < N * 64; idx += NWG * 128) {  // rows x 64 units of 4 floats
       const int c = idx >> 6, u = idx & 63;
       if (c < w.rows) {
         const float il = lfin[c];
@@ -1031,7 +1033,7 @@ __device__ __forceinline__ void store_rows_half(const mla_decode_params &p, cons
       }
     }
   } else {
-    for (int idx = tid; idx < N * 32; idx += kThreads) {  // rows x 32 units of 8 values
+    for (int idx = tid; idx < N * 32; idx += NWG * 128) {  // rows x 32 units of 8 values
       const int c = idx >> 5, u = idx & 31;
       if (c < w.rows) {
         const float il = lfin[c];
@@ -1051,7 +1053,10 @@ __device__ __forceinline__ void store_rows_half(const mla_decode_params &p, cons
 
 // kPermD: O^T's fragment rows g / g + 8 of warp w hold dims 16 w + 2g / 2g + 1
 // (the register-operand P V of the per-tensor fp8 ring), not 16 w + g / g + 8.
-template <int N, bool kF16, bool kNamed, bool kPermD = false>
+// NWG warpgroups' states (the ring kernel's per-tensor fp8 runs three): the
+// last warpgroup writes its O^T into the scratch, the others add theirs in
+// turn, highest first.
+template <int N, bool kF16, bool kNamed, bool kPermD = false, int NWG = 2>
 __device__ __forceinline__ void merge_rows(const mla_decode_params &p, const ReqWork &w, int mb, const float (&lp)[N / 4],
                                            const float (&m)[N / 4], const float (&o)[8][N / 2],
                                            const int (&col)[N / 4], float osc, int tid, int wg, int wi, int lane,
@@ -1066,54 +1071,56 @@ __device__ __forceinline__ void merge_rows(const mla_decode_params &p, const Req
     if (lane < 4) redL[(wg * 4 + wi) * N + col[j]] = v;
     if (wi == 0 && lane < 4) mfin[wg * N + col[j]] = m[j];
   }
-  cons_sync<kNamed>();
+  cons_sync<kNamed, NWG>();
   float fg[NC];
 #pragma unroll
   for (int j = 0; j < NC; j++) {
     const int c = col[j];
-    const float m0 = mfin[c], m1 = mfin[N + c], mf = fmaxf(m0, m1);
-    const float f0 = m0 == -INFINITY ? 0.f : ex2(m0 - mf), f1 = m1 == -INFINITY ? 0.f : ex2(m1 - mf);
-    fg[j] = wg ? f1 : f0;
-    if (wg == 0 && wi == 0 && lane < 4) {
-      float l0 = 0.f, l1 = 0.f;
+    float mg[NWG], fw[NWG], mf = -INFINITY;
 #pragma unroll
-      for (int x = 0; x < 4; x++) {
-        l0 += redL[x * N + c];
-        l1 += redL[(4 + x) * N + c];
+    for (int g = 0; g < NWG; g++) {
+      mg[g] = mfin[g * N + c];
+      mf = fmaxf(mf, mg[g]);
+    }
+#pragma unroll
+    for (int g = 0; g < NWG; g++) fw[g] = mg[g] == -INFINITY ? 0.f : ex2(mg[g] - mf);
+    fg[j] = fw[0];
+#pragma unroll
+    for (int g = 1; g < NWG; g++) fg[j] = wg == g ? fw[g] : fg[j];
+    if (wg == 0 && wi == 0 && lane < 4) {
+      float l = 0.f;
+#pragma unroll
+      for (int g = 0; g < NWG; g++) {
+        float lg = 0.f;
+#pragma unroll
+        for (int x = 0; x < 4; x++) lg += redL[(4 * g + x) * N + c];
+        l += lg * fw[g];
       }
-      const float l = l0 * f0 + l1 * f1;
       lfin[c] = l > 0.f ? osc / l : 0.f;
       if (c < w.rows) store_lse(p, w, mb, c, l > 0.f ? mf + log2f(l) : -INFINITY);
     }
   }
 #pragma unroll
   for (int half = 0; half < 2; half++) {
-    if (wg == 1) {
 #pragma unroll
-      for (int q = 0; q < 4; q++)
+    for (int g = NWG - 1; g >= 0; g--) {
+      if (wg == g) {
 #pragma unroll
-        for (int i = 0; i < NR; i++) {
-          const int j = 2 * (i >> 2) + (i & 1);
-          const int d = kPermD ? 64 * q + 16 * wi + 2 * (lane >> 2) + ((i >> 1) & 1)
-                               : 64 * q + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
-          scr[col[j] * kMergeScr + d] = o[4 * half + q][i] * fg[j];
-        }
+        for (int q = 0; q < 4; q++)
+#pragma unroll
+          for (int i = 0; i < NR; i++) {
+            const int j = 2 * (i >> 2) + (i & 1);
+            const int d = kPermD ? 64 * q + 16 * wi + 2 * (lane >> 2) + ((i >> 1) & 1)
+                                 : 64 * q + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
+            const float v = o[4 * half + q][i] * fg[j];
+            if (g == NWG - 1) scr[col[j] * kMergeScr + d] = v;
+            else scr[col[j] * kMergeScr + d] += v;
+          }
+      }
+      cons_sync<kNamed, NWG>();
     }
-    cons_sync<kNamed>();
-    if (wg == 0) {
-#pragma unroll
-      for (int q = 0; q < 4; q++)
-#pragma unroll
-        for (int i = 0; i < NR; i++) {
-          const int j = 2 * (i >> 2) + (i & 1);
-          const int d = kPermD ? 64 * q + 16 * wi + 2 * (lane >> 2) + ((i >> 1) & 1)
-                               : 64 * q + 16 * wi + (lane >> 2) + 8 * ((i >> 1) & 1);
-          scr[col[j] * kMergeScr + d] += o[4 * half + q][i] * fg[j];
-        }
-    }
-    cons_sync<kNamed>();
-    store_rows_half<N, kF16>(p, w, mb, half, scr, lfin, tid);
-    cons_sync<kNamed>();
+    store_rows_half<N, kF16, NWG>(p, w, mb, half, scr, lfin, tid);
+    cons_sync<kNamed, NWG>();
   }
 }
 
@@ -1302,26 +1309,38 @@ __global__ void __launch_bounds__(kThreads, 1)
 // a raw ring, each warpgroup dequantizing into its own tile; §3.5), through
 // TMA (page size >= 8).
 // ---------------------------------------------------------------------------
-struct RingLay {
+// NWG consumer warpgroups: 2, or 3 for the per-tensor fp8 cache (its
+// register-operand GEMMs leave the SM's pipes idle behind two warpgroups'
+// chains; a third warpgroup's tiles fill part of that: dev/cuda/fp8_rs wgs,
+// bench/RESULTS.md session 14). With 3 the row arrays used only by
+// merge_rows (redL, mfin, lfin) move into the Q region's tail past the merge
+// scratch, written after a consumers' barrier (Q is free then): the region
+// after the ring would otherwise overflow the 227 KB by 216 bytes.
+template <int NWG>
+struct RingLayT {
   static constexpr int N = 16;
   static constexpr int kSlots = 25;
+  static constexpr bool kMergeInQ = NWG > 2;                 // redL / mfin / lfin in the Q region's tail
   static constexpr uint32_t kQChunk = N * 128;               // 64 dims of Q: N rows x 128 B
   static constexpr uint32_t kOffQ = 0;                       // Q chunks 0-8; the merge scratch aliases them
   static constexpr uint32_t kOffP = 9 * kQChunk;             // P^T of WG g at kOffP + g * kQChunk
-  static constexpr uint32_t kOffRing = kOffP + 2 * kQChunk;  // kSlots slots of 64 rows x 128 B
-  static constexpr uint32_t kOffRed = kOffRing + kSlots * kChunk;  // float [2][4][N] column maxima
-  static constexpr uint32_t kOffRedL = kOffRed + 2 * 4 * N * 4;    // float [2][4][N] column sums
-  static constexpr uint32_t kOffMf = kOffRedL + 2 * 4 * N * 4;     // float [2][N] final max per WG
-  static constexpr uint32_t kOffLf = kOffMf + 2 * N * 4;           // float [N] 1 / l
-  static constexpr uint32_t kOffLim = kOffLf + N * 4;              // int [N]
-  static constexpr uint32_t kOffBar = kOffLim + N * 4;             // full[kSlots], empty[kSlots]
+  static constexpr uint32_t kOffRing = kOffP + NWG * kQChunk;  // kSlots slots of 64 rows x 128 B
+  static constexpr uint32_t kOffRed = kOffRing + kSlots * kChunk;  // float [NWG][4][N] column maxima
+  static constexpr uint32_t kOffRedL =                             // float [NWG][4][N] column sums
+      kMergeInQ ? N * kMergeScr * 4 : kOffRed + NWG * 4 * N * 4;
+  static constexpr uint32_t kOffMf = kOffRedL + NWG * 4 * N * 4;  // float [NWG][N] final max per WG
+  static constexpr uint32_t kOffLf = kOffMf + NWG * N * 4;        // float [N] 1 / l
+  static constexpr uint32_t kOffLim = kMergeInQ ? kOffRed + NWG * 4 * N * 4 : kOffLf + N * 4;  // int [N]
+  static constexpr uint32_t kOffBar = kOffLim + N * 4;              // full[kSlots], empty[kSlots]
   static constexpr uint32_t kOffIss = kOffBar + 2 * kSlots * 8;     // int: ring positions issued
   static constexpr uint32_t kSmem = kOffIss + 8 + 1024;
   static_assert(kOffP % 1024 == 0 && kOffRing % 1024 == 0, "swizzled tiles must be 1024-aligned");
   static_assert(N * kMergeScr * 4 <= kOffP, "the merge scratch must fit in the Q region");
+  static_assert(!kMergeInQ || kOffLf + N * 4 <= kOffP, "the merge's row arrays must fit in the Q region's tail");
   static_assert(kOffBar % 8 == 0, "mbarrier alignment");
   static_assert(kSmem <= 232448, "over the opt-in shared memory of sm_90");
 };
+using RingLay = RingLayT<2>;
 // Two consumer warpgroups and a producer warpgroup whose thread 0 issues the
 // loads (the other three warps leave at once). A whole producer warpgroup so
 // that setmaxnreg can hand the consumers 232 registers: with a lone producer
@@ -1329,7 +1348,25 @@ struct RingLay {
 // capped every thread at 168 (512 / 3), and the per-tensor fp8 path spilled
 // there; 40 / 232 made it 3.7 % faster at b = 128, H = 16 (bf16 unchanged;
 // bench/RESULTS.md session 12, run 12).
+// With three consumer warpgroups (512 threads: 128 registers a thread at
+// launch) the producer gives back to kRing3ProdRegs and the consumers take
+// kRing3ConsRegs (prod + 3 cons <= 512: a lane's share of the 64K file).
+#ifndef MLA_DEV_RING3_PROD
+#define MLA_DEV_RING3_PROD 40
+#endif
+#ifndef MLA_DEV_RING3_CONS
+#define MLA_DEV_RING3_CONS 152
+#endif
 constexpr int kRingThreads = kThreads + 128, kRingProdRegs = 40, kRingConsRegs = 232;
+constexpr int kRing3ProdRegs = MLA_DEV_RING3_PROD, kRing3ConsRegs = MLA_DEV_RING3_CONS;
+template <int NWG>
+constexpr int ring_threads() { return NWG * 128 + 128; }
+static_assert(ring_threads<2>() == kRingThreads, "two consumer warpgroups and the producer's");
+static_assert(kRing3ProdRegs + 3 * kRing3ConsRegs <= 512 && kRing3ConsRegs % 8 == 0 && kRing3ProdRegs % 8 == 0,
+              "the register file: a lane's share is 512");
+#ifndef MLA_DEV_RING3
+#define MLA_DEV_RING3 0  // dev switch: 1 runs the per-tensor fp8 ring with three consumer warpgroups (not yet measured faster)
+#endif
 
 // The block-scaled fp8 cache (bf16 operands): the ring region holds the two
 // consumer warpgroups' own tiles (slots 0-8 and 9-17, each dequantized by its
@@ -1630,10 +1667,24 @@ static_assert(RingLay::kSlots % 5 == 0, "a tile's 5 raw positions must share one
 #ifndef MLA_DEV_QKBUF
 #define MLA_DEV_QKBUF 2
 #endif
+// kQkAcc accumulators, k-step j adding into acc[j % kQkAcc], summed at the
+// end: the 36 m64n16k16 of one accumulator form a dependency chain whose
+// latency, not the tensor pipe, set the Q.K^T's time (a timeline, session 13
+// run 2: 2613 cycles for 36 k-steps against 1605 for the P V's 32, which
+// are 8 chains of 4).
+#ifndef MLA_DEV_QKACC
+#define MLA_DEV_QKACC 1
+#endif
+constexpr int kQkAcc = MLA_DEV_QKACC;
+#ifndef MLA_DEV_SSACC
+#define MLA_DEV_SSACC 1
+#endif
+constexpr int kSsAcc = MLA_DEV_SSACC;  // the same for the 16-bit ring's shared-memory Q.K^T
 constexpr int kQkB = MLA_DEV_QKB, kQkBuf = MLA_DEV_QKBUF;
 static_assert(kQkB == 2 || kQkB == 4, "a batch is one or two ldmatrix.x4 of the same chunk");
 __device__ __forceinline__ void qk_rs_tile(float (&s)[8], uint32_t ring, uint32_t fullb, uint32_t emptyb,
                                            const int (&sl)[5], uint32_t par, uint32_t sQ, int wi, int lane) {
+  float acc[kQkAcc][8];  // (each one's first k-step does not accumulate: no zeroing needed)
   uint32_t a[kQkBuf][kQkB][4];
   const int key = 16 * wi + (lane & 7) + 8 * ((lane >> 3) & 1);  // this lane's ldmatrix row
   const int usel = 16 * (lane >> 4);                              // first / second 16-byte piece
@@ -1643,7 +1694,9 @@ __device__ __forceinline__ void qk_rs_tile(float (&s)[8], uint32_t ring, uint32_
     const int c = ci == 0 ? 8 : ci - 1;                      // Q chunk: rope, then latent 0-7
     const int box = ci == 0 ? 0 : 1 + (c >> 1);              // raw box holding those 64 dims
     const int b0 = ci == 0 ? 64 : 64 * (c & 1);              // their first byte in the box's rows
+#ifndef MLA_DEV_NOLOAD
     if (j0 == 0 && (ci <= 1 || (c & 1) == 0)) mbar_wait(fullb + 8 * sl[box], par);
+#endif
     uint32_t(&A)[kQkB][4] = a[bt % kQkBuf];
     if (bt >= kQkBuf) wgmma_wait<kQkBuf - 1>();
     const uint32_t base = ring + sl[box] * kChunk;
@@ -1652,11 +1705,20 @@ __device__ __forceinline__ void qk_rs_tile(float (&s)[8], uint32_t ring, uint32_
     wgmma_fence();
 #pragma unroll
     for (int j = 0; j < kQkB; j++)
-      wgmma_rs_m64n16k16_h(s, A[j], desc_sw128(sQ + c * RingLay::kQChunk + (j0 + j) * 32, 16, 1024), ks0 + j > 0);
+      wgmma_rs_m64n16k16_h(acc[(ks0 + j) % kQkAcc], A[j], desc_sw128(sQ + c * RingLay::kQChunk + (j0 + j) * 32, 16, 1024),
+                           ks0 + j >= kQkAcc);
     wgmma_commit();
   }
   wgmma_wait<0>();
-  reg_fence(s);
+#pragma unroll
+  for (int k = 0; k < kQkAcc; k++) reg_fence(acc[k]);
+#pragma unroll
+  for (int i = 0; i < 8; i++) {
+    float v = acc[0][i];
+#pragma unroll
+    for (int k = 1; k < kQkAcc; k++) v += acc[k][i];
+    s[i] = v;
+  }
   if (lane == 0) mbar_arrive(emptyb + 8 * sl[0]);  // the rope box: read by QK^T only
 }
 
@@ -1705,21 +1767,22 @@ __device__ __forceinline__ void zero_tail_raw(uint8_t *ringp, const int (&sl)[5]
 // 2^e chosen so that the largest |q| lands in [2^14, 2^15) (f16 holds every
 // bf16 value of that binade and the 2^29 below exactly; what flushes is
 // < 2^-29 of the largest term). Returns 2^-e, the factor the scores need
-// back. The 256 consumer threads; red: 8 floats of scratch. Each 16-dim group
+// back. The NWG * 128 consumer threads; red: 4 NWG floats of scratch. Each 16-dim group
 // is stored permuted for qk_rs_tile: slot s holds dim 4 (s / 2) + s % 2
 // (s < 8) or 4 ((s - 8) / 2) + 2 + s % 2, i.e. the group's 32-bit words 0, 2,
 // 4, 6 then 1, 3, 5, 7.
+template <int NWG>
 __device__ __forceinline__ float ring_q_f16(const mla_decode_params &p, const ReqWork &w, int mb, uint32_t sQ,
                                             float *red, int tid) {
   // units: 16-dim groups, two 16-byte loads of bf16 each
-  constexpr int N = RingLay::N, kU = 2, kPerRow = 72 / kU;
-  constexpr int kPer = (N * kPerRow + kThreads - 1) / kThreads;
+  constexpr int N = RingLay::N, kU = 2, kPerRow = 72 / kU, kT = NWG * 128;
+  constexpr int kPer = (N * kPerRow + kT - 1) / kT;
   const int H = p.num_heads;
   uint4 v[kPer][kU];
   float mx = 0.f;
 #pragma unroll
   for (int i = 0; i < kPer; i++) {
-    const int ci = tid + i * kThreads, r = ci / kPerRow, pc = (ci - r * kPerRow) * kU;  // first 8-dim piece
+    const int ci = tid + i * kT, r = ci / kPerRow, pc = (ci - r * kPerRow) * kU;  // first 8-dim piece
 #pragma unroll
     for (int u = 0; u < kU; u++) v[i][u] = make_uint4(0, 0, 0, 0);
     if (ci < N * kPerRow && r < w.rows) {
@@ -1740,10 +1803,10 @@ __device__ __forceinline__ float ring_q_f16(const mla_decode_params &p, const Re
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   if ((tid & 31) == 0) red[tid >> 5] = mx;
-  named_bar_sync(kBarCons, kThreads);
+  named_bar_sync(kBarCons, kT);
   float m = red[0];
 #pragma unroll
-  for (int i = 1; i < kThreads / 32; i++) m = fmaxf(m, red[i]);
+  for (int i = 1; i < kT / 32; i++) m = fmaxf(m, red[i]);
   // (NaN never wins fmaxf; inf or 0 leave the scale at 1: the result is inf /
   // NaN or all-zero scores either way.) e is clamped so 2^e stays normal.
   int e = 0;
@@ -1754,7 +1817,7 @@ __device__ __forceinline__ float ring_q_f16(const mla_decode_params &p, const Re
   const float up = __uint_as_float((uint32_t)(127 + e) << 23);  // 2^e, a normal float
 #pragma unroll
   for (int i = 0; i < kPer; i++) {
-    const int ci = tid + i * kThreads, r = ci / kPerRow, pc = (ci - r * kPerRow) * kU, ch = pc >> 3;
+    const int ci = tid + i * kT, r = ci / kPerRow, pc = (ci - r * kPerRow) * kU, ch = pc >> 3;
     if (ci < N * kPerRow) {
       uint32_t y[4 * kU];
 #pragma unroll
@@ -1771,12 +1834,30 @@ __device__ __forceinline__ float ring_q_f16(const mla_decode_params &p, const Re
   return __uint_as_float((uint32_t)(127 - e) << 23);
 }
 
-template <int LM, bool kF16>
-__global__ void __launch_bounds__(kRingThreads, 1)
+// Development timeline (compile with -DMLA_DEV_TIMELINE; never in a library
+// build): %clock64 stamps by thread 0 of each consumer warpgroup of CTA (0, 0)
+// at the phases of each of its first kTlTiles tiles; the launcher prints them
+// after the MLA_DEV_TIMELINE_AT-th launch (docs/decode-kernel.md §3.5.2).
+#ifdef MLA_DEV_TIMELINE
+constexpr int kTlTiles = 80, kTlPh = 7;
+__device__ long long g_tl[3][kTlTiles][kTlPh];
+#define RING_TL(ph) \
+  do { \
+    if (tl_on && tli < kTlTiles) g_tl[wg][tli][ph] = clock64(); \
+  } while (0)
+#else
+#define RING_TL(ph) \
+  do { \
+  } while (0)
+#endif
+
+template <int LM, bool kF16, int NWG>
+__global__ void __launch_bounds__(ring_threads<NWG>(), 1)
     decode_ring_kernel(const mla_decode_params p, const __grid_constant__ KvMaps kv_maps, uint32_t vt_lbo,
                        uint32_t vt_sbo, int l2_hint) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using L = RingLay;
+  using L = RingLayT<NWG>;
+  constexpr int kCons = NWG * 128;  // consumer threads (the producer warpgroup follows)
   constexpr int N = L::N, S = L::kSlots;
   // Per-tensor fp8 runs f16 operands (exact e4m3 values, Q in f16) and
   // writes the activations' bf16; kF16 is the 16-bit f16 cache.
@@ -1807,12 +1888,14 @@ __global__ void __launch_bounds__(kRingThreads, 1)
     fence_mbar_init();
   }
   __syncthreads();
-  if (tid >= kThreads) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRingProdRegs));
-    if (tid == kThreads) ring_produce<LM>(p, kv_maps.m, meta, mb, ring, fullb, emptyb, iss, l2_hint);
+  if (tid >= kCons) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(NWG == 2 ? kRingProdRegs : kRing3ProdRegs));
+#ifndef MLA_DEV_NOLOAD  // (dev timing only: no loads, no waits for them; wrong results)
+    if (tid == kCons) ring_produce<LM>(p, kv_maps.m, meta, mb, ring, fullb, emptyb, iss, l2_hint);
+#endif
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRingConsRegs));
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(NWG == 2 ? kRingConsRegs : kRing3ConsRegs));
   const int wg = tid >> 7, t128 = tid & 127, wi = (tid >> 5) & 3, lane = tid & 31;
   const int er = meta[SCHED_END_REQ];
   float sl2 = p.scale * kLog2e;  // fp8: times the per-tensor scale and Q's 2^-e, per request
@@ -1831,18 +1914,22 @@ __global__ void __launch_bounds__(kRingThreads, 1)
 #pragma unroll
   for (int j = 0; j < NC; j++) col[j] = 8 * (j >> 1) + 2 * (lane & 3) + (j & 1);
   int gbase = 0;  // tiles of the part's earlier requests: tile i of the part is at ring position 9 i
+#ifdef MLA_DEV_TIMELINE
+  const bool tl_on = blockIdx.x == 0 && blockIdx.y == 0 && t128 == 0;
+  int tli = 0;
+#endif
 
   for (int req = meta[SCHED_BEGIN_REQ]; req <= er; req++) {
     const ReqWork w = req_work(p, meta, req, mb);
     if (w.rows == 0) continue;  // (n_tiles == 0: the producer skips it too)
-    named_bar_sync(kBarCons, kThreads);  // the last request is done with Q / the scratch and the row arrays
+    named_bar_sync(kBarCons, kCons);  // the last request is done with Q / the scratch and the row arrays
     if constexpr (kRs) {
       if (tid < N) lim[tid] = tid < w.rows ? row_limit(p, w, mb, tid) : 0;  // padding rows see no key
-      sl2 = p.scale * kLog2e * p.kv_scale * ring_q_f16(p, w, mb, sQ, red, tid);
+      sl2 = p.scale * kLog2e * p.kv_scale * ring_q_f16<NWG>(p, w, mb, sQ, red, tid);
       fence_proxy_async();
     } else {
       const int H = p.num_heads;
-      for (int ci = tid; ci < N * 72; ci += kThreads) {
+      for (int ci = tid; ci < N * 72; ci += kCons) {
         const int r = ci / 72, pc = ci - r * 72, ch = pc >> 3;
         const bool ok = r < w.rows;
         const int rg = mb * 64 + r, t = ok ? rg / H : 0, h = ok ? rg % H : 0;
@@ -1856,7 +1943,7 @@ __global__ void __launch_bounds__(kRingThreads, 1)
       cp_async_wait_all();
       fence_proxy_async();
     }
-    named_bar_sync(kBarCons, kThreads);
+    named_bar_sync(kBarCons, kCons);
     const int lim0 = lim[0];  // row 0 has the lowest limit
     int limc[NC];
 #pragma unroll
@@ -1874,8 +1961,8 @@ __global__ void __launch_bounds__(kRingThreads, 1)
       lp[j] = 0.f;
     }
 
-    // The warpgroups alternate over the part's tiles (tile i: warpgroup i % 2).
-    for (int t = wg ^ (gbase & 1); t < w.n_tiles; t += 2) {
+    // The warpgroups take the part's tiles in turn (tile i: warpgroup i % NWG).
+    for (int t = (wg + NWG - gbase % NWG) % NWG; t < w.n_tiles; t += NWG) {
       const int kt = w.kstart + 64 * t;
       const int nv = min(64, w.kend_blk - kt);
       const bool full = kt + 64 <= lim0;
@@ -1897,7 +1984,18 @@ __global__ void __launch_bounds__(kRingThreads, 1)
       float s[NR];
 #pragma unroll
       for (int i = 0; i < NR; i++) s[i] = 0.f;
+      RING_TL(0);
+#ifndef MLA_DEV_NOLOAD
       wait_issued(iss, q0 + kPos);  // the tile is issued (ring_produce says why)
+#endif
+      RING_TL(1);
+#ifdef MLA_DEV_TIMELINE
+      if constexpr (kRs) {  // (the timeline waits for the whole tile here: stamp 2 = its data landed)
+#pragma unroll
+        for (int k = 0; k < 5; k++) mbar_wait(fullb + 8 * rsl[k], parm);
+      }
+#endif
+      RING_TL(2);
       if constexpr (kRs) {
         qk_rs_tile(s, ring, fullb, emptyb, rsl, parm, sQ, wi, lane);
       } else {
@@ -1911,31 +2009,50 @@ __global__ void __launch_bounds__(kRingThreads, 1)
           fence_proxy_async();
           named_bar_sync(nb + NB_P - 1, 128);
         }
+        // (kSsAcc accumulators, as kQkAcc in qk_rs_tile)
+        float acc[kSsAcc][NR];
 #pragma unroll
         for (int k = 0; k < 9; k++) {
           const int c = k == 0 ? 8 : k - 1;
+#ifndef MLA_DEV_NOLOAD
           if constexpr (!kRaw) mbar_wait(fullb + 8 * sl[k], (parm >> k) & 1u);
+#endif
           wgmma_fence();
           const uint32_t sa = ring + sl[k] * kChunk;
 #pragma unroll
           for (int kk = 0; kk < 4; kk++)
-            qk_wgmma<N, kMF16>(s, desc_sw128(sa + kk * 32, 16, 1024), desc_sw128(sQ + c * L::kQChunk + kk * 32, 16, 1024),
-                               k > 0 || kk > 0);
+            qk_wgmma<N, kMF16>(acc[(4 * k + kk) % kSsAcc], desc_sw128(sa + kk * 32, 16, 1024),
+                               desc_sw128(sQ + c * L::kQChunk + kk * 32, 16, 1024), 4 * k + kk >= kSsAcc);
         }
         wgmma_commit();
         wgmma_wait<0>();
-        reg_fence(s);
+#pragma unroll
+        for (int k = 0; k < kSsAcc; k++) reg_fence(acc[k]);
+#pragma unroll
+        for (int i = 0; i < NR; i++) {
+          float v = acc[0][i];
+#pragma unroll
+          for (int k = 1; k < kSsAcc; k++) v += acc[k][i];
+          s[i] = v;
+        }
         if (!kRaw && lane == 0) mbar_arrive(emptyb + 8 * sl[0]);  // the rope slot: read by QK^T only
       }
 
       // ---- softmax down the columns, P^T -> shared memory ----
+      RING_TL(3);
       col_softmax_p<N, kMF16>(s, m, lp, o, col, limc, sl2, full, kt, wg, wi, lane, nb, red, sP);
+      RING_TL(4);
       if (kRs && nv < 64) zero_tail_raw(ringp, rsl, nv, t128);
       if (!kRaw && nv < 64) zero_tail_ring(ringp, q0, nv, t128);  // (block format: dequantized to zeros)
       fence_proxy_async();
       named_bar_sync(nb + NB_P - 1, 128);
+      RING_TL(5);
       if constexpr (kRs) {
         pv_rs_tile(o, ring, emptyb, rsl, sP, wi, lane);
+        RING_TL(6);
+#ifdef MLA_DEV_TIMELINE
+        tli++;
+#endif
         continue;
       }
 
@@ -1982,12 +2099,18 @@ __global__ void __launch_bounds__(kRingThreads, 1)
           mbar_arrive(emptyb + 8 * sl[8]);
         }
       }
+      RING_TL(6);
+#ifdef MLA_DEV_TIMELINE
+      tli++;
+#endif
     }
     gbase += w.n_tiles;
 
-    // ---- merge the two warpgroups' states, write the request's rows ----
-    // (the first barrier: both warpgroups past their last QK^T, Q becomes the scratch)
-    merge_rows<N, kF16, true, kRs>(p, w, mb, lp, m, o, col, osc, tid, wg, wi, lane, redL, mfin, lfin, scr);
+    // ---- merge the warpgroups' states, write the request's rows ----
+    // (merge_rows' first barrier: all warpgroups past their last QK^T, Q
+    // becomes the scratch; with the row arrays in Q's tail, one before too)
+    if constexpr (L::kMergeInQ) named_bar_sync(kBarCons, kCons);
+    merge_rows<N, kF16, true, kRs, NWG>(p, w, mb, lp, m, o, col, osc, tid, wg, wi, lane, redL, mfin, lfin, scr);
   }
 #endif
 }
@@ -2023,14 +2146,47 @@ cudaError_t launch_narrow(const mla_decode_params *p, const KvMaps &map, cudaStr
 
 template <int LM, bool kF16>
 cudaError_t launch_ring(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
+  // three consumer warpgroups for the per-tensor fp8 cache (RingLayT says why)
+  constexpr int NWG = LM == LOAD_FP8_TMA && MLA_DEV_RING3 ? 3 : 2;
+  using L = RingLayT<NWG>;
   static uint64_t smem_set;
-  DEV_CUDA_OK(set_smem_once(decode_ring_kernel<LM, kF16>, (int)RingLay::kSmem, &smem_set));
+  DEV_CUDA_OK(set_smem_once(decode_ring_kernel<LM, kF16, NWG>, (int)L::kSmem, &smem_set));
   dim3 grid(p->num_sm_parts, mla_decode_m_blocks(p));
   // evict_first when every part holds >= 4 of the request's pieces on
   // average (small batches): measured 2-3 us faster at b = 1, 4 (s_k 32K);
   // slower at b = 128 (docs/decode-kernel.md §3.3).
   const int l2_hint = p->num_sm_parts >= 4 * p->batch_size;
-  decode_ring_kernel<LM, kF16><<<grid, kRingThreads, RingLay::kSmem, stream>>>(*p, map, kVtLbo, kVtSbo, l2_hint);
+  decode_ring_kernel<LM, kF16, NWG><<<grid, ring_threads<NWG>(), L::kSmem, stream>>>(*p, map, kVtLbo, kVtSbo, l2_hint);
+#ifdef MLA_DEV_TIMELINE
+  {  // dev only: print the stamps of the MLA_DEV_TIMELINE_AT-th launch (default 5); syncs
+    static int calls = 0;
+    const char *at = getenv("MLA_DEV_TIMELINE_AT");
+    if (++calls == (at ? atoi(at) : 5)) {
+      static long long h[3][kTlTiles][kTlPh];
+      cudaStreamSynchronize(stream);
+      cudaMemcpyFromSymbol(h, g_tl, sizeof(h));
+      fprintf(stderr, "timeline (cycles from each tile's phase 0: issued, landed, qk, softmax, P barrier, pv; period)\n");
+      double sum[kTlPh] = {0}, per = 0;
+      int n = 0;
+      for (int wgi = 0; wgi < 3; wgi++)
+        for (int i = 0; i < kTlTiles; i++) {
+          if (h[wgi][i][0] == 0) continue;
+          const long long nx = i + 1 < kTlTiles ? h[wgi][i + 1][0] : 0;
+          fprintf(stderr, "tl wg%d tile %2d:", wgi, i);
+          for (int k = 1; k < kTlPh; k++) fprintf(stderr, " %6lld", h[wgi][i][k] - h[wgi][i][k - 1]);
+          fprintf(stderr, " | %6lld\n", nx ? nx - h[wgi][i][0] : 0);
+          if (i >= 4 && nx) {
+            for (int k = 1; k < kTlPh; k++) sum[k] += (double)(h[wgi][i][k] - h[wgi][i][k - 1]);
+            per += (double)(nx - h[wgi][i][0]);
+            n++;
+          }
+        }
+      fprintf(stderr, "tl mean of %d tiles (from tile 4):", n);
+      for (int k = 1; k < kTlPh; k++) fprintf(stderr, " %6.0f", n ? sum[k] / n : 0.);
+      fprintf(stderr, " | %6.0f\n", n ? per / n : 0.);
+    }
+  }
+#endif
   return cudaGetLastError();
 }
 
