@@ -1346,16 +1346,19 @@ using RingLay = RingLayT<2>;
 // that setmaxnreg can hand the consumers 232 registers: with a lone producer
 // warp (288 threads) the SM sub-partition holding it had three warps, which
 // capped every thread at 168 (512 / 3), and the per-tensor fp8 path spilled
-// there; 40 / 232 made it 3.7 % faster at b = 128, H = 16 (bf16 unchanged;
-// bench/RESULTS.md session 12, run 12).
+// there; 40 / 232 made it 3.7 % faster at b = 128, H = 16 (bench/RESULTS.md
+// session 12, run 12). Until session 15 ptxas ignored both setmaxnreg (a
+// C-level __trap() in wait_issued, see there) and compiled the consumers at
+// the launch bound's 168; they now get their 232.
 // With three consumer warpgroups (512 threads: 128 registers a thread at
 // launch) the producer gives back to kRing3ProdRegs and the consumers take
-// kRing3ConsRegs (prod + 3 cons <= 512: a lane's share of the 64K file).
+// kRing3ConsRegs (prod + 3 cons <= 512: a lane's share of the 64K file;
+// ptxas: 152 spills 40 B in the per-tensor fp8 kernel, 160 none).
 #ifndef MLA_DEV_RING3_PROD
-#define MLA_DEV_RING3_PROD 40
+#define MLA_DEV_RING3_PROD 32
 #endif
 #ifndef MLA_DEV_RING3_CONS
-#define MLA_DEV_RING3_CONS 152
+#define MLA_DEV_RING3_CONS 160
 #endif
 constexpr int kRingThreads = kThreads + 128, kRingProdRegs = 40, kRingConsRegs = 232;
 constexpr int kRing3ProdRegs = MLA_DEV_RING3_PROD, kRing3ConsRegs = MLA_DEV_RING3_CONS;
@@ -1452,17 +1455,27 @@ __device__ __forceinline__ void ring_load(const mla_decode_params &p, const CUte
 __device__ __forceinline__ void st_release_s32(uint32_t addr, int v) {
   asm volatile("st.release.cta.shared::cta.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }
-__device__ __forceinline__ int ld_acquire_s32(uint32_t addr) {
-  int v;
-  asm volatile("ld.acquire.cta.shared::cta.b32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
-  return v;
-}
 
 // Spins until the producer has issued ring positions < n; traps (a launch
-// error instead of a hang) after ~2^24 polls, as mbar_wait does.
+// error instead of a hang) after ~2^24 polls, as mbar_wait does. One asm
+// block with a predicated trap: a C-level __trap() (an unconditional trap in
+// a block of its own) makes ptxas ignore every setmaxnreg of the kernel and
+// allocate all of it at the launch-bound count (168 registers for 384
+// threads, 128 for 512), which silently cost the consumers their 232.
 __device__ __forceinline__ void wait_issued(uint32_t iss, int n) {
-  for (uint32_t k = 0; ld_acquire_s32(iss) < n; k++)
-    if (k > (1u << 24)) __trap();
+  asm volatile(
+      "{\n.reg .pred p;\n.reg .u32 k;\n.reg .s32 v;\nmov.u32 k, 0;\n"
+      "WI_LOOP:\n"
+      "ld.acquire.cta.shared::cta.b32 v, [%0];\n"
+      "setp.ge.s32 p, v, %1;\n"
+      "@p bra WI_DONE;\n"
+      "add.u32 k, k, 1;\n"
+      "setp.gt.u32 p, k, 16777216;\n"
+      "@p trap;\n"
+      "bra WI_LOOP;\n"
+      "WI_DONE:\n}\n" ::"r"(iss),
+      "r"(n)
+      : "memory");
 }
 
 // The producer (one thread): walks the part's tiles in the consumers' order
