@@ -1390,8 +1390,9 @@ static_assert(kRing3ProdRegs + 3 * kRing3ConsRegs <= 512 && kRing3ConsRegs % 8 =
               "the register file: a lane's share is 512");
 // Dev switch (A/B builds only): MLA_DEV_PAIR 1 has the per-tensor fp8 ring
 // read its tiles through the pair view (make_kv_tmap_pairs) where the page
-// size allows (>= 64). It cuts the L2 read requests by 40 % and measured no
-// faster (bench/RESULTS.md session 15, run 3), so the row view stays.
+// size allows (>= 64). It cuts the L2 read requests by 40 % and measured 9 %
+// slower (it holds every slot of a tile from before the Q.K^T to after the
+// P V; bench/RESULTS.md session 15, runs 3 and 5), so the row view stays.
 #ifndef MLA_DEV_PAIR
 #define MLA_DEV_PAIR 0
 #endif
@@ -1399,7 +1400,7 @@ static inline bool ring_pairs(const mla_decode_params *p) {
   return MLA_DEV_PAIR && p->kv_dtype == MLA_DTYPE_FP8_E4M3 && p->page_size >= 64 && p->row_bytes == 576;
 }
 #ifndef MLA_DEV_RING3
-#define MLA_DEV_RING3 0  // dev switch: 1 runs the per-tensor fp8 ring with three consumer warpgroups (not yet measured faster)
+#define MLA_DEV_RING3 0  // dev switch: 1 runs the per-tensor fp8 ring with three consumer warpgroups (compute -20 %, time with loads unchanged: RESULTS session 15 run 5)
 #endif
 
 // The block-scaled fp8 cache (bf16 operands): the ring region holds the two
