@@ -70,20 +70,22 @@ static int cmp_f(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
-/* Device buffer of n random bf16 values (converted through mla_convert). */
-static void *rand_bf16(uint64_t *seed, size_t n) {
+/* Device buffer of n random 16-bit values of type t (bf16 or f16, converted
+ * through mla_convert). */
+static void *rand_16(uint64_t *seed, size_t n, mla_dtype t) {
   float *f = malloc(sizeof(float) * n);
   uint16_t *h = malloc(2 * n);
   void *d = NULL;
   if (f && h) {
     for (size_t i = 0; i < n; i++) f[i] = bc_val(seed);
-    mla_convert(f, MLA_DTYPE_F32, h, MLA_DTYPE_BF16, (int64_t)n);
+    mla_convert(f, MLA_DTYPE_F32, h, t, (int64_t)n);
     if (cudaMalloc(&d, 2 * n) == cudaSuccess) cudaMemcpy(d, h, 2 * n, cudaMemcpyHostToDevice);
   }
   free(f);
   free(h);
   return d;
 }
+static void *rand_bf16(uint64_t *seed, size_t n) { return rand_16(seed, n, MLA_DTYPE_BF16); }
 
 typedef struct bc_opts {
   int b, runs, csv, quick, P, no_prefill, no_kv_write;
@@ -98,13 +100,15 @@ typedef struct bc_opts {
  * every H and s_q of one (s_k, dtype). */
 typedef struct bc_world {
   mla_kv_cache *cache;
-  int32_t *r2t; /* device [b, s_k] */
+  int32_t *r2t;  /* device [b, s_k] */
   int pages;
+  mla_dtype act; /* the activations' dtype: f16 for an f16 cache (what the CUDA kernels take), else bf16 */
 } bc_world;
 
 static int world_make(mla_ctx *ctx, const bc_opts *o, int sk, mla_dtype dt, uint64_t *seed, bc_world *w,
                       char *why, size_t why_n) {
   memset(w, 0, sizeof *w);
+  w->act = dt == MLA_DTYPE_F16 ? MLA_DTYPE_F16 : MLA_DTYPE_BF16;
   const int P = o->P, per = (sk + P - 1) / P;
   w->pages = o->b * per + 1;
   mla_kv_cache_desc cd = {1, w->pages, P, dt, NULL};
@@ -188,7 +192,7 @@ static int run_case(mla_ctx *ctx, const bc_opts *o, const bc_world *w, int sk, i
   int32_t *ids = NULL, *seq = NULL;
   void *ws = NULL, *out = NULL;
   float *lse = NULL;
-  void *qn = rand_bf16(seed, (size_t)Tq * H * MLA_LATENT), *qr = rand_bf16(seed, (size_t)Tq * H * MLA_ROPE);
+  void *qn = rand_16(seed, (size_t)Tq * H * MLA_LATENT, w->act), *qr = rand_16(seed, (size_t)Tq * H * MLA_ROPE, w->act);
   BC_CK(cudaMalloc((void **)&ids, sizeof(int32_t) * b));
   BC_CK(cudaMalloc((void **)&seq, sizeof(int32_t) * b));
   BC_CK(cudaMemcpy(ids, ids_h, sizeof(int32_t) * b, cudaMemcpyHostToDevice));
@@ -204,7 +208,7 @@ static int run_case(mla_ctx *ctx, const bc_opts *o, const bc_world *w, int sk, i
   a.num_heads = H;
   a.scale = 0.0721687836f;
   a.flags = flags;
-  a.act_dtype = MLA_DTYPE_BF16;
+  a.act_dtype = w->act;
   a.q_nope = qn;
   a.q_rope = qr;
   a.out = out;
