@@ -99,8 +99,7 @@ cudaError_t make_kv_tmap_bytes(const mla_decode_params *p, CUtensorMap *map, int
 // of rows is 9 whole 128-byte lines, so every box row is one aligned line:
 // the row view's boxes straddle two lines on every other row (576 = 4.5
 // lines), ~8 L2 requests per row against 4.5 here (bench/RESULTS.md session
-// 15, run 2: that view's ring kernel is bound by the L2 request rate).
-// Page size >= 64 (a tile's 64 keys are 32 pairs of one page).
+// 15, runs 2-3). Page size >= 64 (a tile's 64 keys are 32 pairs of one page).
 cudaError_t make_kv_tmap_pairs(const mla_decode_params *p, CUtensorMap *map) {
   memset(map, 0, sizeof(*map));
   EncodeTiledFn fn = encode_fn();
@@ -1703,19 +1702,21 @@ __device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t a, uint32_t
 __device__ __forceinline__ uint32_t box_off(int key, int b) {
   return (uint32_t)(key * 128 + ((((b >> 4) ^ (key & 7)) & 7) << 4));
 }
-// The pair view (ring_load<.., kPair>): the 16 bytes at row byte 64 CH + off
-// (off a multiple of 16 below 64; CH 0-7 the latent, 8 the rope) of the key
-// whose parity is `odd` and pair index pr = key / 2. Row bytes b sit at pair
-// byte b (even keys) or 576 + b (odd keys), i.e. box j = that / 128, which a
-// 64-byte piece never straddles; box j is bytes 4096 (j % 2) .. of position
-// j / 2. Eight consecutive keys from a multiple of 8 (an ldmatrix 8x8) fall
-// on 4 pairs x 2 parities whose swizzled 16-byte units are all distinct
-// (odd keys' column is the even keys' XOR 4): no bank conflicts.
-template <int CH>
-__device__ __forceinline__ uint32_t pair_off(const int (&sl)[5], bool odd, int pr, int off) {
-  constexpr int je = CH >> 1, jo = (CH + 9) >> 1, ce = 64 * (CH & 1), co = 64 * ((CH + 9) & 1);
-  const int slot = odd ? sl[jo >> 1] : sl[je >> 1];
-  const int half = odd ? (jo & 1) : (je & 1), col = (odd ? co : ce) + off;
+// The pair view (ring_load<.., kPair>): the ring offset of the 16 bytes at
+// row byte 64 ch + off (off a multiple of 16 below 64; ch 0-7 the latent, 8
+// the rope) of key `key`. Row bytes b sit at pair byte b (even keys) or 576 +
+// b (odd keys), i.e. box j = that / 128, which a 64-byte piece never
+// straddles; box j is bytes 4096 (j % 2) .. of position j / 2. Eight
+// consecutive keys from a multiple of 8 (an ldmatrix 8x8) fall on 4 pairs x 2
+// parities whose swizzled 16-byte units are all distinct (odd keys' column is
+// the even keys' XOR 4): no bank conflicts. (ch is a constant in the unrolled
+// GEMM loops, so both candidate slots are fixed registers there.)
+__device__ __forceinline__ uint32_t pair_off(const int (&sl)[5], int ch, int key, int off) {
+  const bool odd = key & 1;
+  const int pr = key >> 1, je = ch >> 1, jo = (ch + 9) >> 1;
+  const int pos = (odd ? jo : je) >> 1;  // (selects, not sl[pos]: a runtime index would put sl in local memory)
+  const int slot = pos == 0 ? sl[0] : pos == 1 ? sl[1] : pos == 2 ? sl[2] : pos == 3 ? sl[3] : sl[4];
+  const int half = odd ? (jo & 1) : (je & 1), col = 64 * ((odd ? ch + 9 : ch) & 1) + off;
   return (uint32_t)(slot * kChunk + half * 4096 + pr * 128 + ((((col >> 4) ^ pr) & 7) << 4));
 }
 // A register buffers of the P V (one batch per m-tile): a batch's registers
@@ -1783,24 +1784,8 @@ __device__ __forceinline__ void qk_rs_tile(float (&s)[8], uint32_t ring, uint32_
     const uint32_t base = ring + sl[box] * kChunk;
 #pragma unroll
     for (int j = 0; j < kQkB; j += 2) {
-      if constexpr (kPair) {
-        const int off = 16 * (j0 + j) + usel;
-        uint32_t ad;
-        switch (c) {  // (c is a constant here: one case survives)
-          case 0: ad = pair_off<0>(sl, key & 1, key >> 1, off); break;
-          case 1: ad = pair_off<1>(sl, key & 1, key >> 1, off); break;
-          case 2: ad = pair_off<2>(sl, key & 1, key >> 1, off); break;
-          case 3: ad = pair_off<3>(sl, key & 1, key >> 1, off); break;
-          case 4: ad = pair_off<4>(sl, key & 1, key >> 1, off); break;
-          case 5: ad = pair_off<5>(sl, key & 1, key >> 1, off); break;
-          case 6: ad = pair_off<6>(sl, key & 1, key >> 1, off); break;
-          case 7: ad = pair_off<7>(sl, key & 1, key >> 1, off); break;
-          default: ad = pair_off<8>(sl, key & 1, key >> 1, off); break;
-        }
-        rs_k_pair(ring + ad, A[j], A[j + 1]);
-      } else {
-        rs_k_pair(base + box_off(key, b0 + 16 * (j0 + j) + usel), A[j], A[j + 1]);
-      }
+      if constexpr (kPair) rs_k_pair(ring + pair_off(sl, c, key, 16 * (j0 + j) + usel), A[j], A[j + 1]);
+      else rs_k_pair(base + box_off(key, b0 + 16 * (j0 + j) + usel), A[j], A[j + 1]);
     }
     wgmma_fence();
 #pragma unroll
@@ -1826,8 +1811,8 @@ __device__ __forceinline__ void qk_rs_tile(float (&s)[8], uint32_t ring, uint32_
 // 1 + mt / 2; a latent box goes back to the producer once both its m-tiles'
 // groups have retired.
 // kPair: m-tile mt reads chunk mt of both parities (positions mt / 4 and
-// (mt + 9) / 4); a position goes back once its last m-tile has retired
-// (2 after m-tile 2, 0 after 3, 3 after 6, 1 and 4 at the end).
+// (mt + 9) / 4); position k goes back once m-tile pair_last(k) has retired.
+__device__ constexpr int pair_last(int k) { return k == 0 ? 3 : k == 2 ? 2 : k == 3 ? 6 : 7; }
 template <bool kPair = false>
 __device__ __forceinline__ void pv_rs_tile(float (&o)[8][8], uint32_t ring, uint32_t emptyb, const int (&sl)[5],
                                            uint32_t sP, int wi, int lane) {
@@ -1840,7 +1825,9 @@ __device__ __forceinline__ void pv_rs_tile(float (&o)[8][8], uint32_t ring, uint
       wgmma_wait<kRsBuf - 1>();  // m-tiles <= mt - kRsBuf have retired
       const int done = mt - kRsBuf;
       if constexpr (kPair) {
-        if (lane == 0 && (done == 2 || done == 3 || done == 6)) mbar_arrive(emptyb + 8 * sl[done == 2 ? 2 : done == 3 ? 0 : 3]);
+#pragma unroll
+        for (int k = 0; k < 5; k++)
+          if (lane == 0 && pair_last(k) == done) mbar_arrive(emptyb + 8 * sl[k]);
       } else {
         if ((done & 1) && lane == 0) mbar_arrive(emptyb + 8 * sl[1 + (done >> 1)]);
       }
@@ -1849,23 +1836,8 @@ __device__ __forceinline__ void pv_rs_tile(float (&o)[8][8], uint32_t ring, uint
     const int b = 64 * (mt & 1) + 16 * wi;  // this warp's 16 dims
 #pragma unroll
     for (int kp = 0; kp < 2; kp++) {
-      if constexpr (kPair) {
-        const int key = 32 * kp + kr;
-        uint32_t ad;
-        switch (mt) {  // (a constant here)
-          case 0: ad = pair_off<0>(sl, key & 1, key >> 1, 16 * wi); break;
-          case 1: ad = pair_off<1>(sl, key & 1, key >> 1, 16 * wi); break;
-          case 2: ad = pair_off<2>(sl, key & 1, key >> 1, 16 * wi); break;
-          case 3: ad = pair_off<3>(sl, key & 1, key >> 1, 16 * wi); break;
-          case 4: ad = pair_off<4>(sl, key & 1, key >> 1, 16 * wi); break;
-          case 5: ad = pair_off<5>(sl, key & 1, key >> 1, 16 * wi); break;
-          case 6: ad = pair_off<6>(sl, key & 1, key >> 1, 16 * wi); break;
-          default: ad = pair_off<7>(sl, key & 1, key >> 1, 16 * wi); break;
-        }
-        rs_vt_pair(ring + ad, A[2 * kp], A[2 * kp + 1]);
-      } else {
-        rs_vt_pair(base + box_off(32 * kp + kr, b), A[2 * kp], A[2 * kp + 1]);  // keys 32 kp ..
-      }
+      if constexpr (kPair) rs_vt_pair(ring + pair_off(sl, mt, 32 * kp + kr, 16 * wi), A[2 * kp], A[2 * kp + 1]);
+      else rs_vt_pair(base + box_off(32 * kp + kr, b), A[2 * kp], A[2 * kp + 1]);  // keys 32 kp ..
     }
     wgmma_fence();
 #pragma unroll
@@ -1878,9 +1850,8 @@ __device__ __forceinline__ void pv_rs_tile(float (&o)[8][8], uint32_t ring, uint
   if (lane == 0) {
     if constexpr (kPair) {
 #pragma unroll
-      for (int k = 0; k < 5; k++)  // those not given back in the loop (done <= 7 - kRsBuf)
-        if (!((k == 2 && 2 <= 7 - kRsBuf) || (k == 0 && 3 <= 7 - kRsBuf) || (k == 3 && 6 <= 7 - kRsBuf)))
-          mbar_arrive(emptyb + 8 * sl[k]);
+      for (int k = 0; k < 5; k++)  // those the loop did not give back (it saw done <= 7 - kRsBuf)
+        if (pair_last(k) > 7 - kRsBuf) mbar_arrive(emptyb + 8 * sl[k]);
     } else {
 #pragma unroll
       for (int m = 8 - kRsBuf; m < 8; m += 2) mbar_arrive(emptyb + 8 * sl[1 + (m >> 1)]);
@@ -1895,11 +1866,8 @@ __device__ __forceinline__ void zero_tail_raw(uint8_t *ringp, const int (&sl)[5]
   const int nz = (64 - nvalid) * 32;  // rows x 4 boxes x 8 16-byte pieces
   for (int i = t128; i < nz; i += 128) {
     const int r = nvalid + (i >> 5);
-    if constexpr (kPair) {  // row byte 16 x (x = 0..31, the latent) of key r
-      const int pb = (r & 1) * 576 + 16 * (i & 31), j = pb >> 7, col = pb & 127, pr = r >> 1, pos = j >> 1;
-      const int slot = pos == 0 ? sl[0] : pos == 1 ? sl[1] : pos == 2 ? sl[2] : pos == 3 ? sl[3] : sl[4];
-      *reinterpret_cast<uint4 *>(ringp + slot * kChunk + (j & 1) * 4096 + pr * 128 + ((((col >> 4) ^ pr) & 7) << 4)) =
-          make_uint4(0, 0, 0, 0);
+    if constexpr (kPair) {  // latent piece x = i % 32 (16 bytes) of key r
+      *reinterpret_cast<uint4 *>(ringp + pair_off(sl, (i & 31) >> 2, r, 16 * (i & 3))) = make_uint4(0, 0, 0, 0);
     } else {
       const int bx = 1 + ((i >> 3) & 3), x = i & 7;
       *reinterpret_cast<uint4 *>(ringp + sl[bx] * kChunk + r * 128 + x * 16) = make_uint4(0, 0, 0, 0);
@@ -2295,20 +2263,15 @@ cudaError_t launch_ring(const mla_decode_params *p, const KvMaps &map, cudaStrea
   using L = RingLayT<NWG>;
   constexpr bool kCanPair = LM == LOAD_FP8_TMA && MLA_DEV_PAIR;  // (0: one instantiation)
   const bool pair = kCanPair && ring_pairs(p);
-  static uint64_t smem_set, smem_set_pair;
-  if (pair) DEV_CUDA_OK(set_smem_once(decode_ring_kernel<LM, kF16, NWG, kCanPair>, (int)L::kSmem, &smem_set_pair));
-  else DEV_CUDA_OK(set_smem_once(decode_ring_kernel<LM, kF16, NWG, false>, (int)L::kSmem, &smem_set));
+  static uint64_t smem_set[2];
+  auto kernel = pair ? decode_ring_kernel<LM, kF16, NWG, kCanPair> : decode_ring_kernel<LM, kF16, NWG, false>;
+  DEV_CUDA_OK(set_smem_once(kernel, (int)L::kSmem, &smem_set[pair]));
   dim3 grid(p->num_sm_parts, mla_decode_m_blocks(p));
   // evict_first when every part holds >= 4 of the request's pieces on
   // average (small batches): measured 2-3 us faster at b = 1, 4 (s_k 32K);
   // slower at b = 128 (docs/decode-kernel.md §3.3).
   const int l2_hint = p->num_sm_parts >= 4 * p->batch_size;
-  if (pair)
-    decode_ring_kernel<LM, kF16, NWG, kCanPair><<<grid, ring_threads<NWG>(), L::kSmem, stream>>>(*p, map, kVtLbo, kVtSbo,
-                                                                                               l2_hint);
-  else
-    decode_ring_kernel<LM, kF16, NWG, false><<<grid, ring_threads<NWG>(), L::kSmem, stream>>>(*p, map, kVtLbo, kVtSbo,
-                                                                                            l2_hint);
+  kernel<<<grid, ring_threads<NWG>(), L::kSmem, stream>>>(*p, map, kVtLbo, kVtSbo, l2_hint);
 #ifdef MLA_DEV_TIMELINE
   {  // dev only: print the stamps of the MLA_DEV_TIMELINE_AT-th launch (default 5); syncs
     static int calls = 0;
