@@ -26,6 +26,8 @@
 //          dev/cuda/build/tma_pattern fp8row 5 0 2500 (pattern, nbuf, work...)
 //          dev/cuda/build/tma_pattern ring MODE U NC WORK ROPE_AT [STAGGER [BACKOFF]]
 //          dev/cuda/build/tma_pattern ringsweep
+//          dev/cuda/build/tma_pattern readsweep  (READERS=n warps reading shared
+//          memory beside the streaming thread; `rd B/c`: their bytes per SM cycle)
 //          (REPS=n: median of n runs instead of 5; `wait` / `issue` = mean
 //          cycles per tile spent waiting for it / issuing its boxes)
 // `ring` emulates the ring kernel without its compute (tma_ring below).
@@ -78,17 +80,45 @@ static __device__ __forceinline__ void bulk_load(uint32_t dst, const void *src, 
                : "memory");
 }
 
-__global__ void __launch_bounds__(32, 1)
+__global__ void __launch_bounds__(160, 1)
     tma_pattern(const __grid_constant__ Maps maps, const uint8_t *kv, const int *pages, int pat, int tiles, int nbuf,
                 long long work, unsigned long long *clk) {
+  // warps 1..4 (READERS): ldmatrix.x4 over the tile buffers, conflict-free, as fast as they can, until thread 0 is
+  // done: the consumers' shared-memory reads against the TMA's writes (the fp8 kernel reads ~100 KB of shared
+  // memory a tile: K for Q.K^T, V for P V, Q and P^T as wgmma B operands)
   extern __shared__ uint8_t smem_raw[];
   uint8_t *smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const uint32_t sb = smem_u32(smem);
   const int foot = footprint(pat);
   const uint32_t bars = sb + nbuf * foot;
   int *spages = reinterpret_cast<int *>(smem + nbuf * foot + 8 * nbuf);
+  volatile int *done = reinterpret_cast<volatile int *>(spages + tiles);
+  if (threadIdx.x == 0) *done = 0;
   for (int t = threadIdx.x; t < tiles; t += blockDim.x) spages[t] = pages[(size_t)blockIdx.x * tiles + t];
   __syncthreads();
+  if (threadIdx.x >= 32) {
+    const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) - 1;
+    const uint32_t span = (uint32_t)(nbuf * foot) & ~1023u;
+    uint32_t acc = 0, x0, x1, x2, x3;
+    unsigned long long n = 0;
+    uint32_t off = (uint32_t)w * 8192u % span;
+    while (!*done) {
+#pragma unroll
+      for (int i = 0; i < 8; i++) {  // 8 x 512 bytes: rows lane of a 1024-byte group, 16-byte unit (lane & 7) ^ i
+        const uint32_t a = sb + off + (uint32_t)(lane & 7) * 128u + (uint32_t)(((lane >> 3) + 4 * (i & 1)) ^ (lane & 7)) * 16u;
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(x0), "=r"(x1), "=r"(x2), "=r"(x3)
+                     : "r"(a));
+        acc ^= x0 ^ x1 ^ x2 ^ x3;
+        off += 1024u;
+        if (off >= span) off -= span;
+      }
+      n += 8;
+    }
+    if (lane == 0) atomicAdd(clk + 6, n);
+    if (acc == 0x12345678u) clk[7] = acc;  // (keeps the loads)
+    return;
+  }
   if (threadIdx.x != 0) return;
   for (int b = 0; b < nbuf; b++) mbar_init(bars + 8 * b, 1);
   fence_mbar_init();
@@ -143,6 +173,7 @@ __global__ void __launch_bounds__(32, 1)
     if (t + nbuf < tiles) load(t + nbuf);
     issuing += clock64() - i0;
   }
+  *done = 1;
   if (blockIdx.x == 0) {
     unsigned long long g;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
@@ -320,6 +351,11 @@ int main(int argc, char **argv) {
   const int tiles = 124;  // b=128 s_k 8192 over 132 CTAs, as the ring kernel gets it
   const int npages = sms * tiles;
   const int reps = getenv("REPS") ? atoi(getenv("REPS")) : 5;
+  int readers = getenv("READERS") ? atoi(getenv("READERS")) : 0;  // reader warps beside the streaming thread (0-4)
+  if (readers < 0 || readers > 4) {
+    fprintf(stderr, "READERS must be 0-4\n");
+    return 2;
+  }
   uint8_t *kv = nullptr, *flush = nullptr;
   int *dpages = nullptr;
   const size_t flush_bytes = 256u << 20;
@@ -349,14 +385,15 @@ int main(int argc, char **argv) {
   CK(cudaEventCreate(&e1));
 
   auto run = [&](int pat, int nbuf, long long work) {
-    if (nbuf * footprint(pat) + 64 + 4 * tiles + 1024 > kSmemMax) return;
+    if (nbuf * footprint(pat) + 64 + 4 * tiles + 4 + 1024 > kSmemMax) return;
     std::vector<float> ms;
-    std::vector<double> mhz, wait, issue;
+    std::vector<double> mhz, wait, issue, rd;
     for (int r = 0; r < reps; r++) {
       CK(cudaMemset(flush, r + 1, flush_bytes));
       CK(cudaMemset(dclk, 0, 8 * sizeof(unsigned long long)));
       CK(cudaEventRecord(e0));
-      tma_pattern<<<sms, 32, kSmemMax>>>(is_bf16(pat) ? m16 : m8, kv, dpages, pat, tiles, nbuf, work, dclk);
+      tma_pattern<<<sms, 32 * (1 + readers), kSmemMax>>>(is_bf16(pat) ? m16 : m8, kv, dpages, pat, tiles, nbuf, work,
+                                                         dclk);
       CK(cudaEventRecord(e1));
       CK(cudaGetLastError());
       CK(cudaEventSynchronize(e1));
@@ -366,17 +403,23 @@ int main(int argc, char **argv) {
       unsigned long long h[6];
       CK(cudaMemcpy(h, dclk, sizeof h, cudaMemcpyDeviceToHost));
       issue.push_back((double)h[5] / sms / tiles);
+      unsigned long long nrd = 0;
+      CK(cudaMemcpy(&nrd, dclk + 6, sizeof nrd, cudaMemcpyDeviceToHost));
+      rd.push_back((double)nrd * 512.0 / sms / (t * 1e-3 * 1.98e9));  // bytes per SM cycle at 1980 MHz
       mhz.push_back((double)(h[2] - h[0]) / (double)(h[3] - h[1]) * 1e3);
       wait.push_back((double)h[4] / sms / tiles);
     }
     std::sort(mhz.begin(), mhz.end());
     std::sort(wait.begin(), wait.end());
+    std::sort(issue.begin(), issue.end());
+    std::sort(rd.begin(), rd.end());
     std::sort(ms.begin(), ms.end());
     const double t = ms[reps / 2] * 1e-3;
     const double distinct = (double)npages * (is_bf16(pat) ? 73728 : 36864);
     const double landed = (double)npages * landed_bytes(pat);
-    printf("%-9s %4d %6lld %7d | %8.1f | %8.0f %8.0f | %5.0f %6.0f %6.0f\n", kNames[pat], nbuf, work,
-           nbuf * landed_bytes(pat) / 1024, t * 1e6, distinct / t / 1e9, landed / t / 1e9, mhz[reps / 2], wait[reps / 2], issue[reps / 2]);
+    printf("%-9s %4d %6lld %7d | %8.1f | %8.0f %8.0f | %5.0f %6.0f %6.0f | %d %5.1f\n", kNames[pat], nbuf, work,
+           nbuf * landed_bytes(pat) / 1024, t * 1e6, distinct / t / 1e9, landed / t / 1e9, mhz[reps / 2],
+           wait[reps / 2], issue[reps / 2], readers, rd[reps / 2]);
     fflush(stdout);
   };
 
@@ -417,6 +460,17 @@ int main(int argc, char **argv) {
            pwait[reps / 2], piss[reps / 2], rmhz[reps / 2]);
     fflush(stdout);
   };
+  if (argc >= 2 && !strcmp(argv[1], "readsweep")) {
+    // does the consumers' shared-memory reading slow the TMA's streaming? (the fp8 kernel reads ~100 KB of shared
+    // memory per tile, ~48 B a cycle at its three-warpgroup rate)
+    for (int r : {0, 1, 2, 4}) {
+      readers = r;
+      run(FP8ROW, 2, 0);
+      run(FP8ROW, 5, 0);
+      run(BF16, 2, 0);
+    }
+    return 0;
+  }
   if (argc >= 2 && !strcmp(argv[1], "ring")) {
     // ring HALF U NC WORK ROPE_AT
     if (argc < 7) {
@@ -441,8 +495,8 @@ int main(int argc, char **argv) {
   }
   printf("# tma_pattern: %d CTAs x %d tiles of 64 keys, page 64, shuffled pages, L2 flushed, median of %d\n", sms,
          tiles, reps);
-  printf("%-9s %4s %6s %7s | %8s | %8s %8s | %5s %6s %6s\n", "pattern", "nbuf", "work", "KB fly", "us", "DRAM GB/s", "smem GB/s",
-         "MHz", "wait", "issue");
+  printf("%-9s %4s %6s %7s | %8s | %8s %8s | %5s %6s %6s | %s %5s\n", "pattern", "nbuf", "work", "KB fly", "us", "DRAM GB/s", "smem GB/s",
+         "MHz", "wait", "issue", "R", "rd B/c");
   if (argc >= 2) {
     int pat = -1;
     for (int i = 0; i < NPAT; i++)
