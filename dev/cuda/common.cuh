@@ -9,8 +9,21 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 
 #include "../../src/cuda/decode.h"
+
+// Host tools of this folder (decode_harness, tma_latency, tma_pattern): a
+// CUDA error ends the tool with its location and the call that failed.
+#define CK(x)                                                                                   \
+  do {                                                                                          \
+    cudaError_t e_ = (x);                                                                       \
+    if (e_ != cudaSuccess) {                                                                    \
+      fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      exit(2);                                                                                  \
+    }                                                                                           \
+  } while (0)
 
 #define DEV_CUDA_OK(x)                    \
   do {                                    \

@@ -39,14 +39,6 @@ int run_desc_tests(FILE *out);
 static const int kNumSm = 132;
 static const int32_t kPad = 2147480000;
 
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
-      fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      exit(2);                                                                                  \
-    }                                                                                           \
-  } while (0)
 
 static cudaError_t launch_version(int v, const mla_decode_params *p, cudaStream_t s) {
   switch (v) {

@@ -30,14 +30,6 @@
 #include "common.cuh"
 #include "tmap.h"
 
-#define CK(x)                                                                                    \
-  do {                                                                                           \
-    cudaError_t e_ = (x);                                                                        \
-    if (e_ != cudaSuccess) {                                                                     \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));       \
-      exit(1);                                                                                   \
-    }                                                                                            \
-  } while (0)
 
 static constexpr int kTileBytes = 64 * 576 * 2;  // 73728: one 64-key tile of 576 bf16 columns
 static constexpr int kMaxBuf = 3;

@@ -40,15 +40,6 @@
 
 #include "common.cuh"
 
-#define CK(x)                                                                              \
-  do {                                                                                     \
-    cudaError_t e_ = (x);                                                                  \
-    if (e_ != cudaSuccess) {                                                               \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      exit(1);                                                                             \
-    }                                                                                      \
-  } while (0)
-
 enum Pattern { BF16, FP8ROW, FP8LAT, FP8HALF, FP8PAIR, FP8BULK, BF16BULK, NPAT };
 static const char *kNames[NPAT] = {"bf16", "fp8row", "fp8lat", "fp8half", "fp8pair", "fp8bulk", "bf16bulk"};
 static __host__ __device__ bool is_bf16(int pat) { return pat == BF16 || pat == BF16BULK; }
@@ -384,80 +375,66 @@ int main(int argc, char **argv) {
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
 
-  auto run = [&](int pat, int nbuf, long long work) {
-    if (nbuf * footprint(pat) + 64 + 4 * tiles + 4 + 1024 > kSmemMax) return;
-    std::vector<float> ms;
-    std::vector<double> mhz, wait, issue, rd;
-    for (int r = 0; r < reps; r++) {
-      CK(cudaMemset(flush, r + 1, flush_bytes));
-      CK(cudaMemset(dclk, 0, 8 * sizeof(unsigned long long)));
+  // reps launches, each after a flush: their times and counters (dclk's 8 words); med() takes a median
+  struct Rep {
+    float ms;
+    unsigned long long c[8];
+  };
+  auto timed = [&](auto launch) {
+    std::vector<Rep> v(reps);
+    for (Rep &r : v) {
+      CK(cudaMemset(flush, (int)(&r - v.data()) + 1, flush_bytes));
+      CK(cudaMemset(dclk, 0, sizeof r.c));
       CK(cudaEventRecord(e0));
-      tma_pattern<<<sms, 32 * (1 + readers), kSmemMax>>>(is_bf16(pat) ? m16 : m8, kv, dpages, pat, tiles, nbuf, work,
-                                                         dclk);
+      launch();
       CK(cudaEventRecord(e1));
       CK(cudaGetLastError());
       CK(cudaEventSynchronize(e1));
-      float t = 0;
-      CK(cudaEventElapsedTime(&t, e0, e1));
-      ms.push_back(t);
-      unsigned long long h[6];
-      CK(cudaMemcpy(h, dclk, sizeof h, cudaMemcpyDeviceToHost));
-      issue.push_back((double)h[5] / sms / tiles);
-      unsigned long long nrd = 0;
-      CK(cudaMemcpy(&nrd, dclk + 6, sizeof nrd, cudaMemcpyDeviceToHost));
-      rd.push_back((double)nrd * 512.0 / sms / (t * 1e-3 * 1.98e9));  // bytes per SM cycle at 1980 MHz
-      mhz.push_back((double)(h[2] - h[0]) / (double)(h[3] - h[1]) * 1e3);
-      wait.push_back((double)h[4] / sms / tiles);
+      CK(cudaEventElapsedTime(&r.ms, e0, e1));
+      CK(cudaMemcpy(r.c, dclk, sizeof r.c, cudaMemcpyDeviceToHost));
     }
-    std::sort(mhz.begin(), mhz.end());
-    std::sort(wait.begin(), wait.end());
-    std::sort(issue.begin(), issue.end());
-    std::sort(rd.begin(), rd.end());
-    std::sort(ms.begin(), ms.end());
-    const double t = ms[reps / 2] * 1e-3;
+    return v;
+  };
+  auto med = [&](const std::vector<Rep> &v, auto f) {
+    std::vector<double> x;
+    for (const Rep &r : v) x.push_back(f(r));
+    std::sort(x.begin(), x.end());
+    return x[x.size() / 2];
+  };
+  const double per_tile = (double)sms * tiles;
+
+  auto run = [&](int pat, int nbuf, long long work) {
+    if (nbuf * footprint(pat) + 64 + 4 * tiles + 4 + 1024 > kSmemMax) return;
+    const auto v = timed([&] {
+      tma_pattern<<<sms, 32 * (1 + readers), kSmemMax>>>(is_bf16(pat) ? m16 : m8, kv, dpages, pat, tiles, nbuf, work,
+                                                         dclk);
+    });
+    const double t = med(v, [](const Rep &r) { return r.ms; }) * 1e-3;
     const double distinct = (double)npages * (is_bf16(pat) ? 73728 : 36864);
     const double landed = (double)npages * landed_bytes(pat);
     printf("%-9s %4d %6lld %7d | %8.1f | %8.0f %8.0f | %5.0f %6.0f %6.0f | %d %5.1f\n", kNames[pat], nbuf, work,
-           nbuf * landed_bytes(pat) / 1024, t * 1e6, distinct / t / 1e9, landed / t / 1e9, mhz[reps / 2],
-           wait[reps / 2], issue[reps / 2], readers, rd[reps / 2]);
+           nbuf * landed_bytes(pat) / 1024, t * 1e6, distinct / t / 1e9, landed / t / 1e9,
+           med(v, [](const Rep &r) { return (double)(r.c[2] - r.c[0]) / (double)(r.c[3] - r.c[1]) * 1e3; }),
+           med(v, [&](const Rep &r) { return r.c[4] / per_tile; }), med(v, [&](const Rep &r) { return r.c[5] / per_tile; }),
+           readers, med(v, [&](const Rep &r) { return r.c[6] * 512.0 / sms / (r.ms * 1e-3 * 1.98e9); }));
     fflush(stdout);
   };
 
   // one ring emulation: MODE (0 row10, 1 half9, 2 row5), U units, NC consumers
   auto run_ring = [&](int mode, int U, int NC, long long work, long long rope_at, int stagger = 0, int backoff = 0) {
     if (U * (mode == 2 ? 8192 : 4096) + 16 * U + 16 + 4 * tiles + 1024 > kSmemMax) return;
-    std::vector<float> ms;
-    std::vector<double> wait, pwait, piss, rmhz;
-    for (int r = 0; r < reps; r++) {
-      CK(cudaMemset(flush, r + 1, flush_bytes));
-      CK(cudaMemset(dclk, 0, 8 * sizeof(unsigned long long)));
-      CK(cudaEventRecord(e0));
+    const auto v = timed([&] {
       tma_ring<<<sms, 128, kSmemMax>>>(m8, dpages, mode, tiles, U, NC, work, rope_at, stagger, backoff, dclk);
-      CK(cudaEventRecord(e1));
-      CK(cudaGetLastError());
-      CK(cudaEventSynchronize(e1));
-      float t = 0;
-      CK(cudaEventElapsedTime(&t, e0, e1));
-      ms.push_back(t);
-      unsigned long long h[5];
-      CK(cudaMemcpy(h, dclk, sizeof h, cudaMemcpyDeviceToHost));
-      wait.push_back((double)h[4] / sms / tiles);
-      pwait.push_back((double)h[0] / sms / tiles);
-      unsigned long long h2[2];
-      CK(cudaMemcpy(h2, dclk + 6, sizeof h2, cudaMemcpyDeviceToHost));
-      rmhz.push_back((double)h2[0] / (double)h2[1] * 1e3);
-      piss.push_back((double)h[1] / sms / tiles);
-    }
-    std::sort(ms.begin(), ms.end());
-    std::sort(wait.begin(), wait.end());
-    std::sort(pwait.begin(), pwait.end());
-    std::sort(piss.begin(), piss.end());
-    std::sort(rmhz.begin(), rmhz.end());
-    const double t = ms[reps / 2] * 1e-3;
-    printf("ring %-6s U %2d (%.2f tiles) NC %d work %5lld rope_at %5lld%s b%d | %7.1f us | %5.0f GB/s | ideal %6.1f us | wait %5.0f | producer waits %5.0f issues %5.0f | %4.0f MHz\n",
-           mode == 1 ? "half9" : mode == 2 ? "row5" : "row10", U, U / (mode == 1 ? 9.0 : mode == 2 ? 5.0 : 10.0), NC, work,
-           rope_at, stagger ? " stag" : "", backoff, t * 1e6, (double)npages * 36864 / t / 1e9, (double)tiles * work / NC / rmhz[reps / 2], wait[reps / 2],
-           pwait[reps / 2], piss[reps / 2], rmhz[reps / 2]);
+    });
+    const double t = med(v, [](const Rep &r) { return r.ms; }) * 1e-3;
+    const double mhz = med(v, [](const Rep &r) { return (double)r.c[6] / (double)r.c[7] * 1e3; });
+    printf("ring %-6s U %2d (%.2f tiles) NC %d work %5lld rope_at %5lld%s b%d | %7.1f us | %5.0f GB/s | ideal %6.1f us"
+           " | wait %5.0f | producer waits %5.0f issues %5.0f | %4.0f MHz\n",
+           mode == 1 ? "half9" : mode == 2 ? "row5" : "row10", U, U / (mode == 1 ? 9.0 : mode == 2 ? 5.0 : 10.0), NC,
+           work, rope_at, stagger ? " stag" : "", backoff, t * 1e6, (double)npages * 36864 / t / 1e9,
+           (double)tiles * work / NC / mhz, med(v, [&](const Rep &r) { return r.c[4] / per_tile; }),
+           med(v, [&](const Rep &r) { return r.c[0] / per_tile; }), med(v, [&](const Rep &r) { return r.c[1] / per_tile; }),
+           mhz);
     fflush(stdout);
   };
   if (argc >= 2 && !strcmp(argv[1], "readsweep")) {
