@@ -1761,6 +1761,15 @@ constexpr int kQkAcc = MLA_DEV_QKACC;
 constexpr int kSsAcc = MLA_DEV_SSACC;  // the same for the 16-bit ring's shared-memory Q.K^T
 constexpr int kQkB = MLA_DEV_QKB, kQkBuf = MLA_DEV_QKBUF;
 static_assert(kQkB == 2 || kQkB == 4, "a batch is one or two ldmatrix.x4 of the same chunk");
+// MLA_DEV_WAITALL 1 (A/B builds only, not yet measured): all five boxes are
+// waited for before the first batch, as the pair view does, instead of each
+// inside the batches: one spin-loop region instead of five branches between
+// the wgmmas (with MLA_DEV_FAKELOAD it shows what the waits' placement costs;
+// the handshakes cost 17-30 us per launch, bench/RESULTS.md session 16 run 8).
+#ifndef MLA_DEV_WAITALL
+#define MLA_DEV_WAITALL 0
+#endif
+constexpr bool kQkWaitAll = MLA_DEV_WAITALL != 0;
 // kPair: the tile through the pair view (pair_off); every position holds
 // latent bytes, so all five are waited for first and go back after the P V.
 template <bool kPair = false>
@@ -1771,7 +1780,7 @@ __device__ __forceinline__ void qk_rs_tile(float (&s)[8], uint32_t ring, uint32_
   const int key = 16 * wi + (lane & 7) + 8 * ((lane >> 3) & 1);  // this lane's ldmatrix row
   const int usel = 16 * (lane >> 4);                              // first / second 16-byte piece
 #ifndef MLA_DEV_NOLOAD
-  if constexpr (kPair)
+  if constexpr (kPair || kQkWaitAll)
 #pragma unroll
     for (int k = 0; k < 5; k++) mbar_wait(fullb + 8 * sl[k], par);
 #endif
@@ -1782,7 +1791,7 @@ __device__ __forceinline__ void qk_rs_tile(float (&s)[8], uint32_t ring, uint32_
     const int box = ci == 0 ? 0 : 1 + (c >> 1);              // raw box holding those 64 dims
     const int b0 = ci == 0 ? 64 : 64 * (c & 1);              // their first byte in the box's rows
 #ifndef MLA_DEV_NOLOAD
-    if (!kPair && j0 == 0 && (ci <= 1 || (c & 1) == 0)) mbar_wait(fullb + 8 * sl[box], par);
+    if (!kPair && !kQkWaitAll && j0 == 0 && (ci <= 1 || (c & 1) == 0)) mbar_wait(fullb + 8 * sl[box], par);
 #endif
     uint32_t(&A)[kQkB][4] = a[bt % kQkBuf];
     if (bt >= kQkBuf) wgmma_wait<kQkBuf - 1>();
