@@ -26,8 +26,9 @@
 //          dev/cuda/build/tma_pattern fp8row 5 0 2500 (pattern, nbuf, work...)
 //          dev/cuda/build/tma_pattern ring MODE U NC WORK ROPE_AT [STAGGER [BACKOFF]]
 //          dev/cuda/build/tma_pattern ringsweep
-//          dev/cuda/build/tma_pattern readsweep  (READERS=n warps reading shared
-//          memory beside the streaming thread; `rd B/c`: their bytes per SM cycle)
+//          dev/cuda/build/tma_pattern readsweep  (n = 0-4 warps reading shared
+//          memory beside the streaming thread; `rd B/c`: their bytes per SM
+//          cycle, against the `idle` pattern's: the same readers, no TMA)
 //          (REPS=n: median of n runs instead of 5; `wait` / `issue` = mean
 //          cycles per tile spent waiting for it / issuing its boxes)
 // `ring` emulates the ring kernel without its compute (tma_ring below).
@@ -40,8 +41,9 @@
 
 #include "common.cuh"
 
-enum Pattern { BF16, FP8ROW, FP8LAT, FP8HALF, FP8PAIR, FP8BULK, BF16BULK, NPAT };
-static const char *kNames[NPAT] = {"bf16", "fp8row", "fp8lat", "fp8half", "fp8pair", "fp8bulk", "bf16bulk"};
+// (idle: no loads, the thread only holds `work` cycles a tile: the readers' rate with no TMA traffic)
+enum Pattern { BF16, FP8ROW, FP8LAT, FP8HALF, FP8PAIR, FP8BULK, BF16BULK, IDLE, NPAT };
+static const char *kNames[NPAT] = {"bf16", "fp8row", "fp8lat", "fp8half", "fp8pair", "fp8bulk", "bf16bulk", "idle"};
 static __host__ __device__ bool is_bf16(int pat) { return pat == BF16 || pat == BF16BULK; }
 // bytes one tile lands in shared memory, and its footprint there
 static __host__ __device__ int landed_bytes(int pat) {
@@ -52,6 +54,7 @@ static __host__ __device__ int landed_bytes(int pat) {
     case FP8HALF: return 4 * 8192 + 4096;
     case FP8PAIR: return 9 * 4096;
     case FP8BULK: return 36864;
+    case IDLE: return 36864;  // (the buffers the readers read; nothing lands)
     default: return 73728;
   }
 }
@@ -150,6 +153,12 @@ __global__ void __launch_bounds__(160, 1)
         break;
     }
   };
+  if (pat == IDLE) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < work * tiles) {
+    }
+    tiles = 0;
+  }
   for (int t = 0; t < nbuf && t < tiles; t++) load(t);
   long long waited = 0, issuing = 0;  // cycles this CTA spent waiting for its tiles, issuing them
   for (int t = 0; t < tiles; t++) {
@@ -444,7 +453,9 @@ int main(int argc, char **argv) {
       readers = r;
       run(FP8ROW, 2, 0);
       run(FP8ROW, 5, 0);
+      run(FP8PAIR, 5, 0);
       run(BF16, 2, 0);
+      if (r) run(IDLE, 5, 2400);  // the readers alone for about as long (their rate without TMA traffic)
     }
     return 0;
   }
