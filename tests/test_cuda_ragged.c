@@ -7,7 +7,9 @@
  * lengths crossing the 128-row / 128-key tiles, one long request (~2.5K),
  * heads 1, 16 (grouped kv heads 4 and 2) and 128, qk/v dims 192/128 and
  * 128/128, bf16 and f16, causal and not, softcap, natural and base-2 LSE,
- * MLA_FLAG_OUT_F32, a NULL lse, a batch of 600 short requests; long varlen
+ * MLA_FLAG_OUT_F32, a NULL lse, a batch of 600 short requests; the generic
+ * kernel (MLA_CUDA_RAGGED_GENERIC=1 for those cases: dims 64/64, 256/256,
+ * 100/36, 1/1, f32 activations, 5000 requests); long varlen
  * batches (lengths up to 8192, >= 32K tokens, heads 1, 16, 128; the oracle
  * on sampled rows there); every
  * consumer loop of the kernel
@@ -46,7 +48,7 @@ int main(void) {
 #include "cuda_util.h"
 
 #define GUARD 64 /* poisoned elements after every output */
-#define MAXB 600 /* the batch of "many requests" */
+#define MAXB 5000 /* the batches of "many requests" (the generic kernel's: over MLA_CUDA_PREFILL_MAX_BATCH) */
 
 static tu_rng rng;
 static mla_ctx *gpu, *cpu;
@@ -541,12 +543,30 @@ int main(int argc, char **argv) {
       /* many short requests: a long prefix table, items of one or two tiles */
       {"h4 many requests", 600, 4, 2, 192, 128, 1, 0.0f, 0, MLA_DTYPE_BF16, 1, 24, 40, 0},
   };
+  /* the generic kernel (src/cuda/ragged_generic.cu: other dims, f32, > MLA_CUDA_PREFILL_MAX_BATCH requests),
+   * enabled by MLA_CUDA_RAGGED_GENERIC=1 for these cases only */
+  const rcase generic[] = {
+      {"generic 64/64", 5, 8, 8, 64, 64, 1, 0.0f, 0, MLA_DTYPE_BF16, 1, 200, 100, 0},
+      {"generic 256/256 gqa2 noncausal softcap base2", 4, 4, 2, 256, 256, 0, 30.0f, MLA_FLAG_LSE_BASE2,
+       MLA_DTYPE_BF16, 1, 150, 100, 0},
+      {"generic 100/36 f16 out_f32", 5, 3, 1, 100, 36, 1, 0.0f, MLA_FLAG_OUT_F32, MLA_DTYPE_F16, 1, 120, 80, 0},
+      {"generic f32 192/128", 4, 4, 4, 192, 128, 1, 0.0f, 0, MLA_DTYPE_F32, 1, 100, 60, 0},
+      {"generic 1/1 no-lse", 4, 2, 1, 1, 1, 1, 0.0f, 0, MLA_DTYPE_BF16, 0, 70, 40, 0},
+      {"generic 192/128 5000 requests", 5000, 2, 1, 192, 128, 1, 0.0f, 0, MLA_DTYPE_BF16, 1, 4, 6, 0},
+  };
   if (small) {
     const rcase sc = {"small", 4, 2, 1, 192, 128, 1, 0.0f, 0, MLA_DTYPE_BF16, 1, 140, 60, 0};
     run_ragged(&sc);
+    const rcase gc = {"small generic 72/40", 4, 2, 1, 72, 40, 1, 0.0f, 0, MLA_DTYPE_BF16, 1, 90, 50, 0};
+    setenv("MLA_CUDA_RAGGED_GENERIC", "1", 1);
+    run_ragged(&gc);
+    unsetenv("MLA_CUDA_RAGGED_GENERIC");
     run_merge(3, 5, 2, 128, MLA_DTYPE_BF16, 0, 0, 1);
   } else {
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_ragged(&cases[i]);
+    setenv("MLA_CUDA_RAGGED_GENERIC", "1", 1);
+    for (size_t i = 0; i < sizeof generic / sizeof generic[0]; i++) run_ragged(&generic[i]);
+    unsetenv("MLA_CUDA_RAGGED_GENERIC");
     const mla_dtype ts[3] = {MLA_DTYPE_F32, MLA_DTYPE_BF16, MLA_DTYPE_F16};
     for (int ti = 0; ti < 3; ti++) {
       run_merge(2, 37, 4, 128, ts[ti], 0, 0, 1);

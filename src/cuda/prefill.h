@@ -28,13 +28,13 @@ extern "C" {
 typedef struct mla_prefill_params {
   int batch_size;            /* 1..MLA_CUDA_PREFILL_MAX_BATCH */
   int num_heads, num_kv_heads; /* num_kv_heads divides num_heads */
-  int qk_dim, v_dim;         /* 192/128 or 128/128 */
+  int qk_dim, v_dim;         /* 192/128 or 128/128 (the generic kernel: 1..256 each) */
   float scale;               /* softmax scale */
   float softcap;             /* 0 = off */
   int causal;                /* bottom-right */
   int lse_base2;             /* lse as log2 of the denominator */
   int out_f32;               /* out is fp32 (else act dtype) */
-  int act_dtype;             /* mla_dtype: BF16 or F16 */
+  int act_dtype;             /* mla_dtype: BF16 or F16 (the generic kernel: also F32) */
   const int32_t *qo_indptr;  /* [bs+1] */
   const int32_t *kv_indptr;  /* [bs+1] */
   const void *q;             /* [Tq, H, qk_dim] */
@@ -52,6 +52,15 @@ const char *mla_cuda_prefill_unsupported(int qk_dim, int v_dim, int act_dtype);
 /* Launch on `stream` (cudaStream_t) with `grid` persistent CTAs (the SM
  * count). Returns 0 or a CUDA error code; asynchronous. */
 int mla_cuda_prefill_launch(const mla_prefill_params *p, int grid, void *stream);
+
+/* The generic ragged kernel (ragged_generic.cu): any qk_dim / v_dim up to
+ * MLA_MAX_HEAD_DIM, f32 / bf16 / f16 activations, any batch size; plain CUDA,
+ * slow. Used for what mla_cuda_prefill_unsupported refuses (or batches over
+ * MLA_CUDA_PREFILL_MAX_BATCH) only when enabled: until its GPU test has
+ * passed, MLA_CUDA_RAGGED_GENERIC=1 in the environment. Launch returns 0 or a
+ * CUDA error code; asynchronous. */
+int mla_cuda_prefill_generic_enabled(void);
+int mla_cuda_prefill_generic_launch(const mla_prefill_params *p, int sm_count, void *stream);
 
 /* Merge of n <= MLA_CUDA_MERGE_MAX_STATES partial states, rows = T * H of
  * dim values each; device pointers; out may be o_parts[k], lse_out may be

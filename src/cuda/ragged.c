@@ -6,7 +6,10 @@
  * Ragged MHA scope: bf16 or f16 q / k / v (f32: UNSUPPORTED), qk_dim / v_dim
  * 192/128 or 128/128 (other dims: UNSUPPORTED), batch_size up to
  * MLA_CUDA_PREFILL_MAX_BATCH, 16-byte aligned tensors; any head count with
- * grouped kv heads, causal or not, softcap, lse, MLA_FLAG_OUT_F32.
+ * grouped kv heads, causal or not, softcap, lse, MLA_FLAG_OUT_F32. With
+ * MLA_CUDA_RAGGED_GENERIC=1 (until its GPU test has passed) the rest goes to
+ * the generic kernel (ragged_generic.cu): any dims up to MLA_MAX_HEAD_DIM, f32
+ * too, any batch size.
  *
  * The index arrays qo_indptr / kv_indptr are device memory and the host
  * never reads them (no synchronisation, graph-capturable): their contents
@@ -76,11 +79,13 @@ mla_status mla_cuda_attention_ragged(mla_ctx *ctx, const mla_ragged_args *args) 
       "args->k is NULL (a CUDA context cannot see the key lengths: k and v are always required)");
   REQ(eb, FN, a->v, MLA_ERR_INVALID_ARGUMENT,
       "args->v is NULL (a CUDA context cannot see the key lengths: k and v are always required)");
-  /* What the kernels take. */
+  /* What the kernels take: the sm_90a kernels, else (when enabled) the generic one. */
   const char *why = mla_cuda_prefill_unsupported(a->qk_dim, a->v_dim, (int)a->act_dtype);
-  REQ(eb, FN, !why, MLA_ERR_UNSUPPORTED, "qk_dim %d, v_dim %d, act_dtype %s: %s", a->qk_dim, a->v_dim,
+  const int fast = !why && a->batch_size <= MLA_CUDA_PREFILL_MAX_BATCH;
+  const int generic = !fast && mla_cuda_prefill_generic_enabled();
+  REQ(eb, FN, !why || generic, MLA_ERR_UNSUPPORTED, "qk_dim %d, v_dim %d, act_dtype %s: %s", a->qk_dim, a->v_dim,
       mla_dtype_name(a->act_dtype), why ? why : "");
-  REQ(eb, FN, a->batch_size <= MLA_CUDA_PREFILL_MAX_BATCH, MLA_ERR_UNSUPPORTED,
+  REQ(eb, FN, a->batch_size <= MLA_CUDA_PREFILL_MAX_BATCH || generic, MLA_ERR_UNSUPPORTED,
       "args->batch_size = %d: the CUDA ragged kernel takes up to %d requests per call", a->batch_size,
       MLA_CUDA_PREFILL_MAX_BATCH);
   /* cp.async moves 16-byte pieces; out is written in 4 / 8-byte pairs. */
@@ -118,7 +123,9 @@ mla_status mla_cuda_attention_ragged(mla_ctx *ctx, const mla_ragged_args *args) 
   p.out = a->out;
   p.lse = a->lse;
   p.bad = ctx->d_bad;
-  const int e = mla_cuda_prefill_launch(&p, ctx->sm_count > 0 ? ctx->sm_count : 132, ctx->stream);
+  const int sms = ctx->sm_count > 0 ? ctx->sm_count : 132;
+  const int e = fast ? mla_cuda_prefill_launch(&p, sms, ctx->stream)
+                     : mla_cuda_prefill_generic_launch(&p, sms, ctx->stream);
   if (e) return mla_cuda_fail(eb, FN, "ragged MHA launch", e);
   return MLA_OK;
 }
