@@ -49,7 +49,7 @@ __device__ __forceinline__ void store_out(void *out, int64_t i, float v, int out
 // row, warp w takes G = w mod W): every warp walks the index arrays once, so
 // no binary search over possibly bad indices is needed.
 template <typename T>
-__global__ void __launch_bounds__(kWarps * 32) ragged_generic_kernel(const mla_prefill_params p, int out_dtype) {
+__global__ void __launch_bounds__(kWarps * 32, 2) ragged_generic_kernel(const mla_prefill_params p, int out_dtype) {
   __shared__ float sq[kWarps][kMaxD];  // this warp's query row (fp32, times scale / cap and log2 e as used)
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
   const int64_t W = (int64_t)gridDim.x * kWarps, w = (int64_t)blockIdx.x * kWarps + wib;
@@ -72,6 +72,7 @@ __global__ void __launch_bounds__(kWarps * 32) ragged_generic_kernel(const mla_p
   const bool cap = p.softcap > 0.0f;
   const float qmul = cap ? p.scale / p.softcap : p.scale * kLog2e;
   const float cap2 = p.softcap * kLog2e;
+  const bool vec = (dqk * (int)sizeof(T)) % 16 == 0 && (reinterpret_cast<uintptr_t>(p.k) & 15) == 0;
   int64_t base = 0;  // global row index of the request's first row
   for (int i = 0; i < bs; i++) {
     const int q0 = p.qo_indptr[i], k0 = p.kv_indptr[i];
@@ -97,7 +98,17 @@ __global__ void __launch_bounds__(kWarps * 32) ragged_generic_kernel(const mla_p
         if (j < nk) {
           const T *kr = k + ((int64_t)(k0 + j) * Hkv + hk) * dqk;
           float s = 0.f;
-          for (int d = 0; d < dqk; d++) s = fmaf(sq[wib][d], to_f(kr[d]), s);
+          if (vec) {  // 16-byte loads (k is 16-byte aligned and a row is a multiple of 16 bytes)
+            constexpr int kE = 16 / sizeof(T);
+            for (int d = 0; d < dqk; d += kE) {
+              const uint4 u = *reinterpret_cast<const uint4 *>(kr + d);
+              const T *e = reinterpret_cast<const T *>(&u);
+#pragma unroll
+              for (int x4 = 0; x4 < kE; x4++) s = fmaf(sq[wib][d + x4], to_f(e[x4]), s);
+            }
+          } else {
+            for (int d = 0; d < dqk; d++) s = fmaf(sq[wib][d], to_f(kr[d]), s);
+          }
           x = cap ? cap2 * tanhf(s) : s;
         }
         float bm = x;
@@ -152,7 +163,7 @@ extern "C" int mla_cuda_prefill_generic_launch(const mla_prefill_params *p, int 
       p->num_heads % p->num_kv_heads != 0)
     return (int)cudaErrorInvalidValue;
   const int out_dtype = p->out_f32 ? MLA_DTYPE_F32 : p->act_dtype;
-  const int blocks = (sm_count > 0 ? sm_count : 132) * 8;  // 64 warps per SM
+  const int blocks = (sm_count > 0 ? sm_count : 132) * 2;  // resident at once: 2 per SM (launch bounds)
   if (p->act_dtype == MLA_DTYPE_F32)
     ragged_generic_kernel<float><<<blocks, kWarps * 32, 0, stream>>>(*p, out_dtype);
   else if (p->act_dtype == MLA_DTYPE_BF16)
