@@ -1779,8 +1779,9 @@ __device__ __forceinline__ void qk_rs_tile(float (&s)[8], uint32_t ring, uint32_
   uint32_t a[kQkBuf][kQkB][4];
   const int key = 16 * wi + (lane & 7) + 8 * ((lane >> 3) & 1);  // this lane's ldmatrix row
   const int usel = 16 * (lane >> 4);                              // first / second 16-byte piece
+  constexpr bool kUpFront = kPair || kQkWaitAll;                  // all five boxes waited for before batch 0
 #ifndef MLA_DEV_NOLOAD
-  if constexpr (kPair || kQkWaitAll)
+  if constexpr (kUpFront)
 #pragma unroll
     for (int k = 0; k < 5; k++) mbar_wait(fullb + 8 * sl[k], par);
 #endif
@@ -1791,7 +1792,7 @@ __device__ __forceinline__ void qk_rs_tile(float (&s)[8], uint32_t ring, uint32_
     const int box = ci == 0 ? 0 : 1 + (c >> 1);              // raw box holding those 64 dims
     const int b0 = ci == 0 ? 64 : 64 * (c & 1);              // their first byte in the box's rows
 #ifndef MLA_DEV_NOLOAD
-    if (!kPair && !kQkWaitAll && j0 == 0 && (ci <= 1 || (c & 1) == 0)) mbar_wait(fullb + 8 * sl[box], par);
+    if (!kUpFront && j0 == 0 && (ci <= 1 || (c & 1) == 0)) mbar_wait(fullb + 8 * sl[box], par);
 #endif
     uint32_t(&A)[kQkB][4] = a[bt % kQkBuf];
     if (bt >= kQkBuf) wgmma_wait<kQkBuf - 1>();

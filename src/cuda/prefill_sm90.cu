@@ -48,6 +48,8 @@
 
 namespace {
 
+#include "ragged_common.cuh"
+
 constexpr int kBM = 128;       // query rows per item (64 per consumer warpgroup)
 constexpr int kBN = 128;       // keys per tile
 constexpr int kThreads = 384;  // producer + 2 consumer warpgroups
@@ -55,8 +57,6 @@ constexpr int kHeadGroup = 8;  // default heads walked together (their K/V share
 constexpr int kDefaultMode = 11;  // overlap232-tma: measured fastest (prefill_kernel MODE; docs/prefill-kernel.md)
 constexpr int kSub = 16384;    // one [128 rows x 64 cols] 16-bit sub-tile, 128B swizzle
 constexpr uint32_t kVtLbo = 16384, kVtSbo = 1024;  // V as MN-major B: 64-col blocks, 8-key groups
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 // Registers per thread (setmaxnreg) by consumer loop, producer + 2 x consumer
 // = 504 <= 65536 / 128. The overlapped loops hold S, P and O at once: with
 // fewer than 240 ptxas moves most of the softmax below the P V wait (SASS),
@@ -586,13 +586,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
       // Count the requests the kernel skips (once per launch).
-      if (blockIdx.x == 0) {
-        int nbad = p.qo_indptr[0] != 0 || p.kv_indptr[0] != 0;
-        if (!nbad)
-          for (int i = 0; i < bs; i++)
-            nbad += p.qo_indptr[i + 1] < p.qo_indptr[i] || p.kv_indptr[i + 1] < p.kv_indptr[i];
-        if (nbad) atomicAdd(p.bad, nbad);
-      }
+      if (blockIdx.x == 0) count_skipped_requests(p);
     }
     __syncthreads();
     if (tid == 0) {
@@ -886,17 +880,6 @@ struct MergeArgs {
   const void *o[MLA_CUDA_MERGE_MAX_STATES];
   const float *lse[MLA_CUDA_MERGE_MAX_STATES];
 };
-
-__device__ __forceinline__ float load_act(const void *p, int64_t i, int dt) {
-  if (dt == MLA_DTYPE_BF16) return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
-  if (dt == MLA_DTYPE_F16) return __half2float(((const __half *)p)[i]);
-  return ((const float *)p)[i];
-}
-__device__ __forceinline__ void store_act(void *p, int64_t i, int dt, float v) {
-  if (dt == MLA_DTYPE_BF16) ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v);
-  else if (dt == MLA_DTYPE_F16) ((__half *)p)[i] = __float2half_rn(v);
-  else ((float *)p)[i] = v;
-}
 
 // Every element of a row is read from all parts by the lane that then writes
 // it, and the row's lse is written after __syncwarp: out may alias a part.

@@ -23,11 +23,11 @@
 
 namespace {
 
+#include "ragged_common.cuh"
+
 constexpr int kWarps = 8;                      // warps per block
 constexpr int kMaxD = MLA_MAX_HEAD_DIM;        // 256
 constexpr int kPerLane = kMaxD / 32;           // output dims per lane
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 template <typename T>
 __device__ __forceinline__ float to_f(T x);
@@ -37,12 +37,6 @@ template <>
 __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
 template <>
 __device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
-
-__device__ __forceinline__ void store_out(void *out, int64_t i, float v, int out_dtype) {
-  if (out_dtype == MLA_DTYPE_F32) static_cast<float *>(out)[i] = v;
-  else if (out_dtype == MLA_DTYPE_BF16) static_cast<__nv_bfloat16 *>(out)[i] = __float2bfloat16_rn(v);
-  else static_cast<__half *>(out)[i] = __float2half_rn(v);
-}
 
 // One warp per (request, query row, head), the rows of all requests taken in
 // turn by the grid's warps (global row index G = rows of earlier requests +
@@ -59,13 +53,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) ragged_generic_kernel(const ml
   const T *k = static_cast<const T *>(p.k);
   const T *v = static_cast<const T *>(p.v);
   const bool bad0 = p.qo_indptr[0] != 0 || p.kv_indptr[0] != 0;
-  if (blockIdx.x == 0 && threadIdx.x == 0) {  // count the skipped requests once per launch
-    int nbad = bad0;
-    if (!bad0)
-      for (int i = 0; i < bs; i++)
-        nbad += p.qo_indptr[i + 1] < p.qo_indptr[i] || p.kv_indptr[i + 1] < p.kv_indptr[i];
-    if (nbad) atomicAdd(p.bad, nbad);
-  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) count_skipped_requests(p);
   if (bad0) return;
   // Scores in the log2 domain: x = scale q.k log2 e, or with softcap
   // x = cap log2 e tanh(scale q.k / cap).
@@ -139,7 +127,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) ragged_generic_kernel(const ml
 #pragma unroll
       for (int c = 0; c < kPerLane; c++) {
         const int d = lane + 32 * c;
-        if (d < dv) store_out(p.out, (t * H + h) * dv + d, nk > 0 ? o[c] * inv : 0.f, out_dtype);
+        if (d < dv) store_act(p.out, (t * H + h) * dv + d, out_dtype, nk > 0 ? o[c] * inv : 0.f);
       }
       if (p.lse && lane == 0) {
         const float lse2 = nk > 0 ? m + log2f(l) : -INFINITY;
