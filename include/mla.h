@@ -502,7 +502,9 @@ MLA_API mla_status mla_attention_ragged(mla_ctx *ctx, const mla_ragged_args *arg
  * All sides empty (lse = -inf) gives o = 0, lse = -inf; never NaN from an
  * empty side. out may alias o_parts[0] (in place); lse_out may alias
  * lse_parts[0]. lse inputs/outputs are natural log unless flags has
- * MLA_FLAG_LSE_BASE2 (then both are base 2). */
+ * MLA_FLAG_LSE_BASE2 (then both are base 2). Any num_states >= 1; on a CUDA
+ * context more than 2032 states run in passes and need lse_out (else
+ * MLA_ERR_UNSUPPORTED), out rounded to act_dtype once per pass. */
 MLA_API mla_status mla_merge_states(mla_ctx *ctx, int num_states, int num_tokens, int num_heads,
                                     int head_dim, mla_dtype act_dtype, unsigned flags,
                                     const void *const *o_parts /* n x [T, H, dim] */,

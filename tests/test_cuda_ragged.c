@@ -8,8 +8,8 @@
  * heads 1, 16 (grouped kv heads 4 and 2) and 128, qk/v dims 192/128 and
  * 128/128, bf16 and f16, causal and not, softcap, natural and base-2 LSE,
  * MLA_FLAG_OUT_F32, a NULL lse, a batch of 600 short requests; the generic
- * kernel (MLA_CUDA_RAGGED_GENERIC=1 for those cases: dims 64/64, 256/256,
- * 100/36, 1/1, f32 activations, 5000 requests); long varlen
+ * kernel (what the sm_90a kernels do not take: dims 64/64, 256/256, 100/36,
+ * 72/40, 1/1, f32 activations, 5000 requests); long varlen
  * batches (lengths up to 8192, >= 32K tokens, heads 1, 16, 128; the oracle
  * on sampled rows there); every
  * consumer loop of the kernel
@@ -22,14 +22,14 @@
  * < 1e-4 per case; lse within 1e-4 abs + 1e-5 rel, -inf exactly where a row
  * sees no key.
  *
- * Merge: 1..5 states (and 128, the per-call maximum), f32 / bf16 / f16, dims
- * 128 and 7, empty sides (lse = -inf) holding NaN in o, rows where every side
+ * Merge: 1..5 states, 128, 300 and 2032 (one launch), 2500 and 4500 (passes
+ * through out / lse_out), f32 / bf16 / f16, dims 128, 16, 8 and 7, empty sides (lse = -inf) holding NaN in o, rows where every side
  * is empty (o = 0, lse = -inf, never NaN), base-2 flag, in place (out =
  * o_parts[0], lse_out = lse_parts[0]) and a NULL lse_out.
  *
  * Refusals with the CPU path's statuses (and outputs untouched), the CUDA
- * scope (f32 activations, other dims: UNSUPPORTED; host pointers:
- * INVALID_ARGUMENT), a decreasing index array reported by
+ * scope (host pointers: INVALID_ARGUMENT; more than 2032 merge states
+ * without lse_out: UNSUPPORTED), a decreasing index array reported by
  * mla_ctx_synchronize (OUT_OF_RANGE). Skips (passing) without CUDA or GPU. */
 #include <math.h>
 #include <stdlib.h>
@@ -480,11 +480,7 @@ static void refusals(void) {
   }
   /* the CUDA scope */
   mla_ragged_args x = g;
-  x.act_dtype = MLA_DTYPE_F32;
-  TU_STATUS(mla_attention_ragged(gpu, &x), MLA_ERR_UNSUPPORTED);
-  x = g, x.qk_dim = 64, x.v_dim = 64;
-  TU_STATUS(mla_attention_ragged(gpu, &x), MLA_ERR_UNSUPPORTED);
-  x = g, x.q = hq;
+  x.q = hq;
   TU_STATUS(mla_attention_ragged(gpu, &x), MLA_ERR_INVALID_ARGUMENT);
   x = g, x.qo_indptr = ind;
   TU_STATUS(mla_attention_ragged(gpu, &x), MLA_ERR_INVALID_ARGUMENT);
@@ -512,6 +508,17 @@ static void refusals(void) {
   TU_STATUS(mla_merge_states(gpu, 2, T, H, 128, MLA_DTYPE_F32, 0, hop, lp, dout, dlse), MLA_ERR_INVALID_ARGUMENT);
   TU_STATUS(mla_merge_states(gpu, 2, T, H, 128, MLA_DTYPE_F32, 0, NULL, lp, dout, dlse), MLA_ERR_INVALID_ARGUMENT);
   TU_STATUS(mla_merge_states(gpu, 2, 0, H, 128, MLA_DTYPE_F32, 0, NULL, NULL, NULL, NULL), MLA_OK);
+  { /* passes need lse_out for the running lse; at most one pass's worth of states may alias out */
+    enum { NS = 2033 }; /* one more than MLA_CUDA_MERGE_PASS_STATES */
+    const void **mo = malloc(sizeof(void *) * NS);
+    const float **ml = malloc(sizeof(float *) * NS);
+    void *o2 = tu_dev_alloc(sizeof(float) * (size_t)T * H * 128);
+    for (int k = 0; k < NS; k++) mo[k] = dout, ml[k] = dlse;
+    TU_STATUS(mla_merge_states(gpu, NS, T, H, 128, MLA_DTYPE_F32, 0, mo, ml, o2, NULL), MLA_ERR_UNSUPPORTED);
+    TU_STATUS(mla_merge_states(gpu, NS, T, H, 128, MLA_DTYPE_F32, 0, mo, ml, dout, dlse), MLA_ERR_UNSUPPORTED);
+    free(mo), free(ml);
+    cudaFree(o2);
+  }
   free(host), free(hq), free(hk), free(hv), free(hout);
   cudaFree(dq), cudaFree(dk), cudaFree(dv), cudaFree(dind), cudaFree(dbad), cudaFree(dout), cudaFree(dlse);
 }
@@ -543,8 +550,7 @@ int main(int argc, char **argv) {
       /* many short requests: a long prefix table, items of one or two tiles */
       {"h4 many requests", 600, 4, 2, 192, 128, 1, 0.0f, 0, MLA_DTYPE_BF16, 1, 24, 40, 0},
   };
-  /* the generic kernel (src/cuda/ragged_generic.cu: other dims, f32, > MLA_CUDA_PREFILL_MAX_BATCH requests),
-   * enabled by MLA_CUDA_RAGGED_GENERIC=1 for these cases only */
+  /* the generic kernel (src/cuda/ragged_generic.cu: other dims, f32, > MLA_CUDA_PREFILL_MAX_BATCH requests) */
   const rcase generic[] = {
       {"generic 64/64", 5, 8, 8, 64, 64, 1, 0.0f, 0, MLA_DTYPE_BF16, 1, 200, 100, 0},
       {"generic 256/256 gqa2 noncausal softcap base2", 4, 4, 2, 256, 256, 0, 30.0f, MLA_FLAG_LSE_BASE2,
@@ -558,15 +564,11 @@ int main(int argc, char **argv) {
     const rcase sc = {"small", 4, 2, 1, 192, 128, 1, 0.0f, 0, MLA_DTYPE_BF16, 1, 140, 60, 0};
     run_ragged(&sc);
     const rcase gc = {"small generic 72/40", 4, 2, 1, 72, 40, 1, 0.0f, 0, MLA_DTYPE_BF16, 1, 90, 50, 0};
-    setenv("MLA_CUDA_RAGGED_GENERIC", "1", 1);
     run_ragged(&gc);
-    unsetenv("MLA_CUDA_RAGGED_GENERIC");
     run_merge(3, 5, 2, 128, MLA_DTYPE_BF16, 0, 0, 1);
   } else {
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_ragged(&cases[i]);
-    setenv("MLA_CUDA_RAGGED_GENERIC", "1", 1);
     for (size_t i = 0; i < sizeof generic / sizeof generic[0]; i++) run_ragged(&generic[i]);
-    unsetenv("MLA_CUDA_RAGGED_GENERIC");
     const mla_dtype ts[3] = {MLA_DTYPE_F32, MLA_DTYPE_BF16, MLA_DTYPE_F16};
     for (int ti = 0; ti < 3; ti++) {
       run_merge(2, 37, 4, 128, ts[ti], 0, 0, 1);
@@ -576,6 +578,11 @@ int main(int argc, char **argv) {
       run_merge(2, 9, 2, 64, ts[ti], 0, 0, 0);
     }
     run_merge(128, 6, 2, 32, MLA_DTYPE_F32, 0, 0, 1);
+    /* the full parameter block (65..2032 states) and passes (more; lse_out needed) */
+    run_merge(300, 3, 2, 16, MLA_DTYPE_BF16, 1, 0, 0);
+    run_merge(2032, 2, 1, 8, MLA_DTYPE_F32, 0, 1, 1);
+    run_merge(2500, 3, 1, 8, MLA_DTYPE_BF16, 0, 0, 1);
+    run_merge(4500, 2, 2, 8, MLA_DTYPE_F32, 1, 1, 1);
     run_long(1, 1, 1);
     run_long(16, 16, 1);
     run_long(128, 128, 1);

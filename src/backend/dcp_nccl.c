@@ -23,10 +23,10 @@
 #endif
 
 /* Ranks one merge takes: the CUDA merge kernel's states per launch
- * (MLA_CUDA_MERGE_MAX_STATES). */
+ * (MLA_CUDA_MERGE_PASS_STATES). */
 #define DCP_MAX_WORLD 128
 #ifdef MLA_WITH_CUDA
-_Static_assert(DCP_MAX_WORLD <= MLA_CUDA_MERGE_MAX_STATES, "one merge launch takes every rank's state");
+_Static_assert(DCP_MAX_WORLD <= MLA_CUDA_MERGE_PASS_STATES, "one merge launch takes every rank's state");
 #endif
 /* Bound on head_dim so world * T * H * dim * 4 bytes cannot overflow. */
 #define DCP_MAX_DIM 4096

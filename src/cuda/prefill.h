@@ -18,8 +18,10 @@ extern "C" {
 /* Requests a launch can take: each CTA keeps a prefix table of the
  * requests' m-block counts in shared memory (prefill_sm90.cu). */
 #define MLA_CUDA_PREFILL_MAX_BATCH 4096
-/* States one merge launch takes (their pointers travel as kernel parameters). */
-#define MLA_CUDA_MERGE_MAX_STATES 128
+/* States one merge pass takes: their pointers travel as kernel parameters
+ * (CUDA 12.1's 32 764-byte parameter space; 16 B a state). More states are
+ * merged in passes, the running result held in out and lse_out. */
+#define MLA_CUDA_MERGE_PASS_STATES 2032
 
 /* One ragged MHA launch. Every pointer is device memory. Request i owns query
  * rows [qo_indptr[i], qo_indptr[i+1]) and key rows [kv_indptr[i],
@@ -55,16 +57,16 @@ int mla_cuda_prefill_launch(const mla_prefill_params *p, int grid, void *stream)
 
 /* The generic ragged kernel (ragged_generic.cu): any qk_dim / v_dim up to
  * MLA_MAX_HEAD_DIM, f32 / bf16 / f16 activations, any batch size; plain CUDA,
- * slow. Used for what mla_cuda_prefill_unsupported refuses (or batches over
- * MLA_CUDA_PREFILL_MAX_BATCH) only when enabled: until its GPU test has
- * passed, MLA_CUDA_RAGGED_GENERIC=1 in the environment. Launch returns 0 or a
- * CUDA error code; asynchronous. */
-int mla_cuda_prefill_generic_enabled(void);
+ * slow. Used for what mla_cuda_prefill_unsupported refuses and for batches
+ * over MLA_CUDA_PREFILL_MAX_BATCH. Returns 0 or a CUDA error code;
+ * asynchronous. */
 int mla_cuda_prefill_generic_launch(const mla_prefill_params *p, int sm_count, void *stream);
 
-/* Merge of n <= MLA_CUDA_MERGE_MAX_STATES partial states, rows = T * H of
- * dim values each; device pointers; out may be o_parts[k], lse_out may be
- * lse_parts[k] or NULL. */
+/* Merge of n >= 1 partial states, rows = T * H of dim values each; device
+ * pointers; out may be o_parts[k], lse_out may be lse_parts[k] (any k) or
+ * NULL. n > MLA_CUDA_MERGE_PASS_STATES runs in passes and needs lse_out (the
+ * running lse between passes; cudaErrorInvalidValue without it); out is
+ * rounded to its dtype once per pass. */
 int mla_cuda_merge_launch(int n, int64_t rows, int dim, int act_dtype, int base2,
                           const void *const *o_parts, const float *const *lse_parts, void *out,
                           float *lse_out, void *stream);

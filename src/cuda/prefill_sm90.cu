@@ -876,14 +876,19 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ---------------------------------------------------------------------------
 // Merge of partial states: one warp per (token, head) row.
 // ---------------------------------------------------------------------------
+// K state pointers as kernel parameters: a small instantiation for the usual
+// few states (a 32 KB parameter block costs launch time) and a full one.
+template <int K>
 struct MergeArgs {
-  const void *o[MLA_CUDA_MERGE_MAX_STATES];
-  const float *lse[MLA_CUDA_MERGE_MAX_STATES];
+  const void *o[K];
+  const float *lse[K];
 };
+constexpr int kMergeSmall = 64;
 
 // Every element of a row is read from all parts by the lane that then writes
 // it, and the row's lse is written after __syncwarp: out may alias a part.
-__global__ void __launch_bounds__(256) merge_kernel(const __grid_constant__ MergeArgs a, int n, int64_t rows,
+template <int K>
+__global__ void __launch_bounds__(256) merge_kernel(const __grid_constant__ MergeArgs<K> a, int n, int64_t rows,
                                                     int dim, int dt, int base2, void *out, float *lse_out) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
@@ -1074,19 +1079,54 @@ extern "C" int mla_cuda_prefill_launch(const mla_prefill_params *p, int grid, vo
   return (int)e;
 }
 
-extern "C" int mla_cuda_merge_launch(int n, int64_t rows, int dim, int act_dtype, int base2,
-                                     const void *const *o_parts, const float *const *lse_parts, void *out,
-                                     float *lse_out, void *stream) {
-  if (n < 1 || n > MLA_CUDA_MERGE_MAX_STATES) return (int)cudaErrorInvalidValue;
-  if (rows <= 0) return (int)cudaSuccess;
-  MergeArgs a;
-  for (int k = 0; k < MLA_CUDA_MERGE_MAX_STATES; k++) {
-    a.o[k] = k < n ? o_parts[k] : nullptr;
-    a.lse[k] = k < n ? lse_parts[k] : nullptr;
-  }
+template <int K>
+static cudaError_t merge_pass(const MergeArgs<K> &a, int n, int64_t rows, int dim, int dt, int base2, void *out,
+                              float *lse_out, cudaStream_t stream) {
   const int64_t warps_per_block = 8;
   int64_t blocks = (rows + warps_per_block - 1) / warps_per_block;
   if (blocks > 65536) blocks = 65536;
-  merge_kernel<<<(unsigned)blocks, 256, 0, (cudaStream_t)stream>>>(a, n, rows, dim, act_dtype, base2, out, lse_out);
-  return (int)cudaGetLastError();
+  merge_kernel<K><<<(unsigned)blocks, 256, 0, stream>>>(a, n, rows, dim, dt, base2, out, lse_out);
+  return cudaGetLastError();
+}
+
+// More than one pass: pass 1 takes every state that out or lse_out aliases
+// (later passes would read them overwritten), later passes the running
+// result as their state 0 plus the next states in order.
+extern "C" int mla_cuda_merge_launch(int n, int64_t rows, int dim, int act_dtype, int base2,
+                                     const void *const *o_parts, const float *const *lse_parts, void *out,
+                                     float *lse_out, void *stream) {
+  constexpr int K = MLA_CUDA_MERGE_PASS_STATES;
+  if (n < 1) return (int)cudaErrorInvalidValue;
+  if (rows <= 0) return (int)cudaSuccess;
+  cudaStream_t st = (cudaStream_t)stream;
+  if (n <= kMergeSmall) {
+    MergeArgs<kMergeSmall> a = {};
+    for (int k = 0; k < n; k++) a.o[k] = o_parts[k], a.lse[k] = lse_parts[k];
+    return (int)merge_pass(a, n, rows, dim, act_dtype, base2, out, lse_out, st);
+  }
+  // 32 KB: not on the stack; per thread (contexts may be driven from several
+  // threads); the launch copies it.
+  static thread_local MergeArgs<K> a;
+  static_assert(sizeof(MergeArgs<K>) + 64 <= 32764, "the kernel parameter space");
+  if (n <= K) {
+    for (int k = 0; k < n; k++) a.o[k] = o_parts[k], a.lse[k] = lse_parts[k];
+    return (int)merge_pass(a, n, rows, dim, act_dtype, base2, out, lse_out, st);
+  }
+  if (!lse_out) return (int)cudaErrorInvalidValue;
+  auto aliased = [&](int k) { return o_parts[k] == out || lse_parts[k] == lse_out; };
+  int m = 0;
+  for (int k = 0; k < n; k++)
+    if (aliased(k)) {
+      if (m == K) return (int)cudaErrorInvalidValue;
+      a.o[m] = o_parts[k], a.lse[m] = lse_parts[k], m++;
+    }
+  int next = 0;  // the next unaliased state
+  for (;;) {
+    for (; m < K && next < n; next++)
+      if (!aliased(next)) a.o[m] = o_parts[next], a.lse[m] = lse_parts[next], m++;
+    const cudaError_t e = merge_pass(a, m, rows, dim, act_dtype, base2, out, lse_out, st);
+    if (e != cudaSuccess) return (int)e;
+    if (next == n) return (int)cudaSuccess;
+    a.o[0] = out, a.lse[0] = lse_out, m = 1;
+  }
 }

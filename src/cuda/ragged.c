@@ -3,13 +3,12 @@
  * statuses, then the sm_90a kernels of prefill_sm90.cu on the context's
  * stream. Asynchronous: nothing is waited for.
  *
- * Ragged MHA scope: bf16 or f16 q / k / v (f32: UNSUPPORTED), qk_dim / v_dim
- * 192/128 or 128/128 (other dims: UNSUPPORTED), batch_size up to
- * MLA_CUDA_PREFILL_MAX_BATCH, 16-byte aligned tensors; any head count with
- * grouped kv heads, causal or not, softcap, lse, MLA_FLAG_OUT_F32. With
- * MLA_CUDA_RAGGED_GENERIC=1 (until its GPU test has passed) the rest goes to
- * the generic kernel (ragged_generic.cu): any dims up to MLA_MAX_HEAD_DIM, f32
- * too, any batch size.
+ * Ragged MHA scope: f32, bf16 or f16 q / k / v, any qk_dim / v_dim up to
+ * MLA_MAX_HEAD_DIM, any batch size, 16-byte aligned tensors; any head count
+ * with grouped kv heads, causal or not, softcap, lse, MLA_FLAG_OUT_F32. The
+ * sm_90a kernels (prefill_sm90.cu) take bf16 / f16 at 192/128 and 128/128 with
+ * up to MLA_CUDA_PREFILL_MAX_BATCH requests; the rest runs on the generic
+ * kernel (ragged_generic.cu: plain CUDA, correct but slow).
  *
  * The index arrays qo_indptr / kv_indptr are device memory and the host
  * never reads them (no synchronisation, graph-capturable): their contents
@@ -79,15 +78,9 @@ mla_status mla_cuda_attention_ragged(mla_ctx *ctx, const mla_ragged_args *args) 
       "args->k is NULL (a CUDA context cannot see the key lengths: k and v are always required)");
   REQ(eb, FN, a->v, MLA_ERR_INVALID_ARGUMENT,
       "args->v is NULL (a CUDA context cannot see the key lengths: k and v are always required)");
-  /* What the kernels take: the sm_90a kernels, else (when enabled) the generic one. */
-  const char *why = mla_cuda_prefill_unsupported(a->qk_dim, a->v_dim, (int)a->act_dtype);
-  const int fast = !why && a->batch_size <= MLA_CUDA_PREFILL_MAX_BATCH;
-  const int generic = !fast && mla_cuda_prefill_generic_enabled();
-  REQ(eb, FN, !why || generic, MLA_ERR_UNSUPPORTED, "qk_dim %d, v_dim %d, act_dtype %s: %s", a->qk_dim, a->v_dim,
-      mla_dtype_name(a->act_dtype), why ? why : "");
-  REQ(eb, FN, a->batch_size <= MLA_CUDA_PREFILL_MAX_BATCH || generic, MLA_ERR_UNSUPPORTED,
-      "args->batch_size = %d: the CUDA ragged kernel takes up to %d requests per call", a->batch_size,
-      MLA_CUDA_PREFILL_MAX_BATCH);
+  /* The sm_90a kernels where they apply, else the generic one. */
+  const int fast = !mla_cuda_prefill_unsupported(a->qk_dim, a->v_dim, (int)a->act_dtype) &&
+                   a->batch_size <= MLA_CUDA_PREFILL_MAX_BATCH;
   /* cp.async moves 16-byte pieces; out is written in 4 / 8-byte pairs. */
   REQ(eb, FN,
       ((uintptr_t)a->q & 15) == 0 && ((uintptr_t)a->k & 15) == 0 && ((uintptr_t)a->v & 15) == 0 &&
@@ -155,9 +148,17 @@ mla_status mla_cuda_merge_states(mla_ctx *ctx, int num_states, int num_tokens, i
     REQ(eb, FN, o_parts[k] != NULL, MLA_ERR_INVALID_ARGUMENT, "o_parts[%d] is NULL", k);
     REQ(eb, FN, lse_parts[k] != NULL, MLA_ERR_INVALID_ARGUMENT, "lse_parts[%d] is NULL", k);
   }
-  REQ(eb, FN, num_states <= MLA_CUDA_MERGE_MAX_STATES, MLA_ERR_UNSUPPORTED,
-      "num_states = %d: the CUDA merge takes up to %d states per call (merge in steps)", num_states,
-      MLA_CUDA_MERGE_MAX_STATES);
+  if (num_states > MLA_CUDA_MERGE_PASS_STATES) {
+    /* passes of MLA_CUDA_MERGE_PASS_STATES states, the running lse in lse_out;
+     * the states out / lse_out alias all go into the first pass */
+    REQ(eb, FN, lse_out != NULL, MLA_ERR_UNSUPPORTED,
+        "num_states = %d: more than %d states on a CUDA context need lse_out (it holds the running lse "
+        "between merge passes)", num_states, MLA_CUDA_MERGE_PASS_STATES);
+    int aliased = 0;
+    for (int k = 0; k < num_states; k++) aliased += o_parts[k] == out || lse_parts[k] == lse_out;
+    REQ(eb, FN, aliased <= MLA_CUDA_MERGE_PASS_STATES, MLA_ERR_UNSUPPORTED,
+        "%d states alias out or lse_out: at most %d can", aliased, MLA_CUDA_MERGE_PASS_STATES);
+  }
   const size_t es = mla_dtype_size(act_dtype);
   for (int k = 0; k < num_states; k++) {
     REQ(eb, FN, ((uintptr_t)o_parts[k] % es) == 0 && ((uintptr_t)lse_parts[k] & 3) == 0,

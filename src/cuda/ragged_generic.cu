@@ -7,10 +7,6 @@
 // the index arrays stay on the device, requests with negative lengths (or
 // indptr[0] != 0) are skipped and counted into *bad, causal is bottom-right,
 // rows that see no key get o = 0 and lse = -inf (the CPU backend's rule).
-//
-// Status: written in session 16 without a device; behind
-// MLA_CUDA_RAGGED_GENERIC=1 until test_cuda_ragged's generic cases have
-// passed on a GPU (mla_cuda_prefill_generic_enabled).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -138,11 +134,6 @@ __global__ void __launch_bounds__(kWarps * 32, 2) ragged_generic_kernel(const ml
 }
 
 }  // namespace
-
-extern "C" int mla_cuda_prefill_generic_enabled(void) {
-  const char *e = getenv("MLA_CUDA_RAGGED_GENERIC");
-  return e && atoi(e) != 0;
-}
 
 extern "C" int mla_cuda_prefill_generic_launch(const mla_prefill_params *p, int sm_count, void *stream_) {
   cudaStream_t stream = (cudaStream_t)stream_;
