@@ -1761,15 +1761,6 @@ constexpr int kQkAcc = MLA_DEV_QKACC;
 constexpr int kSsAcc = MLA_DEV_SSACC;  // the same for the 16-bit ring's shared-memory Q.K^T
 constexpr int kQkB = MLA_DEV_QKB, kQkBuf = MLA_DEV_QKBUF;
 static_assert(kQkB == 2 || kQkB == 4, "a batch is one or two ldmatrix.x4 of the same chunk");
-// MLA_DEV_WAITALL 1 (A/B builds only, not yet measured): all five boxes are
-// waited for before the first batch, as the pair view does, instead of each
-// inside the batches: one spin-loop region instead of five branches between
-// the wgmmas (with MLA_DEV_FAKELOAD it shows what the waits' placement costs;
-// the handshakes cost 17-30 us per launch, bench/RESULTS.md session 16 run 8).
-#ifndef MLA_DEV_WAITALL
-#define MLA_DEV_WAITALL 0
-#endif
-constexpr bool kQkWaitAll = MLA_DEV_WAITALL != 0;
 // kPair: the tile through the pair view (pair_off); every position holds
 // latent bytes, so all five are waited for first and go back after the P V.
 template <bool kPair = false>
@@ -1779,7 +1770,9 @@ __device__ __forceinline__ void qk_rs_tile(float (&s)[8], uint32_t ring, uint32_
   uint32_t a[kQkBuf][kQkB][4];
   const int key = 16 * wi + (lane & 7) + 8 * ((lane >> 3) & 1);  // this lane's ldmatrix row
   const int usel = 16 * (lane >> 4);                              // first / second 16-byte piece
-  constexpr bool kUpFront = kPair || kQkWaitAll;                  // all five boxes waited for before batch 0
+  // All five boxes waited for before batch 0 only in the pair view: in the row
+  // view that was 3-4 % slower (MLA_DEV_WAITALL, bench/RESULTS.md session 17).
+  constexpr bool kUpFront = kPair;
 #ifndef MLA_DEV_NOLOAD
   if constexpr (kUpFront)
 #pragma unroll
