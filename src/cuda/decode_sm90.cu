@@ -2297,7 +2297,8 @@ cudaError_t launch_ring(const mla_decode_params *p, const KvMaps &map, cudaStrea
           const long long nx = i + 1 < kTlTiles ? h[wgi][i + 1][0] : 0;
           fprintf(stderr, "tl wg%d tile %2d:", wgi, i);
           for (int k = 1; k < kTlPh; k++) fprintf(stderr, " %6lld", h[wgi][i][k] - h[wgi][i][k - 1]);
-          fprintf(stderr, " | %6lld\n", nx ? nx - h[wgi][i][0] : 0);
+          // (then the tile's phase-0 stamp from the first warpgroup's first: bunched or staggered starts)
+          fprintf(stderr, " | %6lld | at %8lld\n", nx ? nx - h[wgi][i][0] : 0, h[wgi][i][0] - h[0][0][0]);
           if (i >= 4 && nx) {
             for (int k = 1; k < kTlPh; k++) sum[k] += (double)(h[wgi][i][k] - h[wgi][i][k - 1]);
             per += (double)(nx - h[wgi][i][0]);
