@@ -1539,6 +1539,12 @@ __device__ __forceinline__ void wait_issued(uint32_t iss, int n) {
 // would still be in the phase before and a parity wait would pass at once.
 // Once position q is issued, the use before it has landed, been consumed and
 // released, so the parity wait is exact.
+#ifdef MLA_DEV_TIMELINE
+// (dev timeline) the producer of CTA (0, 0): per tile, %clock64 at the loop
+// top, after its first slot wait, after its five boxes are issued
+constexpr int kTlpTiles = 120;
+__device__ long long g_tlp[kTlpTiles][3];
+#endif
 template <int LM, bool kPair = false>
 __device__ __forceinline__ void ring_produce(const mla_decode_params &p, const CUtensorMap *map, const int *meta,
                                              int mb, uint32_t ring, uint32_t fullb, uint32_t emptyb, uint32_t iss,
@@ -1572,18 +1578,29 @@ __device__ __forceinline__ void ring_produce(const mla_decode_params &p, const C
       const int kt = nw.kstart + 64 * nt;
       nxt = ring_src<LM>(p, nreq, kt, min(64, nw.kend_blk - kt));
     }
+#ifdef MLA_DEV_TIMELINE
+    const int tq = q / kPos;
+    const bool tlp = blockIdx.x == 0 && blockIdx.y == 0 && tq < kTlpTiles;
+    if (tlp) g_tlp[tq][0] = clock64();
+#endif
 #pragma unroll 1
     for (int k = 0; k < kPos; k++) {
       const int sg = kBase + slot;
       if (use > 0)
         while (!mbar_try_wait(emptyb + 8 * sg, (use - 1) & 1)) {
         }
+#ifdef MLA_DEV_TIMELINE
+      if (tlp && k == 0) g_tlp[tq][1] = clock64();
+#endif
       ring_load<LM, kPair>(p, map, cur, ring + sg * kChunk, fullb + 8 * sg, k, pol, hint);
       if (++slot == kN) {
         slot = 0;
         use++;
       }
     }
+#ifdef MLA_DEV_TIMELINE
+    if (tlp) g_tlp[tq][2] = clock64();
+#endif
     q += kPos;
     st_release_s32(iss, q);
     if (!more) break;
@@ -2305,6 +2322,20 @@ cudaError_t launch_ring(const mla_decode_params *p, const KvMaps &map, cudaStrea
             n++;
           }
         }
+      {  // the producer: per tile, cycles from its loop top to the first slot free, then issuing its boxes,
+         // then to the next tile's loop top (the next tile's source: block table, request bookkeeping)
+        static long long hp[kTlpTiles][3];
+        cudaMemcpyFromSymbol(hp, g_tlp, sizeof(hp));
+        double a = 0, b = 0, c = 0;
+        int np = 0;
+        for (int i = 4; i + 1 < kTlpTiles; i++)
+          if (hp[i][0] && hp[i + 1][0]) {
+            a += (double)(hp[i][1] - hp[i][0]), b += (double)(hp[i][2] - hp[i][1]), c += (double)(hp[i + 1][0] - hp[i][2]);
+            np++;
+          }
+        if (np) fprintf(stderr, "tlp producer mean of %d tiles: slot wait %.0f, issue %.0f, to next tile %.0f\n", np,
+                        a / np, b / np, c / np);
+      }
       fprintf(stderr, "tl mean of %d tiles (from tile 4):", n);
       for (int k = 1; k < kTlPh; k++) fprintf(stderr, " %6.0f", n ? sum[k] / n : 0.);
       fprintf(stderr, " | %6.0f\n", n ? per / n : 0.);
