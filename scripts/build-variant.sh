@@ -12,7 +12,7 @@
 # BUILD_DIR  a built CUDA tree configured with -G Ninja -DMLA_CUDA=ON
 #            -DCMAKE_EXPORT_COMPILE_COMMANDS=ON (built with the default flags)
 # OUT_DIR    receives mla and tests/TEST...
-# DEFS       e.g. "-DMLA_DEV_RING3=1 -DMLA_DEV_NOLOAD"
+# DEFS       e.g. "-DMLA_DEV_TIMELINE -DMLA_DEV_NOLOAD"
 set -euo pipefail
 [ $# -ge 3 ] || { sed -n '2,17p' "$0"; exit 2; }
 B=$(cd "$1" && pwd); mkdir -p "$2/tests"; D=$(cd "$2" && pwd); DEFS=$3; shift 3

@@ -1398,9 +1398,11 @@ static_assert(kRing3ProdRegs + 3 * kRing3ConsRegs <= 512 && kRing3ConsRegs % 8 =
 static inline bool ring_pairs(const mla_decode_params *p) {
   return MLA_DEV_PAIR && p->kv_dtype == MLA_DTYPE_FP8_E4M3 && p->page_size >= 64 && p->row_bytes == 576;
 }
-#ifndef MLA_DEV_RING3
-#define MLA_DEV_RING3 0  // dev switch: 1 runs the per-tensor fp8 ring with three consumer warpgroups (compute -20 %, time with loads unchanged: RESULTS session 15 run 5)
-#endif
+// The per-tensor fp8 ring runs three consumer warpgroups: with the producer
+// issuing from five lanes (ring_produce) 1.20x faster than two at b = 128,
+// H = 16 (bench/RESULTS.md session 18); MLA_DECODE_RING2=1 (environment,
+// read once; A/B runs and the GPU test) runs two.
+bool ring2_decode();
 
 // The block-scaled fp8 cache (bf16 operands): the ring region holds the two
 // consumer warpgroups' own tiles (slots 0-8 and 9-17, each dequantized by its
@@ -1527,10 +1529,16 @@ __device__ __forceinline__ void wait_issued(uint32_t iss, int n) {
       : "memory");
 }
 
-// The producer (one thread): walks the part's tiles in the consumers' order
-// and fills ring position q (slot q % kSlots, use q / kSlots) once the use
-// before it has been released (empty barrier: one arrival per consumer warp),
-// then publishes the positions issued (iss) after each tile.
+// The producer (lanes 0 .. kPos - 1 of one warp): walks the part's tiles in
+// the consumers' order; lane k fills position k of each tile, ring position
+// q (slot q % kSlots, use q / kSlots), once the use before it has been
+// released (empty barrier: one arrival per consumer warp); after a
+// __syncwarp lane 0 publishes the positions issued (iss).
+// Why lanes: beside busy consumers one thread took ~2200 cycles to issue a
+// tile's five fp8 boxes (each wait + expect_tx + TMA instruction ~440
+// cycles, against ~150 with the SM otherwise idle); five lanes issue them
+// in ~1440, and the three-warpgroup fp8 ring went from 205 to 170 us at
+// b = 128, H = 16, s_k 8192, bf16 292.6 -> 288 (bench/RESULTS.md session 18).
 // No watchdog here: a hang shows as the consumers' full-barrier trap.
 //
 // Why the consumers read iss before the full barriers: kSlots is not a
@@ -1548,7 +1556,7 @@ __device__ long long g_tlp[kTlpTiles][3];
 template <int LM, bool kPair = false>
 __device__ __forceinline__ void ring_produce(const mla_decode_params &p, const CUtensorMap *map, const int *meta,
                                              int mb, uint32_t ring, uint32_t fullb, uint32_t emptyb, uint32_t iss,
-                                             int l2_hint) {
+                                             int l2_hint, int lane) {
   // Positions per tile, the slots filled (16-bit: all; fp8: the raw ring).
   // (per-tensor fp8: 5 raw positions per tile over the whole ring; the block
   // format: 5 over the raw ring beside the warpgroups' own tiles)
@@ -1563,8 +1571,7 @@ __device__ __forceinline__ void ring_produce(const mla_decode_params &p, const C
     if (++req <= er) w = req_work(p, meta, req, mb);
   if (req > er) return;
   RingSrc cur = ring_src<LM>(p, req, w.kstart, min(64, w.kend_blk - w.kstart));
-  int slot = 0, q = 0;
-  uint32_t use = 0;
+  int q = 0;
   for (;;) {
     int nreq = req, nt = t + 1;
     ReqWork nw = w;
@@ -1580,29 +1587,26 @@ __device__ __forceinline__ void ring_produce(const mla_decode_params &p, const C
     }
 #ifdef MLA_DEV_TIMELINE
     const int tq = q / kPos;
-    const bool tlp = blockIdx.x == 0 && blockIdx.y == 0 && tq < kTlpTiles;
+    const bool tlp = blockIdx.x == 0 && blockIdx.y == 0 && tq < kTlpTiles && lane == 0;
     if (tlp) g_tlp[tq][0] = clock64();
 #endif
-#pragma unroll 1
-    for (int k = 0; k < kPos; k++) {
-      const int sg = kBase + slot;
-      if (use > 0)
-        while (!mbar_try_wait(emptyb + 8 * sg, (use - 1) & 1)) {
+    {  // lane k: position q + k
+      const int k = lane, pos = q + k, sg = kBase + pos % kN;
+      const uint32_t u = (uint32_t)(pos / kN);
+      if (u > 0)
+        while (!mbar_try_wait(emptyb + 8 * sg, (u - 1) & 1)) {
         }
 #ifdef MLA_DEV_TIMELINE
-      if (tlp && k == 0) g_tlp[tq][1] = clock64();
+      if (tlp) g_tlp[tq][1] = clock64();
 #endif
       ring_load<LM, kPair>(p, map, cur, ring + sg * kChunk, fullb + 8 * sg, k, pol, hint);
-      if (++slot == kN) {
-        slot = 0;
-        use++;
-      }
+      __syncwarp((1u << kPos) - 1);
     }
 #ifdef MLA_DEV_TIMELINE
     if (tlp) g_tlp[tq][2] = clock64();
 #endif
     q += kPos;
-    st_release_s32(iss, q);
+    if (lane == 0) st_release_s32(iss, q);
     if (!more) break;
     req = nreq;
     t = nt;
@@ -2028,7 +2032,7 @@ __global__ void __launch_bounds__(ring_threads<NWG>(), 1)
   if (tid >= kCons) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(NWG == 2 ? kRingProdRegs : kRing3ProdRegs));
 #ifndef MLA_DEV_NOLOAD  // (dev timing only: no loads, no waits for them; wrong results)
-    if (tid == kCons) ring_produce<LM, kPair>(p, kv_maps.m, meta, mb, ring, fullb, emptyb, iss, l2_hint);
+    if (tid - kCons < kPos) ring_produce<LM, kPair>(p, kv_maps.m, meta, mb, ring, fullb, emptyb, iss, l2_hint, tid - kCons);
 #endif
     return;
   }
@@ -2281,10 +2285,8 @@ cudaError_t launch_narrow(const mla_decode_params *p, const KvMaps &map, cudaStr
   return cudaGetLastError();
 }
 
-template <int LM, bool kF16>
-cudaError_t launch_ring(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
-  // three consumer warpgroups for the per-tensor fp8 cache (RingLayT says why)
-  constexpr int NWG = LM == LOAD_FP8_TMA && MLA_DEV_RING3 ? 3 : 2;
+template <int LM, bool kF16, int NWG>
+cudaError_t launch_ring_wgs(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
   using L = RingLayT<NWG>;
   constexpr bool kCanPair = LM == LOAD_FP8_TMA && MLA_DEV_PAIR;  // (0: one instantiation)
   const bool pair = kCanPair && ring_pairs(p);
@@ -2355,6 +2357,19 @@ bool env_flag(const char *name) {
 bool legacy_decode() {
   static const bool on = env_flag("MLA_DECODE_LEGACY");
   return on;
+}
+bool ring2_decode() {
+  static const bool on = env_flag("MLA_DECODE_RING2");
+  return on;
+}
+
+// Three consumer warpgroups for the per-tensor fp8 cache (RingLayT and
+// ring2_decode say why), two otherwise.
+template <int LM, bool kF16>
+cudaError_t launch_ring(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
+  if constexpr (LM == LOAD_FP8_TMA)
+    if (!ring2_decode()) return launch_ring_wgs<LM, kF16, 3>(p, map, stream);
+  return launch_ring_wgs<LM, kF16, 2>(p, map, stream);
 }
 
 

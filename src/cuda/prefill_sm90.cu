@@ -1089,9 +1089,33 @@ static cudaError_t merge_pass(const MergeArgs<K> &a, int n, int64_t rows, int di
   return cudaGetLastError();
 }
 
-// More than one pass: pass 1 takes every state that out or lse_out aliases
-// (later passes would read them overwritten), later passes the running
-// result as their state 0 plus the next states in order.
+// Every state into a, in passes of up to K. One pass takes the states in
+// order. More than one: pass 1 takes every state that out or lse_out
+// aliases (later passes would read them overwritten), later passes the
+// running result (out, lse_out) as their state 0 plus the next states in
+// order.
+template <int K>
+static cudaError_t merge_passes(MergeArgs<K> &a, int n, int64_t rows, int dim, int dt, int base2,
+                                const void *const *o_parts, const float *const *lse_parts, void *out,
+                                float *lse_out, cudaStream_t st) {
+  const bool passes = n > K;
+  auto first = [&](int k) { return !passes || o_parts[k] == out || lse_parts[k] == lse_out; };
+  int m = 0;
+  for (int k = 0; k < n; k++)
+    if (first(k)) {
+      if (m == K) return cudaErrorInvalidValue;  // (ragged.c refuses this with a message first)
+      a.o[m] = o_parts[k], a.lse[m] = lse_parts[k], m++;
+    }
+  int next = 0;  // the next state not yet taken
+  for (;;) {
+    for (; m < K && next < n; next++)
+      if (!first(next)) a.o[m] = o_parts[next], a.lse[m] = lse_parts[next], m++;
+    const cudaError_t e = merge_pass(a, m, rows, dim, dt, base2, out, lse_out, st);
+    if (e != cudaSuccess || next == n) return e;
+    a.o[0] = out, a.lse[0] = lse_out, m = 1;
+  }
+}
+
 extern "C" int mla_cuda_merge_launch(int n, int64_t rows, int dim, int act_dtype, int base2,
                                      const void *const *o_parts, const float *const *lse_parts, void *out,
                                      float *lse_out, void *stream) {
@@ -1101,32 +1125,12 @@ extern "C" int mla_cuda_merge_launch(int n, int64_t rows, int dim, int act_dtype
   cudaStream_t st = (cudaStream_t)stream;
   if (n <= kMergeSmall) {
     MergeArgs<kMergeSmall> a = {};
-    for (int k = 0; k < n; k++) a.o[k] = o_parts[k], a.lse[k] = lse_parts[k];
-    return (int)merge_pass(a, n, rows, dim, act_dtype, base2, out, lse_out, st);
+    return (int)merge_passes(a, n, rows, dim, act_dtype, base2, o_parts, lse_parts, out, lse_out, st);
   }
+  if (n > K && !lse_out) return (int)cudaErrorInvalidValue;  // passes carry the running lse
   // 32 KB: not on the stack; per thread (contexts may be driven from several
   // threads); the launch copies it.
   static thread_local MergeArgs<K> a;
   static_assert(sizeof(MergeArgs<K>) + 64 <= 32764, "the kernel parameter space");
-  if (n <= K) {
-    for (int k = 0; k < n; k++) a.o[k] = o_parts[k], a.lse[k] = lse_parts[k];
-    return (int)merge_pass(a, n, rows, dim, act_dtype, base2, out, lse_out, st);
-  }
-  if (!lse_out) return (int)cudaErrorInvalidValue;
-  auto aliased = [&](int k) { return o_parts[k] == out || lse_parts[k] == lse_out; };
-  int m = 0;
-  for (int k = 0; k < n; k++)
-    if (aliased(k)) {
-      if (m == K) return (int)cudaErrorInvalidValue;
-      a.o[m] = o_parts[k], a.lse[m] = lse_parts[k], m++;
-    }
-  int next = 0;  // the next unaliased state
-  for (;;) {
-    for (; m < K && next < n; next++)
-      if (!aliased(next)) a.o[m] = o_parts[next], a.lse[m] = lse_parts[next], m++;
-    const cudaError_t e = merge_pass(a, m, rows, dim, act_dtype, base2, out, lse_out, st);
-    if (e != cudaSuccess) return (int)e;
-    if (next == n) return (int)cudaSuccess;
-    a.o[0] = out, a.lse[0] = lse_out, m = 1;
-  }
+  return (int)merge_passes(a, n, rows, dim, act_dtype, base2, o_parts, lse_parts, out, lse_out, st);
 }
