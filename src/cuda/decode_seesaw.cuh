@@ -341,18 +341,9 @@ __device__ __forceinline__ RowSrc row_of(const mla_decode_params &p, const TileS
 // never over raw bytes still to be read: only the last pair overwrites its
 // own staging, per row, after both of the row's threads (adjacent lanes)
 // have read it; the scales are read by all before anything is written.
-//
-// nl (TMA modes): threads t128 = 0 .. nl - 1 each call it and issue every
-// nl-th TMA instruction, thread 0 posting the group's bytes (a TMA instruction beside
-// busy consumers takes hundreds of cycles to issue; in parallel lanes they
-// overlap; bench/RESULTS.md session 18).
-#ifndef MLA_DEV_REFILL_LANES
-#define MLA_DEV_REFILL_LANES 1
-#endif
-constexpr int kRefillLanes = MLA_DEV_REFILL_LANES;
 template <int LM>
 __device__ __forceinline__ void load_group(const mla_decode_params &p, const CUtensorMap *maps, const TileSrc &s,
-                                           uint32_t kbuf, uint32_t bar, int c0, int c1, int t128, int nl = 1) {
+                                           uint32_t kbuf, uint32_t bar, int c0, int c1, int t128) {
   const CUtensorMap *map = maps;
   (void)map;
   if constexpr (lm_cp(LM)) {
@@ -410,42 +401,30 @@ __device__ __forceinline__ void load_group(const mla_decode_params &p, const CUt
     const int *bt = p.block_table + (size_t)s.req * p.block_table_width + (s.kt0 >> lp);
     const int n = (c1 - c0) >> 1;
     const uint32_t per_box = c0 == 8 ? rows * 128 : n * rows * 128 + (lm_block(LM) ? rows * 16 : 0);
-    const int li = nl > 1 ? t128 : 0;
-    if (li == 0) mbar_expect_tx(bar, (uint32_t)nbox * per_box);
-    int j = 0;  // TMA instructions so far: thread li issues those = li mod nl
+    mbar_expect_tx(bar, (uint32_t)nbox * per_box);
 #pragma unroll 1
     for (int b = 0; b < nbox; b++) {
       const int page = big ? s.page : bt[b], r0 = big ? s.row0 : 0;
       if (c0 == 8) {
-        if (j++ % nl == li) {
-          if (lm_block(LM)) tma_load_3d(kbuf + 8 * kChunk + b * rows * 128, &maps[2], bar, 528, r0, page);
-          else tma_load_3d(kbuf + 8 * kChunk + b * rows * 128, &maps[0], bar, 448, r0, page);
-        }
+        if (lm_block(LM)) tma_load_3d(kbuf + 8 * kChunk + b * rows * 128, &maps[2], bar, 528, r0, page);
+        else tma_load_3d(kbuf + 8 * kChunk + b * rows * 128, &maps[0], bar, 448, r0, page);
       } else {
 #pragma unroll 1
         for (int i = 0; i < n; i++)
-          if (j++ % nl == li)
-            tma_load_3d(kbuf + (c0 + n + i) * kChunk + b * rows * 128, &maps[0], bar, 64 * (c0 + 2 * i), r0, page);
-        if (lm_block(LM) && j++ % nl == li)
-          tma_load_3d(kbuf + c0 * kChunk + b * rows * 16, &maps[1], bar, 512, r0, page);
+          tma_load_3d(kbuf + (c0 + n + i) * kChunk + b * rows * 128, &maps[0], bar, 64 * (c0 + 2 * i), r0, page);
+        if (lm_block(LM)) tma_load_3d(kbuf + c0 * kChunk + b * rows * 16, &maps[1], bar, 512, r0, page);
       }
     }
   } else if constexpr (LM == LOAD_TMA_BIG) {
-    // (the tx count may go below zero until thread 0 posts: the phase cannot
-    // complete before that arrival)
-    const int li = nl > 1 ? t128 : 0;
-    if (li == 0) mbar_expect_tx(bar, (uint32_t)(c1 - c0) * kChunk);
-    for (int cc = c0 + li; cc < c1; cc += nl) tma_load_3d(kbuf + cc * kChunk, map, bar, 64 * cc, s.row0, s.page);
+    mbar_expect_tx(bar, (uint32_t)(c1 - c0) * kChunk);
+    for (int cc = c0; cc < c1; cc++) tma_load_3d(kbuf + cc * kChunk, map, bar, 64 * cc, s.row0, s.page);
   } else {
     const int P = p.page_size, lp = __ffs(P) - 1;
     const int *bt = p.block_table + (size_t)s.req * p.block_table_width + (s.kt0 >> lp);
     const int nbox = (s.nvalid + P - 1) >> lp;  // boxes past the end are never read
-    const int li = nl > 1 ? t128 : 0;
-    if (li == 0) mbar_expect_tx(bar, (uint32_t)((c1 - c0) * nbox * P * 128));
-    int j = 0;  // as in the fp8 modes
+    mbar_expect_tx(bar, (uint32_t)((c1 - c0) * nbox * P * 128));
     for (int cc = c0; cc < c1; cc++)
-      for (int b = 0; b < nbox; b++)
-        if (j++ % nl == li) tma_load_3d(kbuf + cc * kChunk + b * P * 128, map, bar, 64 * cc, 0, bt[b]);
+      for (int b = 0; b < nbox; b++) tma_load_3d(kbuf + cc * kChunk + b * P * 128, map, bar, 64 * cc, 0, bt[b]);
   }
 }
 

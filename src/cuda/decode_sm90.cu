@@ -483,10 +483,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t kb0 = sb + kOffB0, kb1 = sb + kOffB1;
   const float sl2 = p.scale * kLog2e;
   const int er = meta[SCHED_END_REQ];
-  // TMA: kRefillLanes elected refill threads per warpgroup (load_group's
-  // nl); other modes: all of it.
-  constexpr int kNl = lm_cp(LM) ? 1 : kRefillLanes;
-  const bool issuer = lm_cp(LM) || t128 < kNl;
+  // TMA: one elected refill thread per warpgroup; other modes: all of it.
+  const bool issuer = lm_cp(LM) || t128 == 0;
   const int myrow = t128 >> 1;  // row a thread copies in the cp.async modes
   const float kvs = p.kv_scale;
 
@@ -549,7 +547,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                     nv0);
         if (kUnderQk) next_tiles<LM>(p, meta, mb, er, issuer, myrow, has1, cur0, cur1, nx0, nx1, ld0, ld1);
         qk_wait(s);
-        if (ld0.valid) load_group<LM>(p, kv_maps.m, ld0, kb0, bars0 + 16, 8, 9, t128, kNl);  // rope chunk: read by QK^T only
+        if (ld0.valid) load_group<LM>(p, kv_maps.m, ld0, kb0, bars0 + 16, 8, 9, t128);  // rope chunk: read by QK^T only
         float mxA, mxB;
         row_max(s, full0, kt0, limA, limB, cq, mxA, mxB);
         const float mpA = sM[rA], mpB = sM[rB];
@@ -609,15 +607,15 @@ __global__ void __launch_bounds__(kThreads, 1)
           pv_ss<kF16>(o, sPb, kb1, 0, vt_lbo, vt_sbo);  // O_L += P1 V1_L, queued behind P0 V0_L
           wgmma_wait<1>();
           keep_alive(pa);
-          if (ld0.valid) load_group<LM>(p, kv_maps.m, ld0, kb0, bars0, 0, 4, t128, kNl);
+          if (ld0.valid) load_group<LM>(p, kv_maps.m, ld0, kb0, bars0, 0, 4, t128);
           wgmma_wait<0>();
           reg_fence(o);
-          if (ld1.valid) load_group<LM>(p, kv_maps.m, ld1, kb1, bars1, 0, 4, t128, kNl);
+          if (ld1.valid) load_group<LM>(p, kv_maps.m, ld1, kb1, bars1, 0, 4, t128);
         } else {
           wgmma_wait<0>();
           reg_fence(o);
           keep_alive(pa);
-          if (ld0.valid) load_group<LM>(p, kv_maps.m, ld0, kb0, bars0, 0, 4, t128, kNl);
+          if (ld0.valid) load_group<LM>(p, kv_maps.m, ld0, kb0, bars0, 0, 4, t128);
         }
       } else {
         // ---------------- WG1: tile T1 in B1 ----------------
@@ -627,7 +625,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                       kvs, nv1);
           if (kUnderQk) next_tiles<LM>(p, meta, mb, er, issuer, myrow, has1, cur0, cur1, nx0, nx1, ld0, ld1);
           qk_wait(s);
-          if (ld1.valid) load_group<LM>(p, kv_maps.m, ld1, kb1, bars1 + 16, 8, 9, t128, kNl);
+          if (ld1.valid) load_group<LM>(p, kv_maps.m, ld1, kb1, bars1 + 16, 8, 9, t128);
           row_max(s, full1, kt1, limA, limB, cq, mxA, mxB);
         } else if (kUnderQk) {
           next_tiles<LM>(p, meta, mb, er, issuer, myrow, has1, cur0, cur1, nx0, nx1, ld0, ld1);
@@ -671,11 +669,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (has1) {
           wgmma_wait<1>();  // P1 V1_R retired: B1 chunks 4-7 are free
           keep_alive(pa);
-          if (ld1.valid) load_group<LM>(p, kv_maps.m, ld1, kb1, bars1 + 8, 4, 8, t128, kNl);
+          if (ld1.valid) load_group<LM>(p, kv_maps.m, ld1, kb1, bars1 + 8, 4, 8, t128);
         }
         wgmma_wait<0>();
         reg_fence(o);
-        if (ld0.valid) load_group<LM>(p, kv_maps.m, ld0, kb0, bars0 + 8, 4, 8, t128, kNl);
+        if (ld0.valid) load_group<LM>(p, kv_maps.m, ld0, kb0, bars0 + 8, 4, 8, t128);
       }
       use0++;
       if (has1) use1++;
@@ -1163,8 +1161,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (meta[SCHED_NUM_REQS] == 0) return;
   const int tid = threadIdx.x, wg = tid >> 7, t128 = tid & 127, wi = (tid >> 5) & 3, lane = tid & 31;
   const int er = meta[SCHED_END_REQ];
-  constexpr int kNl = lm_cp(LM) ? 1 : kRefillLanes;  // load_group's nl
-  const bool issuer = lm_cp(LM) || t128 < kNl;  // TMA: kNl threads; cp.async: the warpgroup
+  const bool issuer = lm_cp(LM) || t128 == 0;  // TMA: one thread; cp.async: the warpgroup
   const int myrow = t128 >> 1;
   const float kvs = p.kv_scale;
   const int cvbar = 7 + wg;  // this warpgroup's fp8 dequantization barrier
@@ -1286,7 +1283,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (kUnderQk) next_tile<LM>(p, meta, mb, er, issuer, myrow, cur, nx, ld);
       wgmma_wait<0>();
       reg_fence(s);
-      if (ld.valid) load_group<LM>(p, kv_maps.m, ld, kb, bars + 8, 8, 9, t128, kNl);  // rope chunk: read by QK^T only
+      if (ld.valid) load_group<LM>(p, kv_maps.m, ld, kb, bars + 8, 8, 9, t128);  // rope chunk: read by QK^T only
 
       // ---- softmax down the columns, P^T -> shared memory ----
       col_softmax_p<N, kF16>(s, m, lp, o, col, limc, sl2, full, kt, wg, wi, lane, nb, red, sP);
@@ -1305,7 +1302,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_wait<0>();
 #pragma unroll
       for (int mt = 0; mt < 8; mt++) reg_fence(o[mt]);
-      if (ld.valid) load_group<LM>(p, kv_maps.m, ld, kb, bars, 0, 8, t128, kNl);
+      if (ld.valid) load_group<LM>(p, kv_maps.m, ld, kb, bars, 0, 8, t128);
       use++;
       cur = nx;
     }
