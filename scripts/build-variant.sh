@@ -13,10 +13,12 @@
 #            -DCMAKE_EXPORT_COMPILE_COMMANDS=ON (built with the default flags)
 # OUT_DIR    receives mla and tests/TEST...
 # DEFS       e.g. "-DMLA_DEV_TIMELINE -DMLA_DEV_NOLOAD"
+# VARIANT_SRC (environment) the file under src/cuda/ to compile with DEFS
+#            (default decode_sm90.cu; e.g. prefill_sm90.cu)
 set -euo pipefail
 [ $# -ge 3 ] || { sed -n '2,17p' "$0"; exit 2; }
 B=$(cd "$1" && pwd); mkdir -p "$2/tests"; D=$(cd "$2" && pwd); DEFS=$3; shift 3
-SRC=$(cd "$(dirname "$0")/.." && pwd)/src/cuda/decode_sm90.cu
+SRC=$(cd "$(dirname "$0")/.." && pwd)/src/cuda/${VARIANT_SRC:-decode_sm90.cu}
 cd "$B"
 ninja mla_cli "$@" > /dev/null  # the default tree up to date first
 cmd=$(python3 - "$SRC" <<'PY'
@@ -28,9 +30,10 @@ PY
 )
 obj=$(sed -E 's/.* -o ([^ ]+)$/\1/' <<<"$cmd")
 cmd=${cmd% -o *}
-eval "$cmd $DEFS -o $D/decode_sm90.cu.o"
+OBJ=$(basename "$SRC").o
+eval "$cmd $DEFS -o $D/$OBJ"
 cp libmla.a "$D/libmla.a"
-(cd "$D" && ar r libmla.a decode_sm90.cu.o)
+(cd "$D" && ar r libmla.a "$OBJ")
 relink() {  # relink TARGET OUTPUT: the target's link command with the copy of libmla.a
   local l
   l=$(ninja -t commands "$1" | tail -n 1)
@@ -40,5 +43,5 @@ relink() {  # relink TARGET OUTPUT: the target's link command with the copy of l
 }
 relink mla_cli mla
 for t in "$@"; do relink "$t" "tests/$t"; done
-rm -f "$D/libmla.a" "$D/decode_sm90.cu.o"
+rm -f "$D/libmla.a" "$D/$OBJ"
 echo "build-variant: $D/mla${*:+ and tests: $*} ($DEFS; object was $obj)"
