@@ -1332,7 +1332,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 // NWG consumer warpgroups: 2, or 3 for the per-tensor fp8 cache (its
 // register-operand GEMMs leave the SM's pipes idle behind two warpgroups'
 // chains; a third warpgroup's tiles fill part of that: dev/cuda/fp8_rs wgs,
-// bench/RESULTS.md session 14). With 3 the row arrays used only by
+// bench/RESULTS.md session 14; faster than two at every shape measured once
+// the producer issued from several lanes, session 18). With 3 the row arrays used only by
 // merge_rows (redL, mfin, lfin) move into the Q region's tail past the merge
 // scratch, written after a consumers' barrier (Q is free then): the region
 // after the ring would otherwise overflow the 227 KB by 216 bytes.
@@ -1361,8 +1362,9 @@ struct RingLayT {
   static_assert(kSmem <= 232448, "over the opt-in shared memory of sm_90");
 };
 using RingLay = RingLayT<2>;
-// Two consumer warpgroups and a producer warpgroup whose thread 0 issues the
-// loads (the other three warps leave at once). A whole producer warpgroup so
+// Two (or three) consumer warpgroups and a producer warpgroup whose first
+// warp issues the loads, a tile's positions from as many lanes
+// (ring_produce; the other lanes and warps leave at once). A whole producer warpgroup so
 // that setmaxnreg can hand the consumers 232 registers: with a lone producer
 // warp (288 threads) the SM sub-partition holding it had three warps, which
 // capped every thread at 168 (512 / 3), and the per-tensor fp8 path spilled
@@ -1373,7 +1375,8 @@ using RingLay = RingLayT<2>;
 // With three consumer warpgroups (512 threads: 128 registers a thread at
 // launch) the producer gives back to kRing3ProdRegs and the consumers take
 // kRing3ConsRegs (prod + 3 cons <= 512: a lane's share of the 64K file;
-// ptxas: 152 spills 40 B in the per-tensor fp8 kernel, 160 none).
+// ptxas: 152 spills 40 B in the per-tensor fp8 kernel, 160 none; with the
+// five-lane producer its 32 spill 8 B).
 #ifndef MLA_DEV_RING3_PROD
 #define MLA_DEV_RING3_PROD 32
 #endif
