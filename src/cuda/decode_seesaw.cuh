@@ -74,7 +74,7 @@ __host__ __device__ constexpr bool lm_tma16(int lm) { return lm <= LOAD_TMA_SMAL
 // block-scaled only: [1] the 16 scale bytes of a row, [2] the bf16 rope as
 // 128 swizzled bytes.
 struct KvMaps {
-  CUtensorMap m[4];  // [3]: the per-tensor fp8 pair view (decode_sm90.cu: make_kv_tmap_pairs), page size >= 64
+  CUtensorMap m[3];
 };
 
 __device__ __forceinline__ void named_bar_arrive(int id, int n) {

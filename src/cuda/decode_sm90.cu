@@ -94,26 +94,6 @@ cudaError_t make_kv_tmap_bytes(const mla_decode_params *p, CUtensorMap *map, int
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// The per-tensor fp8 cache (576-byte rows) as row pairs: a 3-D byte tensor
-// {1152, P / 2, pages}, boxes of 128 bytes x 32 pairs, 128B-swizzled. A pair
-// of rows is 9 whole 128-byte lines, so every box row is one aligned line:
-// the row view's boxes straddle two lines on every other row (576 = 4.5
-// lines), ~8 L2 requests per row against 4.5 here (bench/RESULTS.md session
-// 15, runs 2-3). Page size >= 64 (a tile's 64 keys are 32 pairs of one page).
-cudaError_t make_kv_tmap_pairs(const mla_decode_params *p, CUtensorMap *map) {
-  memset(map, 0, sizeof(*map));
-  EncodeTiledFn fn = encode_fn();
-  if (!fn) return cudaErrorNotSupported;
-  cuuint64_t dims[3] = {(cuuint64_t)(2 * p->row_bytes), (cuuint64_t)(p->page_size / 2), (cuuint64_t)p->num_pages};
-  cuuint64_t strides[2] = {(cuuint64_t)(2 * p->row_bytes), (cuuint64_t)p->row_bytes * p->page_size};
-  cuuint32_t box[3] = {128, 32, 1};
-  cuuint32_t one[3] = {1, 1, 1};
-  CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void *>(p->kv), dims, strides, box, one,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
-}
-
 // ---------------------------------------------------------------------------
 // Split-KV combine: one warp per (request, row); requests cut into one piece
 // are skipped (the split kernel wrote them). Launched as a programmatic
@@ -1390,17 +1370,6 @@ constexpr int ring_threads() { return NWG * 128 + 128; }
 static_assert(ring_threads<2>() == kRingThreads, "two consumer warpgroups and the producer's");
 static_assert(kRing3ProdRegs + 3 * kRing3ConsRegs <= 512 && kRing3ConsRegs % 8 == 0 && kRing3ProdRegs % 8 == 0,
               "the register file: a lane's share is 512");
-// Dev switch (A/B builds only): MLA_DEV_PAIR 1 has the per-tensor fp8 ring
-// read its tiles through the pair view (make_kv_tmap_pairs) where the page
-// size allows (>= 64). It cuts the L2 read requests by 40 % and measured 9 %
-// slower (it holds every slot of a tile from before the Q.K^T to after the
-// P V; bench/RESULTS.md session 15, runs 3 and 5), so the row view stays.
-#ifndef MLA_DEV_PAIR
-#define MLA_DEV_PAIR 0
-#endif
-static inline bool ring_pairs(const mla_decode_params *p) {
-  return MLA_DEV_PAIR && p->kv_dtype == MLA_DTYPE_FP8_E4M3 && p->page_size >= 64 && p->row_bytes == 576;
-}
 // The per-tensor fp8 ring runs three consumer warpgroups: with the producer
 // issuing from five lanes (ring_produce) 1.20x faster than two at b = 128,
 // H = 16 (bench/RESULTS.md session 18); MLA_DECODE_RING2=1 (environment,
@@ -1456,11 +1425,7 @@ __device__ __forceinline__ RingSrc ring_src(const mla_decode_params &p, int req,
 // the latent pairs (row bytes 128 (k - 1) .. + 127), raw. maps: the launch's
 // KvMaps (16-bit and per-tensor fp8 read [1], the 128-byte L2 promotion
 // view; the block format [0] and its rope map [2]).
-// kPair (per-tensor fp8, page size >= 64, the pair view maps[3]): position
-// k holds pair-view boxes 2k (slot bytes 0..4095) and 2k + 1 (4096..8191),
-// k = 4 box 8 alone; box j is bytes 128 j .. + 127 of the tile's 32 row
-// pairs (pair_off says where a key's bytes land).
-template <int LM, bool kPair = false>
+template <int LM>
 __device__ __forceinline__ void ring_load(const mla_decode_params &p, const CUtensorMap *maps, const RingSrc &s,
                                           uint32_t dst, uint32_t bar, int k, uint64_t pol, bool hint) {
 #ifdef MLA_DEV_FAKELOAD  // (dev timing only: the ring's handshakes and waits without the bytes, wrong results;
@@ -1470,16 +1435,7 @@ __device__ __forceinline__ void ring_load(const mla_decode_params &p, const CUte
 #endif
   const int c = k == 0 ? 8 : k - 1;
   const CUtensorMap *map = maps + 1;
-  if constexpr (kPair) {
-    static_assert(LM == LOAD_FP8_TMA, "the pair view is the per-tensor fp8 cache's");
-    const int nb = k < 4 ? 2 : 1;
-    mbar_expect_tx(bar, (uint32_t)(nb * 4096));
-#pragma unroll 1
-    for (int b = 0; b < nb; b++) {
-      if (hint) tma_load_3d_hint(dst + b * 4096, maps + 3, bar, 128 * (2 * k + b), s.row0 >> 1, s.page, pol);
-      else tma_load_3d(dst + b * 4096, maps + 3, bar, 128 * (2 * k + b), s.row0 >> 1, s.page);
-    }
-  } else if constexpr (LM == LOAD_FP8_TMA || LM == LOAD_FP8_BLOCK_TMA) {
+  if constexpr (LM == LOAD_FP8_TMA || LM == LOAD_FP8_BLOCK_TMA) {
     const int P = p.page_size, rows = P < 64 ? P : 64, nbox = P < 64 ? s.nbox : 1;
     const int col = k == 0 ? (LM == LOAD_FP8_TMA ? 448 : 528) : 128 * (k - 1);
     if (LM == LOAD_FP8_BLOCK_TMA) map = maps + (k == 0 ? 2 : 0);
@@ -1556,7 +1512,7 @@ __device__ __forceinline__ void wait_issued(uint32_t iss, int n) {
 constexpr int kTlpTiles = 120;
 __device__ long long g_tlp[kTlpTiles][3];
 #endif
-template <int LM, bool kPair = false>
+template <int LM>
 __device__ __forceinline__ void ring_produce(const mla_decode_params &p, const CUtensorMap *map, const int *meta,
                                              int mb, uint32_t ring, uint32_t fullb, uint32_t emptyb, uint32_t iss,
                                              int l2_hint, int lane) {
@@ -1602,7 +1558,7 @@ __device__ __forceinline__ void ring_produce(const mla_decode_params &p, const C
 #ifdef MLA_DEV_TIMELINE
       if (tlp) g_tlp[tq][1] = clock64();
 #endif
-      ring_load<LM, kPair>(p, map, cur, ring + sg * kChunk, fullb + 8 * sg, k, pol, hint);
+      ring_load<LM>(p, map, cur, ring + sg * kChunk, fullb + 8 * sg, k, pol, hint);
       __syncwarp((1u << kPos) - 1);
     }
 #ifdef MLA_DEV_TIMELINE
@@ -1731,23 +1687,6 @@ __device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t a, uint32_t
 __device__ __forceinline__ uint32_t box_off(int key, int b) {
   return (uint32_t)(key * 128 + ((((b >> 4) ^ (key & 7)) & 7) << 4));
 }
-// The pair view (ring_load<.., kPair>): the ring offset of the 16 bytes at
-// row byte 64 ch + off (off a multiple of 16 below 64; ch 0-7 the latent, 8
-// the rope) of key `key`. Row bytes b sit at pair byte b (even keys) or 576 +
-// b (odd keys), i.e. box j = that / 128, which a 64-byte piece never
-// straddles; box j is bytes 4096 (j % 2) .. of position j / 2. Eight
-// consecutive keys from a multiple of 8 (an ldmatrix 8x8) fall on 4 pairs x 2
-// parities whose swizzled 16-byte units are all distinct (odd keys' column is
-// the even keys' XOR 4): no bank conflicts. (ch is a constant in the unrolled
-// GEMM loops, so both candidate slots are fixed registers there.)
-__device__ __forceinline__ uint32_t pair_off(const int (&sl)[5], int ch, int key, int off) {
-  const bool odd = key & 1;
-  const int pr = key >> 1, je = ch >> 1, jo = (ch + 9) >> 1;
-  const int pos = (odd ? jo : je) >> 1;  // (selects, not sl[pos]: a runtime index would put sl in local memory)
-  const int slot = pos == 0 ? sl[0] : pos == 1 ? sl[1] : pos == 2 ? sl[2] : pos == 3 ? sl[3] : sl[4];
-  const int half = odd ? (jo & 1) : (je & 1), col = 64 * ((odd ? ch + 9 : ch) & 1) + off;
-  return (uint32_t)(slot * kChunk + half * 4096 + pr * 128 + ((((col >> 4) ^ pr) & 7) << 4));
-}
 // A register buffers of the P V (one batch per m-tile): a batch's registers
 // are rewritten only after wait_group kRsBuf - 1. The MLA_DEV_* values here
 // and below are compile-time overrides for A/B builds only; at 168 registers
@@ -1785,23 +1724,14 @@ constexpr int kQkAcc = MLA_DEV_QKACC;
 constexpr int kSsAcc = MLA_DEV_SSACC;  // the same for the 16-bit ring's shared-memory Q.K^T
 constexpr int kQkB = MLA_DEV_QKB, kQkBuf = MLA_DEV_QKBUF;
 static_assert(kQkB == 2 || kQkB == 4, "a batch is one or two ldmatrix.x4 of the same chunk");
-// kPair: the tile through the pair view (pair_off); every position holds
-// latent bytes, so all five are waited for first and go back after the P V.
-template <bool kPair = false>
 __device__ __forceinline__ void qk_rs_tile(float (&s)[8], uint32_t ring, uint32_t fullb, uint32_t emptyb,
                                            const int (&sl)[5], uint32_t par, uint32_t sQ, int wi, int lane) {
   float acc[kQkAcc][8];  // (each one's first k-step does not accumulate: no zeroing needed)
   uint32_t a[kQkBuf][kQkB][4];
   const int key = 16 * wi + (lane & 7) + 8 * ((lane >> 3) & 1);  // this lane's ldmatrix row
   const int usel = 16 * (lane >> 4);                              // first / second 16-byte piece
-  // All five boxes waited for before batch 0 only in the pair view: in the row
-  // view that was 3-4 % slower (MLA_DEV_WAITALL, bench/RESULTS.md session 17).
-  constexpr bool kUpFront = kPair;
-#ifndef MLA_DEV_NOLOAD
-  if constexpr (kUpFront)
-#pragma unroll
-    for (int k = 0; k < 5; k++) mbar_wait(fullb + 8 * sl[k], par);
-#endif
+  // Each box waited for before its first batch (all five before batch 0 was
+  // 3-4 % slower: MLA_DEV_WAITALL, bench/RESULTS.md session 17).
 #pragma unroll
   for (int bt = 0; bt < 36 / kQkB; bt++) {
     const int ks0 = bt * kQkB, ci = ks0 >> 2, j0 = ks0 & 3;  // first k-step, its chunk (in order) and step
@@ -1809,16 +1739,13 @@ __device__ __forceinline__ void qk_rs_tile(float (&s)[8], uint32_t ring, uint32_
     const int box = ci == 0 ? 0 : 1 + (c >> 1);              // raw box holding those 64 dims
     const int b0 = ci == 0 ? 64 : 64 * (c & 1);              // their first byte in the box's rows
 #ifndef MLA_DEV_NOLOAD
-    if (!kUpFront && j0 == 0 && (ci <= 1 || (c & 1) == 0)) mbar_wait(fullb + 8 * sl[box], par);
+    if (j0 == 0 && (ci <= 1 || (c & 1) == 0)) mbar_wait(fullb + 8 * sl[box], par);
 #endif
     uint32_t(&A)[kQkB][4] = a[bt % kQkBuf];
     if (bt >= kQkBuf) wgmma_wait<kQkBuf - 1>();
     const uint32_t base = ring + sl[box] * kChunk;
 #pragma unroll
-    for (int j = 0; j < kQkB; j += 2) {
-      if constexpr (kPair) rs_k_pair(ring + pair_off(sl, c, key, 16 * (j0 + j) + usel), A[j], A[j + 1]);
-      else rs_k_pair(base + box_off(key, b0 + 16 * (j0 + j) + usel), A[j], A[j + 1]);
-    }
+    for (int j = 0; j < kQkB; j += 2) rs_k_pair(base + box_off(key, b0 + 16 * (j0 + j) + usel), A[j], A[j + 1]);
     wgmma_fence();
 #pragma unroll
     for (int j = 0; j < kQkB; j++)
@@ -1836,16 +1763,12 @@ __device__ __forceinline__ void qk_rs_tile(float (&s)[8], uint32_t ring, uint32_
     for (int k = 1; k < kQkAcc; k++) v += acc[k][i];
     s[i] = v;
   }
-  if (!kPair && lane == 0) mbar_arrive(emptyb + 8 * sl[0]);  // the rope box: read by QK^T only
+  if (lane == 0) mbar_arrive(emptyb + 8 * sl[0]);  // the rope box: read by QK^T only
 }
 
 // O^T += V^T P^T of one tile: m-tile mt reads dims 64 mt .. 64 mt + 63 of box
 // 1 + mt / 2; a latent box goes back to the producer once both its m-tiles'
 // groups have retired.
-// kPair: m-tile mt reads chunk mt of both parities (positions mt / 4 and
-// (mt + 9) / 4); position k goes back once m-tile pair_last(k) has retired.
-__device__ constexpr int pair_last(int k) { return k == 0 ? 3 : k == 2 ? 2 : k == 3 ? 6 : 7; }
-template <bool kPair = false>
 __device__ __forceinline__ void pv_rs_tile(float (&o)[8][8], uint32_t ring, uint32_t emptyb, const int (&sl)[5],
                                            uint32_t sP, int wi, int lane) {
   uint32_t a[kRsBuf][4][4];
@@ -1856,21 +1779,13 @@ __device__ __forceinline__ void pv_rs_tile(float (&o)[8][8], uint32_t ring, uint
     if (mt >= kRsBuf) {
       wgmma_wait<kRsBuf - 1>();  // m-tiles <= mt - kRsBuf have retired
       const int done = mt - kRsBuf;
-      if constexpr (kPair) {
-#pragma unroll
-        for (int k = 0; k < 5; k++)
-          if (lane == 0 && pair_last(k) == done) mbar_arrive(emptyb + 8 * sl[k]);
-      } else {
-        if ((done & 1) && lane == 0) mbar_arrive(emptyb + 8 * sl[1 + (done >> 1)]);
-      }
+      if ((done & 1) && lane == 0) mbar_arrive(emptyb + 8 * sl[1 + (done >> 1)]);
     }
     const uint32_t base = ring + sl[1 + (mt >> 1)] * kChunk;
     const int b = 64 * (mt & 1) + 16 * wi;  // this warp's 16 dims
 #pragma unroll
-    for (int kp = 0; kp < 2; kp++) {
-      if constexpr (kPair) rs_vt_pair(ring + pair_off(sl, mt, 32 * kp + kr, 16 * wi), A[2 * kp], A[2 * kp + 1]);
-      else rs_vt_pair(base + box_off(32 * kp + kr, b), A[2 * kp], A[2 * kp + 1]);  // keys 32 kp ..
-    }
+    for (int kp = 0; kp < 2; kp++)
+      rs_vt_pair(base + box_off(32 * kp + kr, b), A[2 * kp], A[2 * kp + 1]);  // keys 32 kp ..
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < 4; ks++) wgmma_rs_m64n16k16_h(o[mt], A[ks], desc_sw128(sP + ks * 32, 16, 1024), 1);
@@ -1880,30 +1795,19 @@ __device__ __forceinline__ void pv_rs_tile(float (&o)[8][8], uint32_t ring, uint
 #pragma unroll
   for (int mt = 0; mt < 8; mt++) reg_fence(o[mt]);
   if (lane == 0) {
-    if constexpr (kPair) {
 #pragma unroll
-      for (int k = 0; k < 5; k++)  // those the loop did not give back (it saw done <= 7 - kRsBuf)
-        if (pair_last(k) > 7 - kRsBuf) mbar_arrive(emptyb + 8 * sl[k]);
-    } else {
-#pragma unroll
-      for (int m = 8 - kRsBuf; m < 8; m += 2) mbar_arrive(emptyb + 8 * sl[1 + (m >> 1)]);
-    }
+    for (int m = 8 - kRsBuf; m < 8; m += 2) mbar_arrive(emptyb + 8 * sl[1 + (m >> 1)]);
   }
 }
 
 // Rows past the piece end may hold anything (NaN codes, a slot's stale rows):
 // zero latent rows >= nvalid of the tile's four latent boxes (raw bytes).
-template <bool kPair = false>
 __device__ __forceinline__ void zero_tail_raw(uint8_t *ringp, const int (&sl)[5], int nvalid, int t128) {
   const int nz = (64 - nvalid) * 32;  // rows x 4 boxes x 8 16-byte pieces
   for (int i = t128; i < nz; i += 128) {
     const int r = nvalid + (i >> 5);
-    if constexpr (kPair) {  // latent piece x = i % 32 (16 bytes) of key r
-      *reinterpret_cast<uint4 *>(ringp + pair_off(sl, (i & 31) >> 2, r, 16 * (i & 3))) = make_uint4(0, 0, 0, 0);
-    } else {
-      const int bx = 1 + ((i >> 3) & 3), x = i & 7;
-      *reinterpret_cast<uint4 *>(ringp + sl[bx] * kChunk + r * 128 + x * 16) = make_uint4(0, 0, 0, 0);
-    }
+    const int bx = 1 + ((i >> 3) & 3), x = i & 7;
+    *reinterpret_cast<uint4 *>(ringp + sl[bx] * kChunk + r * 128 + x * 16) = make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -1995,7 +1899,7 @@ __device__ long long g_tl[3][kTlTiles][kTlPh];
   } while (0)
 #endif
 
-template <int LM, bool kF16, int NWG, bool kPair>
+template <int LM, bool kF16, int NWG>
 __global__ void __launch_bounds__(ring_threads<NWG>(), 1)
     decode_ring_kernel(const mla_decode_params p, const __grid_constant__ KvMaps kv_maps, uint32_t vt_lbo,
                        uint32_t vt_sbo, int l2_hint) {
@@ -2035,7 +1939,7 @@ __global__ void __launch_bounds__(ring_threads<NWG>(), 1)
   if (tid >= kCons) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(NWG == 2 ? kRingProdRegs : kRing3ProdRegs));
 #ifndef MLA_DEV_NOLOAD  // (dev timing only: no loads, no waits for them; wrong results)
-    if (tid - kCons < kPos) ring_produce<LM, kPair>(p, kv_maps.m, meta, mb, ring, fullb, emptyb, iss, l2_hint, tid - kCons);
+    if (tid - kCons < kPos) ring_produce<LM>(p, kv_maps.m, meta, mb, ring, fullb, emptyb, iss, l2_hint, tid - kCons);
 #endif
     return;
   }
@@ -2141,7 +2045,7 @@ __global__ void __launch_bounds__(ring_threads<NWG>(), 1)
 #endif
       RING_TL(2);
       if constexpr (kRs) {
-        qk_rs_tile<kPair>(s, ring, fullb, emptyb, rsl, parm, sQ, wi, lane);
+        qk_rs_tile(s, ring, fullb, emptyb, rsl, parm, sQ, wi, lane);
       } else {
         if constexpr (kOwn) {
           // Into this warpgroup's own bf16 tile: its last P V (two tiles ago)
@@ -2186,13 +2090,13 @@ __global__ void __launch_bounds__(ring_threads<NWG>(), 1)
       RING_TL(3);
       col_softmax_p<N, kMF16>(s, m, lp, o, col, limc, sl2, full, kt, wg, wi, lane, nb, red, sP);
       RING_TL(4);
-      if (kRs && nv < 64) zero_tail_raw<kPair>(ringp, rsl, nv, t128);
+      if (kRs && nv < 64) zero_tail_raw(ringp, rsl, nv, t128);
       if (!kRaw && nv < 64) zero_tail_ring(ringp, q0, nv, t128);  // (block format: dequantized to zeros)
       fence_proxy_async();
       named_bar_sync(nb + NB_P - 1, 128);
       RING_TL(5);
       if constexpr (kRs) {
-        pv_rs_tile<kPair>(o, ring, emptyb, rsl, sP, wi, lane);
+        pv_rs_tile(o, ring, emptyb, rsl, sP, wi, lane);
         RING_TL(6);
 #ifdef MLA_DEV_TIMELINE
         tli++;
@@ -2291,11 +2195,9 @@ cudaError_t launch_narrow(const mla_decode_params *p, const KvMaps &map, cudaStr
 template <int LM, bool kF16, int NWG>
 cudaError_t launch_ring_wgs(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
   using L = RingLayT<NWG>;
-  constexpr bool kCanPair = LM == LOAD_FP8_TMA && MLA_DEV_PAIR;  // (0: one instantiation)
-  const bool pair = kCanPair && ring_pairs(p);
-  static uint64_t smem_set[2];
-  auto kernel = pair ? decode_ring_kernel<LM, kF16, NWG, kCanPair> : decode_ring_kernel<LM, kF16, NWG, false>;
-  DEV_CUDA_OK(set_smem_once(kernel, (int)L::kSmem, &smem_set[pair]));
+  static uint64_t smem_set;  // per instantiation and device
+  auto kernel = decode_ring_kernel<LM, kF16, NWG>;
+  DEV_CUDA_OK(set_smem_once(kernel, (int)L::kSmem, &smem_set));
   dim3 grid(p->num_sm_parts, mla_decode_m_blocks(p));
   // evict_first when every part holds >= 4 of the request's pieces on
   // average (small batches): measured 2-3 us faster at b = 1, 4 (s_k 32K);
@@ -2453,7 +2355,6 @@ cudaError_t encode_kv_maps(const mla_decode_params *p, KvMaps *map) {
   if (e == cudaSuccess && fp8)  // the ring kernel's boxes: swizzled for its ldmatrix reads (qk_rs_tile)
     e = make_kv_tmap_bytes(p, &map->m[1], 128, true, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
   if (e == cudaSuccess && fp8) e = make_kv_tmap_bytes(p, &map->m[2], 128, true);  // swizzled: the fp8 math kernel
-  if (e == cudaSuccess && fp8 && ring_pairs(p)) e = make_kv_tmap_pairs(p, &map->m[3]);  // the pair view (dev)
   if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map->m[1], 16, false);  // block scales
   if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map->m[2], 128, true);  // bf16 rope, swizzled
   return e;
