@@ -74,7 +74,7 @@ __host__ __device__ constexpr bool lm_tma16(int lm) { return lm <= LOAD_TMA_SMAL
 // block-scaled only: [1] the 16 scale bytes of a row, [2] the bf16 rope as
 // 128 swizzled bytes.
 struct KvMaps {
-  CUtensorMap m[3];
+  CUtensorMap m[4];  // [3]: per-tensor fp8, page size >= 64: a tile's latent as one 4-D box (decode_sm90.cu)
 };
 
 __device__ __forceinline__ void named_bar_arrive(int id, int n) {

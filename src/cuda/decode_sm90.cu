@@ -94,6 +94,28 @@ cudaError_t make_kv_tmap_bytes(const mla_decode_params *p, CUtensorMap *map, int
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// The per-tensor fp8 latent as {128 bytes, rows, 4 chunks of 128 bytes,
+// pages} (the chunk stride below the row's: the driver takes any order),
+// box {128, 64, 4, 1}, 128B-swizzled: one TMA instruction fills a tile's
+// four latent ring slots ([chunk][row][128 B]: four contiguous 1024-aligned
+// 8 KB slots) in the layout four row-view boxes give them. Page size >= 64.
+// The TMA unit takes ~290 cycles a box beside the ring's busy consumers, so
+// 2 boxes a tile instead of 5: 1.2-2.2 % faster at b = 128, H = 16
+// (bench/RESULTS.md session 18, run 5).
+cudaError_t make_kv_tmap_latent4(const mla_decode_params *p, CUtensorMap *map) {
+  memset(map, 0, sizeof(*map));
+  EncodeTiledFn fn = encode_fn();
+  if (!fn) return cudaErrorNotSupported;
+  cuuint64_t dims[4] = {128, (cuuint64_t)p->page_size, 4, (cuuint64_t)p->num_pages};
+  cuuint64_t strides[3] = {(cuuint64_t)p->row_bytes, 128, (cuuint64_t)p->row_bytes * p->page_size};
+  cuuint32_t box[4] = {128, 64, 4, 1};
+  cuuint32_t one[4] = {1, 1, 1, 1};
+  CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void *>(p->kv), dims, strides, box, one,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 // ---------------------------------------------------------------------------
 // Split-KV combine: one warp per (request, row); requests cut into one piece
 // are skipped (the split kernel wrote them). Launched as a programmatic
@@ -1492,7 +1514,8 @@ __device__ __forceinline__ void wait_issued(uint32_t iss, int n) {
 // the consumers' order; lane k fills position k of each tile, ring position
 // q (slot q % kSlots, use q / kSlots), once the use before it has been
 // released (empty barrier: one arrival per consumer warp); after a
-// __syncwarp lane 0 publishes the positions issued (iss).
+// __syncwarp lane 0 publishes the positions issued (iss). (Per-tensor fp8
+// at page size >= 64: lane 1 issues positions 1-4 as one box, see there.)
 // Why lanes: beside busy consumers one thread took ~2200 cycles to issue a
 // tile's five fp8 boxes (each wait + expect_tx + TMA instruction ~440
 // cycles, against ~150 with the SM otherwise idle); five lanes issue them
@@ -1552,13 +1575,28 @@ __device__ __forceinline__ void ring_produce(const mla_decode_params &p, const C
     {  // lane k: position q + k
       const int k = lane, pos = q + k, sg = kBase + pos % kN;
       const uint32_t u = (uint32_t)(pos / kN);
-      if (u > 0)
-        while (!mbar_try_wait(emptyb + 8 * sg, (u - 1) & 1)) {
+      // Per-tensor fp8, page size >= 64: lane 1 loads the four latent
+      // positions as one 4-D box (make_kv_tmap_latent4) once all four slots
+      // are free, completing position 1's barrier; lanes 2-4 idle.
+      if (LM == LOAD_FP8_TMA && p.page_size >= 64 && k >= 1) {
+        if (k == 1) {
+          if (u > 0)
+            for (int i = 0; i < 4; i++)
+              while (!mbar_try_wait(emptyb + 8 * (sg + i), (u - 1) & 1)) {
+              }
+          mbar_expect_tx(fullb + 8 * sg, 4 * kChunk);
+          if (hint) tma_load_4d_hint(ring + sg * kChunk, map + 3, fullb + 8 * sg, 0, cur.row0, 0, cur.page, pol);
+          else tma_load_4d(ring + sg * kChunk, map + 3, fullb + 8 * sg, 0, cur.row0, 0, cur.page);
         }
+      } else {
+        if (u > 0)
+          while (!mbar_try_wait(emptyb + 8 * sg, (u - 1) & 1)) {
+          }
 #ifdef MLA_DEV_TIMELINE
-      if (tlp) g_tlp[tq][1] = clock64();
+        if (tlp) g_tlp[tq][1] = clock64();
 #endif
-      ring_load<LM>(p, map, cur, ring + sg * kChunk, fullb + 8 * sg, k, pol, hint);
+        ring_load<LM>(p, map, cur, ring + sg * kChunk, fullb + 8 * sg, k, pol, hint);
+      }
       __syncwarp((1u << kPos) - 1);
     }
 #ifdef MLA_DEV_TIMELINE
@@ -1725,7 +1763,8 @@ constexpr int kSsAcc = MLA_DEV_SSACC;  // the same for the 16-bit ring's shared-
 constexpr int kQkB = MLA_DEV_QKB, kQkBuf = MLA_DEV_QKBUF;
 static_assert(kQkB == 2 || kQkB == 4, "a batch is one or two ldmatrix.x4 of the same chunk");
 __device__ __forceinline__ void qk_rs_tile(float (&s)[8], uint32_t ring, uint32_t fullb, uint32_t emptyb,
-                                           const int (&sl)[5], uint32_t par, uint32_t sQ, int wi, int lane) {
+                                           const int (&sl)[5], uint32_t par, uint32_t sQ, int wi, int lane,
+                                           bool latent4) {
   float acc[kQkAcc][8];  // (each one's first k-step does not accumulate: no zeroing needed)
   uint32_t a[kQkBuf][kQkB][4];
   const int key = 16 * wi + (lane & 7) + 8 * ((lane >> 3) & 1);  // this lane's ldmatrix row
@@ -1739,7 +1778,8 @@ __device__ __forceinline__ void qk_rs_tile(float (&s)[8], uint32_t ring, uint32_
     const int box = ci == 0 ? 0 : 1 + (c >> 1);              // raw box holding those 64 dims
     const int b0 = ci == 0 ? 64 : 64 * (c & 1);              // their first byte in the box's rows
 #ifndef MLA_DEV_NOLOAD
-    if (j0 == 0 && (ci <= 1 || (c & 1) == 0)) mbar_wait(fullb + 8 * sl[box], par);
+    // (latent4: position 1's barrier completes with all four latent boxes)
+    if (j0 == 0 && (ci <= 1 || (!latent4 && (c & 1) == 0))) mbar_wait(fullb + 8 * sl[box], par);
 #endif
     uint32_t(&A)[kQkB][4] = a[bt % kQkBuf];
     if (bt >= kQkBuf) wgmma_wait<kQkBuf - 1>();
@@ -2045,7 +2085,7 @@ __global__ void __launch_bounds__(ring_threads<NWG>(), 1)
 #endif
       RING_TL(2);
       if constexpr (kRs) {
-        qk_rs_tile(s, ring, fullb, emptyb, rsl, parm, sQ, wi, lane);
+        qk_rs_tile(s, ring, fullb, emptyb, rsl, parm, sQ, wi, lane, p.page_size >= 64);
       } else {
         if constexpr (kOwn) {
           // Into this warpgroup's own bf16 tile: its last P V (two tiles ago)
@@ -2355,6 +2395,7 @@ cudaError_t encode_kv_maps(const mla_decode_params *p, KvMaps *map) {
   if (e == cudaSuccess && fp8)  // the ring kernel's boxes: swizzled for its ldmatrix reads (qk_rs_tile)
     e = make_kv_tmap_bytes(p, &map->m[1], 128, true, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
   if (e == cudaSuccess && fp8) e = make_kv_tmap_bytes(p, &map->m[2], 128, true);  // swizzled: the fp8 math kernel
+  if (e == cudaSuccess && fp8 && p->page_size >= 64) e = make_kv_tmap_latent4(p, &map->m[3]);  // the ring's latent
   if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map->m[1], 16, false);  // block scales
   if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map->m[2], 128, true);  // bf16 rope, swizzled
   return e;
