@@ -1585,8 +1585,7 @@ __device__ __forceinline__ void ring_produce(const mla_decode_params &p, const C
               while (!mbar_try_wait(emptyb + 8 * (sg + i), (u - 1) & 1)) {
               }
           mbar_expect_tx(fullb + 8 * sg, 4 * kChunk);
-          if (hint) tma_load_4d_hint(ring + sg * kChunk, map + 3, fullb + 8 * sg, 0, cur.row0, 0, cur.page, pol);
-          else tma_load_4d(ring + sg * kChunk, map + 3, fullb + 8 * sg, 0, cur.row0, 0, cur.page);
+          tma_load_4d(ring + sg * kChunk, map + 3, fullb + 8 * sg, 0, cur.row0, 0, cur.page, hint, pol);
         }
       } else {
         if (u > 0)
