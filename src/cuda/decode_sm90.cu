@@ -1584,8 +1584,12 @@ __device__ __forceinline__ void ring_produce(const mla_decode_params &p, const C
             for (int i = 0; i < 4; i++)
               while (!mbar_try_wait(emptyb + 8 * (sg + i), (u - 1) & 1)) {
               }
+#ifdef MLA_DEV_FAKELOAD  // (dev timing only, as in ring_load)
+          mbar_arrive(fullb + 8 * sg);
+#else
           mbar_expect_tx(fullb + 8 * sg, 4 * kChunk);
           tma_load_4d(ring + sg * kChunk, map + 3, fullb + 8 * sg, 0, cur.row0, 0, cur.page, hint, pol);
+#endif
         }
       } else {
         if (u > 0)
@@ -2077,9 +2081,9 @@ __global__ void __launch_bounds__(ring_threads<NWG>(), 1)
 #endif
       RING_TL(1);
 #ifdef MLA_DEV_TIMELINE
-      if constexpr (kRs) {  // (the timeline waits for the whole tile here: stamp 2 = its data landed)
-#pragma unroll
-        for (int k = 0; k < 5; k++) mbar_wait(fullb + 8 * rsl[k], parm);
+      if constexpr (kRs) {  // (the timeline waits for the whole tile here: stamp 2 = its data landed;
+                            // page size >= 64: position 1's barrier counts all four latent boxes)
+        for (int k = 0; k < (p.page_size >= 64 ? 2 : 5); k++) mbar_wait(fullb + 8 * rsl[k], parm);
       }
 #endif
       RING_TL(2);
