@@ -102,6 +102,10 @@ cudaError_t make_kv_tmap_bytes(const mla_decode_params *p, CUtensorMap *map, int
 // The TMA unit takes ~290 cycles a box beside the ring's busy consumers, so
 // 2 boxes a tile instead of 5: 1.2-2.2 % faster at b = 128, H = 16
 // (bench/RESULTS.md session 18, run 5).
+// Where it applies: the one test the host (which map to encode), the
+// producer (which loads to issue) and the consumers (which barriers to wait
+// for) share; kv_dtype per-tensor fp8 is the caller's part.
+static __host__ __device__ __forceinline__ bool ring_latent4(int page_size) { return page_size >= 64; }
 cudaError_t make_kv_tmap_latent4(const mla_decode_params *p, CUtensorMap *map) {
   memset(map, 0, sizeof(*map));
   EncodeTiledFn fn = encode_fn();
@@ -1578,7 +1582,7 @@ __device__ __forceinline__ void ring_produce(const mla_decode_params &p, const C
       // Per-tensor fp8, page size >= 64: lane 1 loads the four latent
       // positions as one 4-D box (make_kv_tmap_latent4) once all four slots
       // are free, completing position 1's barrier; lanes 2-4 idle.
-      if (LM == LOAD_FP8_TMA && p.page_size >= 64 && k >= 1) {
+      if (LM == LOAD_FP8_TMA && ring_latent4(p.page_size) && k >= 1) {
         if (k == 1) {
           if (u > 0)
             for (int i = 0; i < 4; i++)
@@ -2083,12 +2087,12 @@ __global__ void __launch_bounds__(ring_threads<NWG>(), 1)
 #ifdef MLA_DEV_TIMELINE
       if constexpr (kRs) {  // (the timeline waits for the whole tile here: stamp 2 = its data landed;
                             // page size >= 64: position 1's barrier counts all four latent boxes)
-        for (int k = 0; k < (p.page_size >= 64 ? 2 : 5); k++) mbar_wait(fullb + 8 * rsl[k], parm);
+        for (int k = 0; k < (ring_latent4(p.page_size) ? 2 : 5); k++) mbar_wait(fullb + 8 * rsl[k], parm);
       }
 #endif
       RING_TL(2);
       if constexpr (kRs) {
-        qk_rs_tile(s, ring, fullb, emptyb, rsl, parm, sQ, wi, lane, p.page_size >= 64);
+        qk_rs_tile(s, ring, fullb, emptyb, rsl, parm, sQ, wi, lane, ring_latent4(p.page_size));
       } else {
         if constexpr (kOwn) {
           // Into this warpgroup's own bf16 tile: its last P V (two tiles ago)
@@ -2398,7 +2402,7 @@ cudaError_t encode_kv_maps(const mla_decode_params *p, KvMaps *map) {
   if (e == cudaSuccess && fp8)  // the ring kernel's boxes: swizzled for its ldmatrix reads (qk_rs_tile)
     e = make_kv_tmap_bytes(p, &map->m[1], 128, true, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
   if (e == cudaSuccess && fp8) e = make_kv_tmap_bytes(p, &map->m[2], 128, true);  // swizzled: the fp8 math kernel
-  if (e == cudaSuccess && fp8 && p->page_size >= 64) e = make_kv_tmap_latent4(p, &map->m[3]);  // the ring's latent
+  if (e == cudaSuccess && fp8 && ring_latent4(p->page_size)) e = make_kv_tmap_latent4(p, &map->m[3]);
   if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map->m[1], 16, false);  // block scales
   if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map->m[2], 128, true);  // bf16 rope, swizzled
   return e;
