@@ -1450,15 +1450,26 @@ __device__ __forceinline__ RingSrc ring_src(const mla_decode_params &p, int req,
 // the bf16 rope, row bytes 528..655, swizzled as a 16-bit chunk), k = 1..4
 // the latent pairs (row bytes 128 (k - 1) .. + 127), raw. maps: the launch's
 // KvMaps (16-bit and per-tensor fp8 read [1], the 128-byte L2 promotion
-// view; the block format [0] and its rope map [2]).
+// view; the block format [0] and its rope map [2]). Per-tensor fp8 at page
+// size >= 64 (ring_latent4) positions 1-4 come as one 4-D box through [3]
+// (make_kv_tmap_latent4): k = 1 loads all four slots, completing its own
+// barrier (the caller has waited for all four to be free), k = 2-4 load
+// nothing and their full barriers stay as they are.
 template <int LM>
 __device__ __forceinline__ void ring_load(const mla_decode_params &p, const CUtensorMap *maps, const RingSrc &s,
                                           uint32_t dst, uint32_t bar, int k, uint64_t pol, bool hint) {
+  const bool latent4 = LM == LOAD_FP8_TMA && ring_latent4(p.page_size) && k >= 1;
+  if (latent4 && k > 1) return;
 #ifdef MLA_DEV_FAKELOAD  // (dev timing only: the ring's handshakes and waits without the bytes, wrong results;
                          // bench/RESULTS.md session 16 run 8)
   mbar_arrive(bar);
   return;
 #endif
+  if (latent4) {
+    mbar_expect_tx(bar, 4 * kChunk);
+    tma_load_4d(dst, maps + 3, bar, 0, s.row0, 0, s.page, hint, pol);
+    return;
+  }
   const int c = k == 0 ? 8 : k - 1;
   const CUtensorMap *map = maps + 1;
   if constexpr (LM == LOAD_FP8_TMA || LM == LOAD_FP8_BLOCK_TMA) {
@@ -1519,7 +1530,7 @@ __device__ __forceinline__ void wait_issued(uint32_t iss, int n) {
 // q (slot q % kSlots, use q / kSlots), once the use before it has been
 // released (empty barrier: one arrival per consumer warp); after a
 // __syncwarp lane 0 publishes the positions issued (iss). (Per-tensor fp8
-// at page size >= 64: lane 1 issues positions 1-4 as one box, see there.)
+// at page size >= 64: lane 1 issues positions 1-4 as one box, ring_load.)
 // Why lanes: beside busy consumers one thread took ~2200 cycles to issue a
 // tile's five fp8 boxes (each wait + expect_tx + TMA instruction ~440
 // cycles, against ~150 with the SM otherwise idle); five lanes issue them
@@ -1579,31 +1590,16 @@ __device__ __forceinline__ void ring_produce(const mla_decode_params &p, const C
     {  // lane k: position q + k
       const int k = lane, pos = q + k, sg = kBase + pos % kN;
       const uint32_t u = (uint32_t)(pos / kN);
-      // Per-tensor fp8, page size >= 64: lane 1 loads the four latent
-      // positions as one 4-D box (make_kv_tmap_latent4) once all four slots
-      // are free, completing position 1's barrier; lanes 2-4 idle.
-      if (LM == LOAD_FP8_TMA && ring_latent4(p.page_size) && k >= 1) {
-        if (k == 1) {
-          if (u > 0)
-            for (int i = 0; i < 4; i++)
-              while (!mbar_try_wait(emptyb + 8 * (sg + i), (u - 1) & 1)) {
-              }
-#ifdef MLA_DEV_FAKELOAD  // (dev timing only, as in ring_load)
-          mbar_arrive(fullb + 8 * sg);
-#else
-          mbar_expect_tx(fullb + 8 * sg, 4 * kChunk);
-          tma_load_4d(ring + sg * kChunk, map + 3, fullb + 8 * sg, 0, cur.row0, 0, cur.page, hint, pol);
-#endif
+      if (u > 0)
+        while (!mbar_try_wait(emptyb + 8 * sg, (u - 1) & 1)) {
         }
-      } else {
-        if (u > 0)
-          while (!mbar_try_wait(emptyb + 8 * sg, (u - 1) & 1)) {
-          }
 #ifdef MLA_DEV_TIMELINE
-        if (tlp) g_tlp[tq][1] = clock64();
+      if (tlp) g_tlp[tq][1] = clock64();
 #endif
-        ring_load<LM>(p, map, cur, ring + sg * kChunk, fullb + 8 * sg, k, pol, hint);
-      }
+      // Per-tensor fp8, page size >= 64: lane 1's one box fills the slots
+      // of positions 1-4, so all four lanes' slots must be free first.
+      if (LM == LOAD_FP8_TMA && ring_latent4(p.page_size)) __syncwarp((1u << kPos) - 1);
+      ring_load<LM>(p, map, cur, ring + sg * kChunk, fullb + 8 * sg, k, pol, hint);
       __syncwarp((1u << kPos) - 1);
     }
 #ifdef MLA_DEV_TIMELINE
