@@ -17,7 +17,7 @@
  * Oracle inputs: the CPU's dequantization (mla_kv_cache_read) rounded to the
  * kernel's operand type: bf16 for bf16 and both fp8 caches (the kernel
  * dequantizes e4m3 * scale in fp32 and rounds once to bf16), f16 for f16;
- * not rounded where the ring kernel runs a per-tensor fp8 cache (<= 16 rows
+ * not rounded where the ring kernel runs a per-tensor fp8 cache (<= 32 rows
  * per m-block, page >= 8: e4m3 values exact as f16 operands, the scale applied
  * to the scores and the output; exact_fp8 below). One such case has q times
  * 2^20 (past f16's range: the kernel must scale Q before converting it).
@@ -139,12 +139,13 @@ static const char *dt_name(mla_dtype t) {
 }
 
 /* Whether the ring kernel runs this case with exact e4m3 operands
- * (src/cuda/decode_sm90.cu launch_mode: per-tensor fp8, page >= 8, query
- * tokens x heads <= 16; MLA_DECODE_LEGACY=1 routes it to the older kernel). */
+ * (src/cuda/decode_sm90.cu route_of: per-tensor fp8, page >= 8, query
+ * tokens x heads <= 32, the ring and ring32 routes; MLA_DECODE_LEGACY=1
+ * routes it to the older kernels). */
 static int exact_fp8(const world *w) {
   const char *legacy = getenv("MLA_DECODE_LEGACY");
   const int q = q_len_of(w);
-  return w->d.kv == MLA_DTYPE_FP8_E4M3 && w->d.P >= 8 && q * w->d.H <= 16 && !(legacy && legacy[0] && legacy[0] != '0');
+  return w->d.kv == MLA_DTYPE_FP8_E4M3 && w->d.P >= 8 && q * w->d.H <= 32 && !(legacy && legacy[0] && legacy[0] != '0');
 }
 
 static void case_str(const world *w, char *buf, size_t n) {
@@ -537,7 +538,8 @@ static void check(const world *w, tu_dbufs *d, int base2) {
 
 static int case_no;
 
-static void run_case(mla_mode mode, mla_dtype kv, int P, int H, int q_log2) {
+/* ndt: TARGET_VERIFY's query tokens per request */
+static void run_case_ndt(mla_mode mode, mla_dtype kv, int P, int H, int q_log2, int ndt) {
   world w;
   memset(&w, 0, sizeof w);
   w.q_log2 = q_log2;
@@ -548,7 +550,7 @@ static void run_case(mla_mode mode, mla_dtype kv, int P, int H, int q_log2) {
    * tail saturates (the CPU quantizer's business; the oracle reads back) */
   w.d.kv_scale = (float)(0.004 + 0.02 * tu_uniform(&rng));
   w.d.scale = (float)SCALE;
-  w.d.ndt = mode == MLA_MODE_TARGET_VERIFY ? 2 : 0;
+  w.d.ndt = mode == MLA_MODE_TARGET_VERIFY ? ndt : 0;
   w.d.P = P;
   w.d.H = H;
   w.d.bs = H >= 64 ? tu_randint(&rng, 4, 5) : tu_randint(&rng, 4, 7);
@@ -568,6 +570,9 @@ static void run_case(mla_mode mode, mla_dtype kv, int P, int H, int q_log2) {
   check(&w, &d, base2);
   tu_dbufs_free(&d);
   world_free(&w);
+}
+static void run_case(mla_mode mode, mla_dtype kv, int P, int H, int q_log2) {
+  run_case_ndt(mode, kv, P, H, q_log2, 2);
 }
 
 /* ---- MLA_FLAG_FP8_MATH ---------------------------------------------------- */
@@ -605,7 +610,12 @@ static void route_checks(void) {
       {33, 1, 8, MLA_DTYPE_FP8_E4M3, 1, "wide-fp8math", NULL},
       {128, 1, 64, MLA_DTYPE_FP8_E4M3, 0, "wide", NULL},          /* no flag */
       {16, 1, 64, MLA_DTYPE_FP8_E4M3, 1, "ring", "narrow16"},     /* <= 16 rows: a no-op */
-      {16, 2, 64, MLA_DTYPE_FP8_E4M3, 1, "narrow32", NULL},       /* 32 rows: not > 32 */
+      {16, 2, 64, MLA_DTYPE_FP8_E4M3, 1, "ring32", "narrow32"},   /* 32 rows: not > 32 */
+      {16, 2, 64, MLA_DTYPE_FP8_E4M3, 0, "ring32", "narrow32"},   /* 17-32 rows, per-tensor fp8 */
+      {3, 8, 16, MLA_DTYPE_FP8_E4M3, 0, "ring32", "narrow32"},
+      {16, 2, 64, MLA_DTYPE_FP8_E4M3_BLOCK, 0, "narrow32", NULL}, /* block-scaled: no 32-row ring */
+      {16, 2, 64, MLA_DTYPE_BF16, 0, "narrow32", NULL},
+      {16, 2, 4, MLA_DTYPE_FP8_E4M3, 0, "narrow32", NULL},        /* page < 8 (cp.async) */
       {128, 1, 4, MLA_DTYPE_FP8_E4M3, 1, "wide", NULL},           /* page < 8 (cp.async) */
       {128, 1, 64, MLA_DTYPE_BF16, 1, "wide", NULL},              /* bf16 cache */
       {128, 2, 16, MLA_DTYPE_FP8_E4M3_BLOCK, 1, "wide", NULL},    /* block-scaled fp8 */
@@ -914,6 +924,8 @@ int main(int argc, char **argv) {
     run_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3, 1, 16, 0);
     run_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3, 64, 1, 0);
     run_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3, 16, 16, 20); /* ring kernel, small pages */
+    run_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3, 64, 16, 0); /* the 32-row ring */
+    run_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3, 16, 16, 0);
     run_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3_BLOCK, 16, 128, 0);
     run_case(MLA_MODE_DECODE, MLA_DTYPE_F16, 64, 128, 0);
     run_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_BF16, 2, 16, 0);
@@ -934,6 +946,13 @@ int main(int argc, char **argv) {
     run_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3, 64, 1, 20);
     run_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3, 64, 16, 20);
     run_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3_BLOCK, 64, 16, 20);
+    /* the 32-row ring (17-32 rows of a per-tensor fp8 cache) at other row
+     * counts than H = 16 x 2: 24 rows (8 tokens x 3 heads), 32 (4 x 8), 17,
+     * and 32 (16 x 2) with q past f16's range */
+    run_case_ndt(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3, 64, 3, 0, 8);
+    run_case_ndt(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3, 16, 8, 0, 4);
+    run_case_ndt(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3, 128, 17, 0, 1);
+    run_case_ndt(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3, 32, 2, 20, 16);
     /* MLA_FLAG_FP8_MATH: both TMA page classes, s_q 1, 2, 4, H 64 / 128 */
     printf("test_cuda_decode_dtypes: MLA_FLAG_FP8_MATH against the exact answer:\n");
     const int fPs[2] = {64, 16}, fHs[2] = {64, 128};

@@ -1,5 +1,5 @@
 // Raw e4m3 bytes as register A operands of the narrow (transposed) decode
-// GEMMs, f16 m64n16k16 (docs/decode-kernel.md §3.5.1): the conversions shared
+// GEMMs, f16 m64n16k16 / m64n32k16 (docs/decode-kernel.md §3.5.1): the conversions shared
 // by the ring kernel (decode_sm90.cu: qk_rs_tile / pv_rs_tile) and its dev
 // check (dev/cuda/fp8_rs.cu). Device-only; include after decode_common.cuh.
 #pragma once
@@ -22,6 +22,26 @@ static __device__ __forceinline__ void wgmma_rs_m64n16k16_h(float (&d)[8], const
       "p, 1, 1, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
+}
+
+// D[64x32] (+)= A[64x16] (registers, f16) * B[16x32] (smem desc, K-major, f16)
+static __device__ __forceinline__ void wgmma_rs_m64n32k16_h(float (&d)[16], const uint32_t (&a)[4], uint64_t db,
+                                                            int accum) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
+}
+
+// The m64nNk16 of the two above (N = 16 or 32 columns: rows of the m-block).
+template <int N>
+static __device__ __forceinline__ void wgmma_rs_h(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int accum) {
+  static_assert(N == 16 || N == 32, "m64n16 or m64n32");
+  if constexpr (N == 16) wgmma_rs_m64n16k16_h(d, a, db, accum);
+  else wgmma_rs_m64n32k16_h(d, a, db, accum);
 }
 
 // Two k-steps of K (64 keys x 32 bytes) as the A fragments of S^T = K Q^T:

@@ -1343,10 +1343,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 // merge_rows (redL, mfin, lfin) move into the Q region's tail past the merge
 // scratch, written after a consumers' barrier (Q is free then): the region
 // after the ring would otherwise overflow the 227 KB by 216 bytes.
-template <int NWG>
+// N = 32 (per-tensor fp8 at 17-32 rows, two warpgroups: m64n32 GEMMs, twice
+// the accumulators): Q and P are twice as large, so the ring holds 20 slots
+// (4 raw tiles) instead of 25.
+template <int NWG, int N_ = 16>
 struct RingLayT {
-  static constexpr int N = 16;
-  static constexpr int kSlots = 25;
+  static constexpr int N = N_;
+  static constexpr int kSlots = N == 16 ? 25 : 20;
   static constexpr bool kMergeInQ = NWG > 2;                 // redL / mfin / lfin in the Q region's tail
   static constexpr uint32_t kQChunk = N * 128;               // 64 dims of Q: N rows x 128 B
   static constexpr uint32_t kOffQ = 0;                       // Q chunks 0-8; the merge scratch aliases them
@@ -1366,6 +1369,8 @@ struct RingLayT {
   static_assert(!kMergeInQ || kOffLf + N * 4 <= kOffP, "the merge's row arrays must fit in the Q region's tail");
   static_assert(kOffBar % 8 == 0, "mbarrier alignment");
   static_assert(kSmem <= 232448, "over the opt-in shared memory of sm_90");
+  static_assert(N == 16 || (N == 32 && NWG == 2), "32 rows: two warpgroups (o alone is 128 registers)");
+  static_assert(kSlots % 5 == 0, "a tile's 5 raw positions must share one slot group");
 };
 using RingLay = RingLayT<2>;
 // Two (or three) consumer warpgroups and a producer warpgroup whose first
@@ -1550,7 +1555,7 @@ __device__ __forceinline__ void wait_issued(uint32_t iss, int n) {
 constexpr int kTlpTiles = 120;
 __device__ long long g_tlp[kTlpTiles][3];
 #endif
-template <int LM>
+template <int LM, int kSlots>
 __device__ __forceinline__ void ring_produce(const mla_decode_params &p, const CUtensorMap *map, const int *meta,
                                              int mb, uint32_t ring, uint32_t fullb, uint32_t emptyb, uint32_t iss,
                                              int l2_hint, int lane) {
@@ -1558,7 +1563,7 @@ __device__ __forceinline__ void ring_produce(const mla_decode_params &p, const C
   // (per-tensor fp8: 5 raw positions per tile over the whole ring; the block
   // format: 5 over the raw ring beside the warpgroups' own tiles)
   constexpr bool kRaw = LM == LOAD_FP8_TMA || LM == LOAD_FP8_BLOCK_TMA, kOwn = LM == LOAD_FP8_BLOCK_TMA;
-  constexpr int kPos = kRaw ? 5 : 9, kBase = kOwn ? kRawBase : 0, kN = kOwn ? kRawSlots : RingLay::kSlots;
+  constexpr int kPos = kRaw ? 5 : 9, kBase = kOwn ? kRawBase : 0, kN = kOwn ? kRawSlots : kSlots;
   const int er = meta[SCHED_END_REQ];
   const uint64_t pol = l2_evict_first();
   const bool hint = l2_hint != 0;
@@ -1737,7 +1742,6 @@ __device__ __forceinline__ uint32_t box_off(int key, int b) {
 #define MLA_DEV_PVBUF 2
 #endif
 constexpr int kRsBuf = MLA_DEV_PVBUF;
-static_assert(RingLay::kSlots % 5 == 0, "a tile's 5 raw positions must share one slot group");
 
 // S^T = K Q^T of one tile (positions' slots sl[0..4], full-barrier parity
 // par): the rope box first, then the latent chunks 0-7, in batches of kQkB
@@ -1765,10 +1769,12 @@ constexpr int kQkAcc = MLA_DEV_QKACC;
 constexpr int kSsAcc = MLA_DEV_SSACC;  // the same for the 16-bit ring's shared-memory Q.K^T
 constexpr int kQkB = MLA_DEV_QKB, kQkBuf = MLA_DEV_QKBUF;
 static_assert(kQkB == 2 || kQkB == 4, "a batch is one or two ldmatrix.x4 of the same chunk");
-__device__ __forceinline__ void qk_rs_tile(float (&s)[8], uint32_t ring, uint32_t fullb, uint32_t emptyb,
+template <int N>
+__device__ __forceinline__ void qk_rs_tile(float (&s)[N / 2], uint32_t ring, uint32_t fullb, uint32_t emptyb,
                                            const int (&sl)[5], uint32_t par, uint32_t sQ, int wi, int lane,
                                            bool latent4) {
-  float acc[kQkAcc][8];  // (each one's first k-step does not accumulate: no zeroing needed)
+  constexpr uint32_t kQChunk = N * 128;  // RingLayT's
+  float acc[kQkAcc][N / 2];  // (each one's first k-step does not accumulate: no zeroing needed)
   uint32_t a[kQkBuf][kQkB][4];
   const int key = 16 * wi + (lane & 7) + 8 * ((lane >> 3) & 1);  // this lane's ldmatrix row
   const int usel = 16 * (lane >> 4);                              // first / second 16-byte piece
@@ -1792,15 +1798,15 @@ __device__ __forceinline__ void qk_rs_tile(float (&s)[8], uint32_t ring, uint32_
     wgmma_fence();
 #pragma unroll
     for (int j = 0; j < kQkB; j++)
-      wgmma_rs_m64n16k16_h(acc[(ks0 + j) % kQkAcc], A[j], desc_sw128(sQ + c * RingLay::kQChunk + (j0 + j) * 32, 16, 1024),
-                           ks0 + j >= kQkAcc);
+      wgmma_rs_h<N>(acc[(ks0 + j) % kQkAcc], A[j], desc_sw128(sQ + c * kQChunk + (j0 + j) * 32, 16, 1024),
+                    ks0 + j >= kQkAcc);
     wgmma_commit();
   }
   wgmma_wait<0>();
 #pragma unroll
   for (int k = 0; k < kQkAcc; k++) reg_fence(acc[k]);
 #pragma unroll
-  for (int i = 0; i < 8; i++) {
+  for (int i = 0; i < N / 2; i++) {
     float v = acc[0][i];
 #pragma unroll
     for (int k = 1; k < kQkAcc; k++) v += acc[k][i];
@@ -1812,7 +1818,8 @@ __device__ __forceinline__ void qk_rs_tile(float (&s)[8], uint32_t ring, uint32_
 // O^T += V^T P^T of one tile: m-tile mt reads dims 64 mt .. 64 mt + 63 of box
 // 1 + mt / 2; a latent box goes back to the producer once both its m-tiles'
 // groups have retired.
-__device__ __forceinline__ void pv_rs_tile(float (&o)[8][8], uint32_t ring, uint32_t emptyb, const int (&sl)[5],
+template <int N>
+__device__ __forceinline__ void pv_rs_tile(float (&o)[8][N / 2], uint32_t ring, uint32_t emptyb, const int (&sl)[5],
                                            uint32_t sP, int wi, int lane) {
   uint32_t a[kRsBuf][4][4];
   const int kr = (lane & 7) + 8 * (lane >> 3);  // this lane's ldmatrix row: key 0..31 of a k-step pair
@@ -1831,7 +1838,7 @@ __device__ __forceinline__ void pv_rs_tile(float (&o)[8][8], uint32_t ring, uint
       rs_vt_pair(base + box_off(32 * kp + kr, b), A[2 * kp], A[2 * kp + 1]);  // keys 32 kp ..
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ks++) wgmma_rs_m64n16k16_h(o[mt], A[ks], desc_sw128(sP + ks * 32, 16, 1024), 1);
+    for (int ks = 0; ks < 4; ks++) wgmma_rs_h<N>(o[mt], A[ks], desc_sw128(sP + ks * 32, 16, 1024), 1);
     wgmma_commit();
   }
   wgmma_wait<0>();
@@ -1862,11 +1869,11 @@ __device__ __forceinline__ void zero_tail_raw(uint8_t *ringp, const int (&sl)[5]
 // is stored permuted for qk_rs_tile: slot s holds dim 4 (s / 2) + s % 2
 // (s < 8) or 4 ((s - 8) / 2) + 2 + s % 2, i.e. the group's 32-bit words 0, 2,
 // 4, 6 then 1, 3, 5, 7.
-template <int NWG>
+template <class L, int NWG>
 __device__ __forceinline__ float ring_q_f16(const mla_decode_params &p, const ReqWork &w, int mb, uint32_t sQ,
                                             float *red, int tid) {
   // units: 16-dim groups, two 16-byte loads of bf16 each
-  constexpr int N = RingLay::N, kU = 2, kPerRow = 72 / kU, kT = NWG * 128;
+  constexpr int N = L::N, kU = 2, kPerRow = 72 / kU, kT = NWG * 128;
   constexpr int kPer = (N * kPerRow + kT - 1) / kT;
   const int H = p.num_heads;
   uint4 v[kPer][kU];
@@ -1918,8 +1925,8 @@ __device__ __forceinline__ float ring_q_f16(const mla_decode_params &p, const Re
         for (int k = 0; k < 4; k++)
           y[4 * u + k] = pack_f16(__uint_as_float(x[k] << 16) * up, __uint_as_float(x[k] & 0xffff0000u) * up);
       }
-      st_shared_v4(sQ + ch * RingLay::kQChunk + sw128_off(r, (pc & 7) * 8), y[0], y[2], y[4], y[6]);
-      st_shared_v4(sQ + ch * RingLay::kQChunk + sw128_off(r, (pc & 7) * 8 + 8), y[1], y[3], y[5], y[7]);
+      st_shared_v4(sQ + ch * L::kQChunk + sw128_off(r, (pc & 7) * 8), y[0], y[2], y[4], y[6]);
+      st_shared_v4(sQ + ch * L::kQChunk + sw128_off(r, (pc & 7) * 8 + 8), y[1], y[3], y[5], y[7]);
     }
   }
   return __uint_as_float((uint32_t)(127 - e) << 23);
@@ -1942,12 +1949,13 @@ __device__ long long g_tl[3][kTlTiles][kTlPh];
   } while (0)
 #endif
 
-template <int LM, bool kF16, int NWG>
+template <int LM, bool kF16, int NWG, int NROWS>
 __global__ void __launch_bounds__(ring_threads<NWG>(), 1)
     decode_ring_kernel(const mla_decode_params p, const __grid_constant__ KvMaps kv_maps, uint32_t vt_lbo,
                        uint32_t vt_sbo, int l2_hint) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using L = RingLayT<NWG>;
+  using L = RingLayT<NWG, NROWS>;
+  static_assert(NROWS == 16 || LM == LOAD_FP8_TMA, "32 rows: the per-tensor fp8 ring only");
   constexpr int kCons = NWG * 128;  // consumer threads (the producer warpgroup follows)
   constexpr int N = L::N, S = L::kSlots;
   // Per-tensor fp8 runs f16 operands (exact e4m3 values, Q in f16) and
@@ -1982,7 +1990,7 @@ __global__ void __launch_bounds__(ring_threads<NWG>(), 1)
   if (tid >= kCons) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(NWG == 2 ? kRingProdRegs : kRing3ProdRegs));
 #ifndef MLA_DEV_NOLOAD  // (dev timing only: no loads, no waits for them; wrong results)
-    if (tid - kCons < kPos) ring_produce<LM>(p, kv_maps.m, meta, mb, ring, fullb, emptyb, iss, l2_hint, tid - kCons);
+    if (tid - kCons < kPos) ring_produce<LM, S>(p, kv_maps.m, meta, mb, ring, fullb, emptyb, iss, l2_hint, tid - kCons);
 #endif
     return;
   }
@@ -2016,7 +2024,7 @@ __global__ void __launch_bounds__(ring_threads<NWG>(), 1)
     named_bar_sync(kBarCons, kCons);  // the last request is done with Q / the scratch and the row arrays
     if constexpr (kRs) {
       if (tid < N) lim[tid] = tid < w.rows ? row_limit(p, w, mb, tid) : 0;  // padding rows see no key
-      sl2 = p.scale * kLog2e * p.kv_scale * ring_q_f16<NWG>(p, w, mb, sQ, red, tid);
+      sl2 = p.scale * kLog2e * p.kv_scale * ring_q_f16<L, NWG>(p, w, mb, sQ, red, tid);
       fence_proxy_async();
     } else {
       const int H = p.num_heads;
@@ -2062,7 +2070,7 @@ __global__ void __launch_bounds__(ring_threads<NWG>(), 1)
       uint32_t parm = 0;  // bit k: full-barrier parity of position q0 + k (kRs: of all five)
       if constexpr (kRs) {
 #pragma unroll
-        for (int k = 0; k < 5; k++) rsl[k] = q0 % S + k;  // (the ring holds 5 aligned tiles)
+        for (int k = 0; k < 5; k++) rsl[k] = q0 % S + k;  // (the ring holds S / 5 aligned tiles)
         parm = (uint32_t)(q0 / S) & 1u;
       } else if constexpr (kOwn) {
 #pragma unroll
@@ -2088,7 +2096,7 @@ __global__ void __launch_bounds__(ring_threads<NWG>(), 1)
 #endif
       RING_TL(2);
       if constexpr (kRs) {
-        qk_rs_tile(s, ring, fullb, emptyb, rsl, parm, sQ, wi, lane, ring_latent4(p.page_size));
+        qk_rs_tile<N>(s, ring, fullb, emptyb, rsl, parm, sQ, wi, lane, ring_latent4(p.page_size));
       } else {
         if constexpr (kOwn) {
           // Into this warpgroup's own bf16 tile: its last P V (two tiles ago)
@@ -2139,7 +2147,7 @@ __global__ void __launch_bounds__(ring_threads<NWG>(), 1)
       named_bar_sync(nb + NB_P - 1, 128);
       RING_TL(5);
       if constexpr (kRs) {
-        pv_rs_tile(o, ring, emptyb, rsl, sP, wi, lane);
+        pv_rs_tile<N>(o, ring, emptyb, rsl, sP, wi, lane);
         RING_TL(6);
 #ifdef MLA_DEV_TIMELINE
         tli++;
@@ -2235,11 +2243,11 @@ cudaError_t launch_narrow(const mla_decode_params *p, const KvMaps &map, cudaStr
   return cudaGetLastError();
 }
 
-template <int LM, bool kF16, int NWG>
+template <int LM, bool kF16, int NWG, int NROWS = 16>
 cudaError_t launch_ring_wgs(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
-  using L = RingLayT<NWG>;
+  using L = RingLayT<NWG, NROWS>;
   static uint64_t smem_set;  // per instantiation and device
-  auto kernel = decode_ring_kernel<LM, kF16, NWG>;
+  auto kernel = decode_ring_kernel<LM, kF16, NWG, NROWS>;
   DEV_CUDA_OK(set_smem_once(kernel, (int)L::kSmem, &smem_set));
   dim3 grid(p->num_sm_parts, mla_decode_m_blocks(p));
   // evict_first when every part holds >= 4 of the request's pieces on
@@ -2325,13 +2333,16 @@ cudaError_t launch_ring(const mla_decode_params *p, const KvMaps &map, cudaStrea
 // launch_mode and mla_cuda_decode_route. fp8 math: MLA_FLAG_FP8_MATH over a
 // per-tensor fp8 cache through TMA (page size >= 8), m-blocks wider than the
 // narrow kernels take. Ring: <= 16 rows of any cache through TMA (page size
-// >= 8: the TMA load modes) unless MLA_DECODE_LEGACY. Then narrow for <= 16
-// / <= 32 rows, wide above.
-enum DecodeRoute { ROUTE_WIDE8, ROUTE_RING, ROUTE_NARROW16, ROUTE_NARROW32, ROUTE_WIDE };
+// >= 8: the TMA load modes) unless MLA_DECODE_LEGACY; the 32-row ring for
+// 17-32 rows of a per-tensor fp8 cache, likewise. Then narrow for <= 16 /
+// <= 32 rows, wide above.
+enum DecodeRoute { ROUTE_WIDE8, ROUTE_RING, ROUTE_RING32, ROUTE_NARROW16, ROUTE_NARROW32, ROUTE_WIDE };
 DecodeRoute route_of(const mla_decode_params *p) {
   const int rows = mla_decode_rows(p);
-  if (p->fp8_math && p->kv_dtype == MLA_DTYPE_FP8_E4M3 && p->page_size >= 8 && rows > 32) return ROUTE_WIDE8;
-  if (p->page_size >= 8 && rows <= 16 && !legacy_decode()) return ROUTE_RING;
+  const bool fp8 = p->kv_dtype == MLA_DTYPE_FP8_E4M3, tma = p->page_size >= 8;
+  if (p->fp8_math && fp8 && tma && rows > 32) return ROUTE_WIDE8;
+  if (tma && rows <= 16 && !legacy_decode()) return ROUTE_RING;
+  if (fp8 && tma && rows <= 32 && !legacy_decode()) return ROUTE_RING32;
   return rows <= 16 ? ROUTE_NARROW16 : rows <= 32 ? ROUTE_NARROW32 : ROUTE_WIDE;
 }
 
@@ -2347,6 +2358,9 @@ cudaError_t launch_mode(const mla_decode_params *p, const KvMaps &map, cudaStrea
     case ROUTE_RING:
       if constexpr (lm_tma16(LM) || LM == LOAD_FP8_TMA || LM == LOAD_FP8_BLOCK_TMA)
         return launch_ring<LM, kF16>(p, map, stream);
+      break;
+    case ROUTE_RING32:
+      if constexpr (LM == LOAD_FP8_TMA) return launch_ring_wgs<LM, kF16, 2, 32>(p, map, stream);
       break;
     case ROUTE_NARROW16:
       return launch_narrow<16, LM, kF16>(p, map, stream);
@@ -2460,7 +2474,7 @@ extern "C" const char *mla_cuda_decode_route(const mla_decode_params *p) {
   if (mla_cuda_decode_unsupported(p->kv_dtype, p->act_dtype, p->page_size) || p->batch_size == 0 ||
       p->num_sm_parts == 0)
     return "none";
-  static const char *const names[] = {"wide-fp8math", "ring", "narrow16", "narrow32", "wide"};
+  static const char *const names[] = {"wide-fp8math", "ring", "ring32", "narrow16", "narrow32", "wide"};
   return names[route_of(p)];
 }
 

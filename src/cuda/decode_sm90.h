@@ -23,7 +23,7 @@ const char *mla_cuda_decode_unsupported(int kv_dtype, int act_dtype, int page_si
 int mla_cuda_decode(const mla_decode_params *p, void *stream);
 
 /* Which split kernel mla_cuda_decode launches for p (tests and the bench
- * check routing with it): "ring", "narrow16", "narrow32", "wide" or
+ * check routing with it): "ring", "ring32", "narrow16", "narrow32", "wide" or
  * "wide-fp8math"; "none" for an empty batch or a combination it refuses. */
 const char *mla_cuda_decode_route(const mla_decode_params *p);
 
