@@ -1773,7 +1773,6 @@ template <int N>
 __device__ __forceinline__ void qk_rs_tile(float (&s)[N / 2], uint32_t ring, uint32_t fullb, uint32_t emptyb,
                                            const int (&sl)[5], uint32_t par, uint32_t sQ, int wi, int lane,
                                            bool latent4) {
-  constexpr uint32_t kQChunk = N * 128;  // RingLayT's
   float acc[kQkAcc][N / 2];  // (each one's first k-step does not accumulate: no zeroing needed)
   uint32_t a[kQkBuf][kQkB][4];
   const int key = 16 * wi + (lane & 7) + 8 * ((lane >> 3) & 1);  // this lane's ldmatrix row
@@ -1798,7 +1797,7 @@ __device__ __forceinline__ void qk_rs_tile(float (&s)[N / 2], uint32_t ring, uin
     wgmma_fence();
 #pragma unroll
     for (int j = 0; j < kQkB; j++)
-      wgmma_rs_h<N>(acc[(ks0 + j) % kQkAcc], A[j], desc_sw128(sQ + c * kQChunk + (j0 + j) * 32, 16, 1024),
+      wgmma_rs_h<N>(acc[(ks0 + j) % kQkAcc], A[j], desc_sw128(sQ + c * RingLayT<2, N>::kQChunk + (j0 + j) * 32, 16, 1024),
                     ks0 + j >= kQkAcc);
     wgmma_commit();
   }
