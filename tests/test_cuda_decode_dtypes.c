@@ -17,10 +17,11 @@
  * Oracle inputs: the CPU's dequantization (mla_kv_cache_read) rounded to the
  * kernel's operand type: bf16 for bf16 and both fp8 caches (the kernel
  * dequantizes e4m3 * scale in fp32 and rounds once to bf16), f16 for f16;
- * not rounded where the ring kernel runs a per-tensor fp8 cache (<= 32 rows
- * per m-block, page >= 8: e4m3 values exact as f16 operands, the scale applied
- * to the scores and the output; exact_fp8 below). One such case has q times
- * 2^20 (past f16's range: the kernel must scale Q before converting it).
+ * not rounded where the ring kernels (<= 32 rows per m-block, page >= 8) or
+ * the wide kernel (> 32 rows, any page size) run a per-tensor fp8 cache: e4m3
+ * values exact as f16 operands, the scale applied to the scores and the
+ * output (exact_fp8 below). One such case has q times 2^20 (past f16's
+ * range: the kernel must scale Q before converting it).
  * Tolerance as test_cuda_attention: |o - round(ref)| <= 8e-4 + 2/128 |ref| +
  * u sum_j p_j |c_j| with u = 2^-8 (P rounded to bf16) or 2^-11 (P in f16),
  * cosine distance < 5e-6, lse 1e-5 abs + 1e-5 rel, -inf with no key.
@@ -138,14 +139,16 @@ static const char *dt_name(mla_dtype t) {
   }
 }
 
-/* Whether the ring kernel runs this case with exact e4m3 operands
- * (src/cuda/decode_sm90.cu route_of: per-tensor fp8, page >= 8, query
- * tokens x heads <= 32, the ring and ring32 routes; MLA_DECODE_LEGACY=1
- * routes it to the older kernels). */
+/* Whether this case runs a per-tensor fp8 cache with exact e4m3 operands
+ * (src/cuda/decode_sm90.cu route_of): the ring and ring32 routes (page >= 8,
+ * query tokens x heads <= 32; MLA_DECODE_LEGACY=1 routes those to the narrow
+ * kernels, which round to bf16) and the wide kernel (> 32 rows, any page size:
+ * decode_seesaw.cuh lm_raw). The narrow kernels (<= 32 rows, page < 8) round. */
 static int exact_fp8(const world *w) {
   const char *legacy = getenv("MLA_DECODE_LEGACY");
-  const int q = q_len_of(w);
-  return w->d.kv == MLA_DTYPE_FP8_E4M3 && w->d.P >= 8 && q * w->d.H <= 32 && !(legacy && legacy[0] && legacy[0] != '0');
+  const int rows = q_len_of(w) * w->d.H;
+  const int lg = legacy && legacy[0] && legacy[0] != '0';
+  return w->d.kv == MLA_DTYPE_FP8_E4M3 && (rows > 32 || (w->d.P >= 8 && !lg));
 }
 
 static void case_str(const world *w, char *buf, size_t n) {
@@ -929,6 +932,8 @@ int main(int argc, char **argv) {
     run_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3_BLOCK, 16, 128, 0);
     run_case(MLA_MODE_DECODE, MLA_DTYPE_F16, 64, 128, 0);
     run_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_BF16, 2, 16, 0);
+    run_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3, 64, 64, 20); /* the wide kernel's exact f16 operands */
+    run_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3, 2, 64, 0);
   } else {
     const mla_dtype dts[4] = {MLA_DTYPE_FP8_E4M3, MLA_DTYPE_FP8_E4M3_BLOCK, MLA_DTYPE_F16, MLA_DTYPE_BF16};
     const int Ps[5] = {1, 2, 4, 16, 64}, Hs[3] = {1, 16, 128};
@@ -946,6 +951,9 @@ int main(int argc, char **argv) {
     run_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3, 64, 1, 20);
     run_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3, 64, 16, 20);
     run_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3_BLOCK, 64, 16, 20);
+    /* ... and the wide kernel's f16 Q (> 32 rows; TMA and cp.async pages) */
+    run_case(MLA_MODE_DECODE, MLA_DTYPE_FP8_E4M3, 64, 128, 20);
+    run_case(MLA_MODE_TARGET_VERIFY, MLA_DTYPE_FP8_E4M3, 2, 64, 20);
     /* the 32-row ring (17-32 rows of a per-tensor fp8 cache) at other row
      * counts than H = 16 x 2: 24 rows (8 tokens x 3 heads), 32 (4 x 8), 17,
      * and 32 (16 x 2) with q past f16's range */

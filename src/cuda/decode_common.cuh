@@ -177,6 +177,10 @@ static __device__ __forceinline__ uint32_t sw128_off(int r, int c) {
   return (uint32_t)(r * 128 + ((((c >> 3) ^ (r & 7)) & 7) << 4) + (c & 7) * 2);
 }
 
+static __device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
 static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t *>(&v);
@@ -190,6 +194,37 @@ template <bool kF16>
 static __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   if constexpr (kF16) return pack_f16(lo, hi);
   else return pack_bf16(lo, hi);
+}
+
+// Per-tensor fp8 caches with f16 operands: Q is stored as f16 times 2^e, e
+// chosen from the largest |q| m of the rows sharing the scores' scale so that
+// m 2^e lands in [2^14, 2^15) (f16 then holds every bf16 value of that binade
+// and the 2^29 below exactly; what flushes is < 2^-29 of the largest term).
+// NaN never reaches m (fmaxf), inf or 0 leave e = 0 (the result is inf / NaN
+// or all-zero scores either way); e is clamped so 2^e stays normal.
+static __device__ __forceinline__ int q_f16_exponent(float m) {
+  int e = 0;
+  if (m > 0.f && m <= 3.0e38f) {
+    const int x = (int)(__float_as_uint(m) >> 23) - 126;  // m = f 2^x, f in [0.5, 1) (subnormal m: clamped below)
+    e = min(max(15 - x, -100), 100);
+  }
+  return e;
+}
+// The largest magnitude of the two bf16 in a word, as f32 (the magnitude bits
+// of each half, shifted up).
+static __device__ __forceinline__ float bf16x2_absmax(uint32_t x) {
+  return fmaxf(__uint_as_float((x & 0x7fffu) << 16), __uint_as_float(x & 0x7fff0000u));
+}
+// Two bf16 (one word) times a power of two, as f16x2.
+static __device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t x, float up) {
+  return pack_f16(__uint_as_float(x << 16) * up, __uint_as_float(x & 0xffff0000u) * up);
+}
+// Four e4m3 values (one word, byte 0 first) as f16, unscaled: exact (every
+// e4m3 value is an f16 value); the cache scale is applied outside the GEMMs.
+static __device__ __forceinline__ uint2 e4m3x4_to_f16(uint32_t w) {
+  const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffffu), __NV_E4M3);
+  const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> 16), __NV_E4M3);
+  return make_uint2((uint32_t)lo.x | ((uint32_t)lo.y << 16), (uint32_t)hi.x | ((uint32_t)hi.y << 16));
 }
 
 // Four e4m3 values (one word, byte 0 first) dequantized and rounded to bf16:

@@ -65,6 +65,10 @@ __host__ __device__ constexpr bool lm_cp(int lm) { return lm == LOAD_GATHER || l
 __host__ __device__ constexpr bool lm_fp8(int lm) { return lm >= LOAD_FP8; }
 __host__ __device__ constexpr bool lm_block(int lm) { return lm == LOAD_FP8_BLOCK || lm == LOAD_FP8_BLOCK_TMA; }
 __host__ __device__ constexpr bool lm_tma16(int lm) { return lm <= LOAD_TMA_SMALL; }
+// The wide kernel's per-tensor fp8 modes keep the cache's e4m3 values as exact
+// f16 operands (the scale applied to the scores and the output instead, Q as
+// f16 times 2^e: load_q_f16); the other kernels dequantize them to bf16.
+__host__ __device__ constexpr bool lm_raw(int lm) { return lm == LOAD_FP8 || lm == LOAD_FP8_TMA; }
 
 // The tensor maps of a launch (kernel parameter): [0] the 16-bit cache
 // (SWIZZLE_128B, 64 columns) or the fp8 rows as bytes (128-byte boxes, no
@@ -443,7 +447,14 @@ __device__ __forceinline__ void load_group(const mla_decode_params &p, const CUt
 // conflict-free; with two lanes per row every access was 4-way bank-
 // conflicted. Warp w owns rows 16 w .. 16 w + 15, so the ordering argument
 // is the same with __syncwarp.
-template <int LM>
+// kRaw (the wide kernel's per-tensor modes): the e4m3 values become f16
+// unscaled (exact; lm_raw) instead of bf16 times the scale.
+template <bool kRaw>
+__device__ __forceinline__ uint2 dq4_pt(uint32_t w, float kv_scale) {
+  if constexpr (kRaw) return e4m3x4_to_f16(w);
+  else return dq4_e4m3(w, kv_scale);
+}
+template <int LM, bool kRaw = false>
 __device__ __forceinline__ void convert_group_pt(uint8_t *kb, int c0, int c1, int t128, float kv_scale, int nvalid) {
   const int w = t128 >> 5, lane = t128 & 31;
   if (c0 == 8) {  // rope: raw bytes 64..127 of the row -> the row's 64 bf16, in place
@@ -460,8 +471,8 @@ __device__ __forceinline__ void convert_group_pt(uint8_t *kb, int c0, int c1, in
       const int r = 16 * w + 8 * it + (lane >> 2), sw = r & 7;
       const bool zero = r >= nvalid;
       uint8_t *dst = kb + 8 * kChunk + r * 128;
-      const uint2 a = dq4_e4m3(v[it].x, kv_scale), b = dq4_e4m3(v[it].y, kv_scale);
-      const uint2 c = dq4_e4m3(v[it].z, kv_scale), d = dq4_e4m3(v[it].w, kv_scale);
+      const uint2 a = dq4_pt<kRaw>(v[it].x, kv_scale), b = dq4_pt<kRaw>(v[it].y, kv_scale);
+      const uint2 c = dq4_pt<kRaw>(v[it].z, kv_scale), d = dq4_pt<kRaw>(v[it].w, kv_scale);
       *reinterpret_cast<uint4 *>(dst + (((2 * j) ^ sw) << 4)) = zero ? make_uint4(0, 0, 0, 0) : make_uint4(a.x, a.y, b.x, b.y);
       *reinterpret_cast<uint4 *>(dst + (((2 * j + 1) ^ sw) << 4)) =
           zero ? make_uint4(0, 0, 0, 0) : make_uint4(c.x, c.y, d.x, d.y);
@@ -485,8 +496,8 @@ __device__ __forceinline__ void convert_group_pt(uint8_t *kb, int c0, int c1, in
       const int r = 16 * w + 4 * it + (lane >> 3), sw = r & 7;
       const bool zero = r >= nvalid;
       uint8_t *dst = dbase + r * 128;
-      const uint2 a = dq4_e4m3(v[it].x, kv_scale), b = dq4_e4m3(v[it].y, kv_scale);
-      const uint2 c = dq4_e4m3(v[it].z, kv_scale), d = dq4_e4m3(v[it].w, kv_scale);
+      const uint2 a = dq4_pt<kRaw>(v[it].x, kv_scale), b = dq4_pt<kRaw>(v[it].y, kv_scale);
+      const uint2 c = dq4_pt<kRaw>(v[it].z, kv_scale), d = dq4_pt<kRaw>(v[it].w, kv_scale);
       *reinterpret_cast<uint4 *>(dst + (((2 * (j & 3)) ^ sw) << 4)) =
           zero ? make_uint4(0, 0, 0, 0) : make_uint4(a.x, a.y, b.x, b.y);
       *reinterpret_cast<uint4 *>(dst + (((2 * (j & 3) + 1) ^ sw) << 4)) =
@@ -495,11 +506,11 @@ __device__ __forceinline__ void convert_group_pt(uint8_t *kb, int c0, int c1, in
   }
 }
 
-template <int LM>
+template <int LM, bool kRaw = false>
 __device__ __forceinline__ void convert_group(uint8_t *kb, int c0, int c1, int t128, float kv_scale, int nvalid,
                                               int bar_id) {
   if constexpr (!lm_block(LM)) {
-    convert_group_pt<LM>(kb, c0, c1, t128, kv_scale, nvalid);
+    convert_group_pt<LM, kRaw>(kb, c0, c1, t128, kv_scale, nvalid);
     return;
   }
   const int r = t128 >> 1, h = t128 & 1, sw = r & 7;
@@ -532,14 +543,14 @@ __device__ __forceinline__ void convert_group(uint8_t *kb, int c0, int c1, int t
 // fences its cp.async data (generic proxy) against the async proxy; the fp8
 // modes dequantize (the owning warpgroup) and publish the bf16 chunks to the
 // whole warpgroup.
-template <int LM>
+template <int LM, bool kRaw = false>
 __device__ __forceinline__ void group_ready(uint8_t *kb, int c0, int c1, int t128, float kv_scale, int nvalid,
                                             int bar_id) {
   if constexpr (LM == LOAD_GATHER) {
     fence_proxy_async();
   } else if constexpr (lm_fp8(LM)) {
     if (!(lm_block(LM) && c0 == 8)) {  // (the block format's rope is bf16 already)
-      convert_group<LM>(kb, c0, c1, t128, kv_scale, nvalid, bar_id);
+      convert_group<LM, kRaw>(kb, c0, c1, t128, kv_scale, nvalid, bar_id);
       fence_proxy_async();
       named_bar_sync(bar_id, 128);
     } else if (LM == LOAD_FP8_BLOCK) {
@@ -562,7 +573,8 @@ __device__ __forceinline__ void zero_tail(uint8_t *kb, int nvalid, int c0, int t
 // registers), then the warpgroup's own half (WG0: 0-3, WG1: 4-7, the half its
 // own P V released first), then the other half. The sum is order-free.
 // The fp8 modes dequantize each group of the buffer here (this warpgroup
-// owns it; the other warpgroup reads it only after a handoff barrier).
+// owns it; the other warpgroup reads it only after a handoff barrier); the
+// per-tensor ones to exact f16 (lm_raw: kF16 is then the operand type f16).
 // Returns with the wgmmas in flight: the caller does its bookkeeping for the
 // pair under them, then qk_wait (docs/decode-kernel.md §6, session 9).
 template <int WG, int LM, bool kF16>
@@ -574,7 +586,7 @@ __device__ __forceinline__ void qk_tile3_issue(float (&s)[32], uint32_t sq, uint
 #pragma unroll
   for (int i = 0; i < 32; i++) s[i] = 0.f;
   mbar_wait(bars + 16, par);
-  group_ready<LM>(kbp, 8, 9, t128, kv_scale, nvalid, cv);
+  group_ready<LM, lm_raw(LM)>(kbp, 8, 9, t128, kv_scale, nvalid, cv);
   wgmma_fence();
 #pragma unroll
   for (int k = 0; k < 4; k++) wg_m64n64k16_rs<kF16>(s, qr[k], dk + ((8 * kChunk + k * 32) >> 4), k > 0);
@@ -583,7 +595,7 @@ __device__ __forceinline__ void qk_tile3_issue(float (&s)[32], uint32_t sq, uint
   for (int h = 0; h < 2; h++) {
     const int g = WG == 0 ? h : 1 - h;
     mbar_wait(bars + 8 * g, par);
-    group_ready<LM>(kbp, 4 * g, 4 * g + 4, t128, kv_scale, nvalid, cv);
+    group_ready<LM, lm_raw(LM)>(kbp, 4 * g, 4 * g + 4, t128, kv_scale, nvalid, cv);
     wgmma_fence();
 #pragma unroll
     for (int c = 4 * g; c < 4 * g + 4; c++)
@@ -666,6 +678,76 @@ __device__ __forceinline__ void load_q(const mla_decode_params &p, const ReqWork
   }
   cp_async_wait_all();
   fence_proxy_async();
+}
+
+// load_q for the per-tensor fp8 modes (lm_raw): the same rows as f16 times
+// 2^e (q_f16_exponent over the m-block's latent and rope), the latent through
+// registers into the swizzled chunks. Returns 2^-e, the factor the scores need
+// back. red: 8 floats of scratch, free until the caller's next __syncthreads.
+__device__ __forceinline__ float load_q_f16(const mla_decode_params &p, const ReqWork &w, int mb, uint32_t sb,
+                                            uint8_t *smem, int tid, int rA, int rB, int cq, uint32_t (&qr)[4][4],
+                                            float *red) {
+  const int H = p.num_heads;
+  constexpr int kPer = 64 * 64 / kThreads;  // 16-byte latent pieces per thread
+  uint4 v[kPer];
+  float mx = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPer; i++) {
+    const int ci = tid + i * kThreads, r = ci >> 6, ch = ci & 63;
+    v[i] = make_uint4(0, 0, 0, 0);
+    if (r < w.rows) {
+      const int rg = mb * 64 + r, t = rg / H, h = rg % H;
+      v[i] = *reinterpret_cast<const uint4 *>(p.q_nope + (w.q0 + t) * p.q_nope_stride_token +
+                                              h * p.q_nope_stride_head + ch * 8);
+      mx = fmaxf(mx, fmaxf(fmaxf(bf16x2_absmax(v[i].x), bf16x2_absmax(v[i].y)),
+                           fmaxf(bf16x2_absmax(v[i].z), bf16x2_absmax(v[i].w))));
+    }
+  }
+  const int rows2[2] = {rA, rB};
+  uint32_t rv[2][8];
+#pragma unroll
+  for (int hh = 0; hh < 2; hh++) {
+    const int r = rows2[hh];
+    const bool ok = r < w.rows;
+    const int rg = mb * 64 + r, t = ok ? rg / H : 0, h = ok ? rg % H : 0;
+    const uint16_t *src = p.q_rope + (w.q0 + t) * p.q_rope_stride_token + h * p.q_rope_stride_head;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      rv[hh][2 * k] = ok ? *reinterpret_cast<const uint32_t *>(src + 16 * k + cq) : 0u;
+      rv[hh][2 * k + 1] = ok ? *reinterpret_cast<const uint32_t *>(src + 16 * k + 8 + cq) : 0u;
+      mx = fmaxf(mx, fmaxf(bf16x2_absmax(rv[hh][2 * k]), bf16x2_absmax(rv[hh][2 * k + 1])));
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if ((tid & 31) == 0) red[tid >> 5] = mx;
+  __syncthreads();
+  float m = red[0];
+#pragma unroll
+  for (int i = 1; i < kThreads / 32; i++) m = fmaxf(m, red[i]);
+  const int e = q_f16_exponent(m);
+  const float up = __uint_as_float((uint32_t)(127 + e) << 23);  // 2^e
+#pragma unroll
+  for (int i = 0; i < kPer; i++) {
+    const int ci = tid + i * kThreads, r = ci >> 6, ch = ci & 63;
+    st_shared_v4(sb + kOffQ + (ch >> 3) * kChunk + sw128_off(r, (ch & 7) * 8), bf16x2_to_f16x2(v[i].x, up),
+                 bf16x2_to_f16x2(v[i].y, up), bf16x2_to_f16x2(v[i].z, up), bf16x2_to_f16x2(v[i].w, up));
+  }
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    qr[k][0] = bf16x2_to_f16x2(rv[0][2 * k], up);
+    qr[k][1] = bf16x2_to_f16x2(rv[1][2 * k], up);
+    qr[k][2] = bf16x2_to_f16x2(rv[0][2 * k + 1], up);
+    qr[k][3] = bf16x2_to_f16x2(rv[1][2 * k + 1], up);
+  }
+  int *lim = reinterpret_cast<int *>(smem + kOffLim);
+  float *sM = reinterpret_cast<float *>(smem + kOffM);
+  if (tid < 64) {
+    lim[tid] = tid < w.rows ? row_limit(p, w, mb, tid) : 0;  // (as load_q)
+    sM[tid] = -INFINITY;
+  }
+  fence_proxy_async();  // the chunks are read by wgmma (async proxy) after the caller's __syncthreads
+  return __uint_as_float((uint32_t)(127 - e) << 23);
 }
 
 // Staged rows: row r of the m-block at r * 1024 bytes, its 16-byte unit u at

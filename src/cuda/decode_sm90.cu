@@ -487,7 +487,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int *lim = reinterpret_cast<const int *>(smem + kOffLim);
   const uint32_t bars0 = sb + kOffBar, bars1 = sb + kOffBar + 3 * 8;  // [0-3, 4-7, rope]
   const uint32_t kb0 = sb + kOffB0, kb1 = sb + kOffB1;
-  const float sl2 = p.scale * kLog2e;
+  // Per-tensor fp8 (lm_raw): f16 operands (the e4m3 values exact, Q times
+  // 2^e), the cache scale and 2^-e in the scores' factor, the cache scale in
+  // the output's. kF16 stays the activations' type (the output's).
+  constexpr bool kRaw = lm_raw(LM), kOp = kF16 || kRaw;
+  float sl2 = p.scale * kLog2e;
   const int er = meta[SCHED_END_REQ];
   // TMA: one elected refill thread per warpgroup; other modes: all of it.
   const bool issuer = lm_cp(LM) || t128 == 0;
@@ -523,7 +527,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (w.rows == 0) continue;
     __syncthreads();  // the last request is done with Q, sM and the row arrays
     uint32_t qr[4][4];
-    load_q(p, w, mb, sb, smem, tid, rA, rB, cq, qr);
+    if constexpr (kRaw)
+      sl2 = p.scale * kLog2e * p.kv_scale *
+            load_q_f16(p, w, mb, sb, smem, tid, rA, rB, cq, qr, reinterpret_cast<float *>(smem + kOffL));
+    else
+      load_q(p, w, mb, sb, smem, tid, rA, rB, cq, qr);
     __syncthreads();
     const int limA = lim[rA], limB = lim[rB], lim0 = lim[0];  // row 0 has the lowest limit
 
@@ -549,7 +557,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint32_t pa[4][4];
       if (wg == 0) {
         // ---------------- WG0: tile T0 in B0 ----------------
-        qk_tile3_issue<0, LM, kF16>(s, sb + kOffQ, kb0, bars0, par0, qr, lm_fp8(LM) ? smem + kOffB0 : nullptr, t128, kvs,
+        qk_tile3_issue<0, LM, kOp>(s, sb + kOffQ, kb0, bars0, par0, qr, lm_fp8(LM) ? smem + kOffB0 : nullptr, t128, kvs,
                                     nv0);
         if (kUnderQk) next_tiles<LM>(p, meta, mb, er, issuer, myrow, has1, cur0, cur1, nx0, nx1, ld0, ld1);
         qk_wait(s);
@@ -561,7 +569,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float s0A = lazy_scale(mpA, m0A), s0B = lazy_scale(mpB, m0B);
         float sumA, sumB;
         exp_rows(s, sl2, m0A, m0B, sumA, sumB);
-        pack_p<kF16>(pa, s);
+        pack_p<kOp>(pa, s);
         store_p(sPa, pa, wi, lane);
         fence_proxy_async();
         __syncwarp();
@@ -574,7 +582,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           fence_proxy_async();
           named_bar_sync(BAR_WG0, 128);
         }
-        pv_rs<kF16>(o, pa, kb0, 0, vt_lbo, vt_sbo);
+        pv_rs<kOp>(o, pa, kb0, 0, vt_lbo, vt_sbo);
         // WG1's P1 / s1; rows whose max moved get P0' = s1 P0 re-stored.
         named_bar_sync(BAR_P1, kThreads);
         const float s1A = sS1[rA], s1B = sS1[rB];
@@ -586,7 +594,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int j = 0; j < 4; j++) {
               const float f = (j & 1) ? s1B : s1A;
-              pb[k][j] = pack2<kF16>(s[8 * k + 2 * j] * f, s[8 * k + 2 * j + 1] * f);
+              pb[k][j] = pack2<kOp>(s[8 * k + 2 * j] * f, s[8 * k + 2 * j + 1] * f);
             }
           store_p(sPa, pb, wi, lane);
           fence_proxy_async();
@@ -610,7 +618,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             fence_proxy_async();
             named_bar_sync(BAR_WG0, 128);
           }
-          pv_ss<kF16>(o, sPb, kb1, 0, vt_lbo, vt_sbo);  // O_L += P1 V1_L, queued behind P0 V0_L
+          pv_ss<kOp>(o, sPb, kb1, 0, vt_lbo, vt_sbo);  // O_L += P1 V1_L, queued behind P0 V0_L
           wgmma_wait<1>();
           keep_alive(pa);
           if (ld0.valid) load_group<LM>(p, kv_maps.m, ld0, kb0, bars0, 0, 4, t128);
@@ -627,7 +635,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // ---------------- WG1: tile T1 in B1 ----------------
         float mxA = -INFINITY, mxB = -INFINITY;
         if (has1) {
-          qk_tile3_issue<1, LM, kF16>(s, sb + kOffQ, kb1, bars1, par1, qr, lm_fp8(LM) ? smem + kOffB1 : nullptr, t128,
+          qk_tile3_issue<1, LM, kOp>(s, sb + kOffQ, kb1, bars1, par1, qr, lm_fp8(LM) ? smem + kOffB1 : nullptr, t128,
                                       kvs, nv1);
           if (kUnderQk) next_tiles<LM>(p, meta, mb, er, issuer, myrow, has1, cur0, cur1, nx0, nx1, ld0, ld1);
           qk_wait(s);
@@ -644,7 +652,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         float sumA = 0.f, sumB = 0.f;
         if (has1) {
           exp_rows(s, sl2, m1A, m1B, sumA, sumB);
-          pack_p<kF16>(pa, s);
+          pack_p<kOp>(pa, s);
           store_p(sPb, pa, wi, lane);
           fence_proxy_async();
         }
@@ -660,7 +668,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             fence_proxy_async();
             named_bar_sync(BAR_WG1, 128);
           }
-          pv_rs<kF16>(o, pa, kb1, 1, vt_lbo, vt_sbo);
+          pv_rs<kOp>(o, pa, kb1, 1, vt_lbo, vt_sbo);
         }
         // O_R += P0' V0_R (P0' from shared memory), queued right behind it.
         named_bar_sync(BAR_P0, kThreads);
@@ -671,7 +679,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           fence_proxy_async();
           named_bar_sync(BAR_WG1, 128);
         }
-        pv_ss<kF16>(o, sPa, kb0, 1, vt_lbo, vt_sbo);
+        pv_ss<kOp>(o, sPa, kb0, 1, vt_lbo, vt_sbo);
         if (has1) {
           wgmma_wait<1>();  // P1 V1_R retired: B1 chunks 4-7 are free
           keep_alive(pa);
@@ -686,7 +694,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       cur0 = nx0;
       if (has1) cur1 = nx1;
     }
-    epilogue<kF16>(p, w, mb, smem, o, lsA, lsB, wg, rA, rB, cq, lead);
+    epilogue<kF16>(p, w, mb, smem, o, lsA, lsB, wg, rA, rB, cq, lead, kRaw ? p.kv_scale : 1.f);
   }
 #endif
 }
@@ -1712,9 +1720,6 @@ __device__ __forceinline__ uint32_t ring_slots(int q0, int (&sl)[9]) {
   return parm;
 }
 
-__device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
-}
 
 // ---- Per-tensor fp8 through the whole ring: the raw bytes as register A
 // operands (docs/decode-kernel.md §3.5, session 12; dev/cuda/fp8_rs.cu checks
@@ -1861,9 +1866,7 @@ __device__ __forceinline__ void zero_tail_raw(uint8_t *ringp, const int (&sl)[5]
 }
 
 // Per-tensor fp8: the request's Q rows as f16 in the swizzled Q chunks, times
-// 2^e chosen so that the largest |q| lands in [2^14, 2^15) (f16 holds every
-// bf16 value of that binade and the 2^29 below exactly; what flushes is
-// < 2^-29 of the largest term). Returns 2^-e, the factor the scores need
+// 2^e (q_f16_exponent). Returns 2^-e, the factor the scores need
 // back. The NWG * 128 consumer threads; red: 4 NWG floats of scratch. Each 16-dim group
 // is stored permuted for qk_rs_tile: slot s holds dim 4 (s / 2) + s % 2
 // (s < 8) or 4 ((s - 8) / 2) + 2 + s % 2, i.e. the group's 32-bit words 0, 2,
@@ -1892,8 +1895,7 @@ __device__ __forceinline__ float ring_q_f16(const mla_decode_params &p, const Re
         v[i][u] = *reinterpret_cast<const uint4 *>(src + 8 * u);
         const uint32_t x[4] = {v[i][u].x, v[i][u].y, v[i][u].z, v[i][u].w};
 #pragma unroll
-        for (int k = 0; k < 4; k++)  // |bf16| as f32: the magnitude bits of each half, shifted up
-          mx = fmaxf(mx, fmaxf(__uint_as_float((x[k] & 0x7fffu) << 16), __uint_as_float(x[k] & 0x7fff0000u)));
+        for (int k = 0; k < 4; k++) mx = fmaxf(mx, bf16x2_absmax(x[k]));
       }
     }
   }
@@ -1904,13 +1906,7 @@ __device__ __forceinline__ float ring_q_f16(const mla_decode_params &p, const Re
   float m = red[0];
 #pragma unroll
   for (int i = 1; i < kT / 32; i++) m = fmaxf(m, red[i]);
-  // (NaN never wins fmaxf; inf or 0 leave the scale at 1: the result is inf /
-  // NaN or all-zero scores either way.) e is clamped so 2^e stays normal.
-  int e = 0;
-  if (m > 0.f && m <= 3.0e38f) {
-    const int x = (int)(__float_as_uint(m) >> 23) - 126;  // m = f 2^x, f in [0.5, 1) (subnormal m: clamped below)
-    e = min(max(15 - x, -100), 100);
-  }
+  const int e = q_f16_exponent(m);
   const float up = __uint_as_float((uint32_t)(127 + e) << 23);  // 2^e, a normal float
 #pragma unroll
   for (int i = 0; i < kPer; i++) {
@@ -1921,8 +1917,7 @@ __device__ __forceinline__ float ring_q_f16(const mla_decode_params &p, const Re
       for (int u = 0; u < kU; u++) {
         const uint32_t x[4] = {v[i][u].x, v[i][u].y, v[i][u].z, v[i][u].w};
 #pragma unroll
-        for (int k = 0; k < 4; k++)
-          y[4 * u + k] = pack_f16(__uint_as_float(x[k] << 16) * up, __uint_as_float(x[k] & 0xffff0000u) * up);
+        for (int k = 0; k < 4; k++) y[4 * u + k] = bf16x2_to_f16x2(x[k], up);
       }
       st_shared_v4(sQ + ch * L::kQChunk + sw128_off(r, (pc & 7) * 8), y[0], y[2], y[4], y[6]);
       st_shared_v4(sQ + ch * L::kQChunk + sw128_off(r, (pc & 7) * 8 + 8), y[1], y[3], y[5], y[7]);
