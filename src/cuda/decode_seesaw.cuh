@@ -178,6 +178,12 @@ __device__ __forceinline__ float lazy_scale(float mp, float mn) {
 }
 
 // P = 2^(s * sl2 - m) in place (one FFMA + one MUFU each), row sums.
+// kRounded: 2^(round(s * sl2) - m) instead (FMUL, FADD), so the key that set
+// m (m = round(max s * sl2)) gets P = 1 exactly rather than 2^(the product's
+// rounding error): with logits of ~1e5 that error is ~4e-3, and the wide
+// kernel's exact fp8 path, whose P is f16, must return a lone key's row bit
+// for bit (test_cuda_decode_dtypes' q * 2^20 cases).
+template <bool kRounded = false>
 __device__ __forceinline__ void exp_rows(float (&s)[32], float sl2, float mA, float mB, float &sumA, float &sumB) {
   const float uA = mA == -INFINITY ? 0.f : mA, uB = mB == -INFINITY ? 0.f : mB;  // finite stand-in
   sumA = 0.f;
@@ -185,7 +191,8 @@ __device__ __forceinline__ void exp_rows(float (&s)[32], float sl2, float mA, fl
 #pragma unroll
   for (int i = 0; i < 32; i++) {
     const bool rowB = (i >> 1) & 1;
-    s[i] = ex2(fmaf(s[i], sl2, -(rowB ? uB : uA)));
+    if constexpr (kRounded) s[i] = ex2(__fmul_rn(s[i], sl2) - (rowB ? uB : uA));
+    else s[i] = ex2(fmaf(s[i], sl2, -(rowB ? uB : uA)));
     if (rowB) sumB += s[i];
     else sumA += s[i];
   }

@@ -568,7 +568,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float m0A = lazy_max(mpA, mxA * sl2), m0B = lazy_max(mpB, mxB * sl2);
         const float s0A = lazy_scale(mpA, m0A), s0B = lazy_scale(mpB, m0B);
         float sumA, sumB;
-        exp_rows(s, sl2, m0A, m0B, sumA, sumB);
+        exp_rows<kRaw>(s, sl2, m0A, m0B, sumA, sumB);
         pack_p<kOp>(pa, s);
         store_p(sPa, pa, wi, lane);
         fence_proxy_async();
@@ -651,7 +651,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float s1A = lazy_scale(m0A, m1A), s1B = lazy_scale(m0B, m1B);
         float sumA = 0.f, sumB = 0.f;
         if (has1) {
-          exp_rows(s, sl2, m1A, m1B, sumA, sumB);
+          exp_rows<kRaw>(s, sl2, m1A, m1B, sumA, sumB);
           pack_p<kOp>(pa, s);
           store_p(sPb, pa, wi, lane);
           fence_proxy_async();
