@@ -640,6 +640,27 @@ __device__ __forceinline__ void pv_ss(float (&o)[128], uint32_t sP, uint32_t kb,
   wgmma_commit();
 }
 
+// The Q rope words of this thread's rows rA, rB (zero past the m-block's
+// rows): v[row][2k], v[row][2k + 1] hold dims 16k + cq, +1 and 16k + 8 + cq, +1,
+// the A fragment's words for k-step k (load_q's order).
+__device__ __forceinline__ void load_q_rope_words(const mla_decode_params &p, const ReqWork &w, int mb, int rA, int rB,
+                                                  int cq, uint32_t (&v)[2][8]) {
+  const int H = p.num_heads;
+  const int rows2[2] = {rA, rB};
+#pragma unroll
+  for (int hh = 0; hh < 2; hh++) {
+    const int r = rows2[hh];
+    const bool ok = r < w.rows;
+    const int rg = mb * 64 + r, t = ok ? rg / H : 0, h = ok ? rg % H : 0;
+    const uint16_t *src = p.q_rope + (w.q0 + t) * p.q_rope_stride_token + h * p.q_rope_stride_head;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+      v[hh][2 * k] = ok ? *reinterpret_cast<const uint32_t *>(src + 16 * k + cq) : 0u;
+      v[hh][2 * k + 1] = ok ? *reinterpret_cast<const uint32_t *>(src + 16 * k + 8 + cq) : 0u;
+    }
+  }
+}
+
 // Per request: Q latent into 8 swizzled chunks (cp.async, zero rows past the
 // m-block), Q rope straight into A fragments, row limits, running max reset.
 // Caller: __syncthreads() before (previous request done) and after.
@@ -654,20 +675,8 @@ __device__ __forceinline__ void load_q(const mla_decode_params &p, const ReqWork
     cp_async_16(sb + kOffQ + (ch >> 3) * kChunk + sw128_off(r, (ch & 7) * 8), ok ? (const void *)src : p.kv, ok);
   }
   cp_async_commit();
-  const int rows2[2] = {rA, rB};
   uint32_t v[2][8];
-#pragma unroll
-  for (int hh = 0; hh < 2; hh++) {
-    const int r = rows2[hh];
-    const bool ok = r < w.rows;
-    const int rg = mb * 64 + r, t = ok ? rg / H : 0, h = ok ? rg % H : 0;
-    const uint16_t *src = p.q_rope + (w.q0 + t) * p.q_rope_stride_token + h * p.q_rope_stride_head;
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-      v[hh][2 * k] = ok ? *reinterpret_cast<const uint32_t *>(src + 16 * k + cq) : 0u;
-      v[hh][2 * k + 1] = ok ? *reinterpret_cast<const uint32_t *>(src + 16 * k + 8 + cq) : 0u;
-    }
-  }
+  load_q_rope_words(p, w, mb, rA, rB, cq, v);
 #pragma unroll
   for (int k = 0; k < 4; k++) {
     qr[k][0] = v[0][2 * k];
@@ -710,21 +719,12 @@ __device__ __forceinline__ float load_q_f16(const mla_decode_params &p, const Re
                            fmaxf(bf16x2_absmax(v[i].z), bf16x2_absmax(v[i].w))));
     }
   }
-  const int rows2[2] = {rA, rB};
   uint32_t rv[2][8];
+  load_q_rope_words(p, w, mb, rA, rB, cq, rv);
 #pragma unroll
-  for (int hh = 0; hh < 2; hh++) {
-    const int r = rows2[hh];
-    const bool ok = r < w.rows;
-    const int rg = mb * 64 + r, t = ok ? rg / H : 0, h = ok ? rg % H : 0;
-    const uint16_t *src = p.q_rope + (w.q0 + t) * p.q_rope_stride_token + h * p.q_rope_stride_head;
+  for (int hh = 0; hh < 2; hh++)
 #pragma unroll
-    for (int k = 0; k < 4; k++) {
-      rv[hh][2 * k] = ok ? *reinterpret_cast<const uint32_t *>(src + 16 * k + cq) : 0u;
-      rv[hh][2 * k + 1] = ok ? *reinterpret_cast<const uint32_t *>(src + 16 * k + 8 + cq) : 0u;
-      mx = fmaxf(mx, fmaxf(bf16x2_absmax(rv[hh][2 * k]), bf16x2_absmax(rv[hh][2 * k + 1])));
-    }
-  }
+    for (int k = 0; k < 8; k++) mx = fmaxf(mx, bf16x2_absmax(rv[hh][k]));
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   if ((tid & 31) == 0) red[tid >> 5] = mx;
