@@ -36,7 +36,7 @@
 #include <vector>
 
 #include "decode_common.cuh"
-#include "decode_fp8_rs.cuh"  // e4m3x4_f16x2x2, rs_k_pair, rs_vt_pair, wgmma_rs_m64n16k16_h
+#include "decode_fp8_rs.cuh"  // rs_k_pair, rs_vt_pair, wgmma_rs_m64n16k16_h
 
 namespace {
 

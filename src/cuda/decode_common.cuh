@@ -219,12 +219,14 @@ static __device__ __forceinline__ float bf16x2_absmax(uint32_t x) {
 static __device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t x, float up) {
   return pack_f16(__uint_as_float(x << 16) * up, __uint_as_float(x & 0xffff0000u) * up);
 }
-// Four e4m3 values (one word, byte 0 first) as f16, unscaled: exact (every
-// e4m3 value is an f16 value); the cache scale is applied outside the GEMMs.
-static __device__ __forceinline__ uint2 e4m3x4_to_f16(uint32_t w) {
-  const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffffu), __NV_E4M3);
-  const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> 16), __NV_E4M3);
-  return make_uint2((uint32_t)lo.x | ((uint32_t)lo.y << 16), (uint32_t)hi.x | ((uint32_t)hi.y << 16));
+// Four e4m3 (bytes 0-3) to two f16x2, (b0, b1) and (b2, b3), exactly (every
+// e4m3 value is an f16 value); the halves come from a PTX register split (no
+// shifts or masks). The raw-operand paths apply the cache scale outside the
+// GEMMs (the ring kernels' register operands, the wide kernel's lm_raw tiles).
+static __device__ __forceinline__ void e4m3x4_f16x2x2(uint32_t v, uint32_t &lo, uint32_t &hi) {
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(v));
 }
 
 // Four e4m3 values (one word, byte 0 first) dequantized and rounded to bf16:

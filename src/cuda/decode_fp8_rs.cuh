@@ -1,17 +1,10 @@
 // Raw e4m3 bytes as register A operands of the narrow (transposed) decode
 // GEMMs, f16 m64n16k16 / m64n32k16 (docs/decode-kernel.md §3.5.1): the conversions shared
 // by the ring kernel (decode_sm90.cu: qk_rs_tile / pv_rs_tile) and its dev
-// check (dev/cuda/fp8_rs.cu). Device-only; include after decode_common.cuh.
+// check (dev/cuda/fp8_rs.cu). Device-only; include after decode_common.cuh
+// (which holds their e4m3 -> f16 conversion, e4m3x4_f16x2x2).
 #pragma once
 #include <stdint.h>
-
-// Four e4m3 (bytes 0-3) to two f16x2, (b0, b1) and (b2, b3), exactly; the
-// halves come from a PTX register split (no shifts or masks).
-static __device__ __forceinline__ void e4m3x4_f16x2x2(uint32_t v, uint32_t &lo, uint32_t &hi) {
-  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
-      : "=r"(lo), "=r"(hi)
-      : "r"(v));
-}
 
 // D[64x16] (+)= A[64x16] (registers, f16) * B[16x16] (smem desc, K-major, f16)
 static __device__ __forceinline__ void wgmma_rs_m64n16k16_h(float (&d)[8], const uint32_t (&a)[4], uint64_t db,

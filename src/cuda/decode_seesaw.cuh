@@ -458,8 +458,10 @@ __device__ __forceinline__ void load_group(const mla_decode_params &p, const CUt
 // unscaled (exact; lm_raw) instead of bf16 times the scale.
 template <bool kRaw>
 __device__ __forceinline__ uint2 dq4_pt(uint32_t w, float kv_scale) {
-  if constexpr (kRaw) return e4m3x4_to_f16(w);
-  else return dq4_e4m3(w, kv_scale);
+  uint2 r;
+  if constexpr (kRaw) e4m3x4_f16x2x2(w, r.x, r.y);
+  else r = dq4_e4m3(w, kv_scale);
+  return r;
 }
 template <int LM, bool kRaw = false>
 __device__ __forceinline__ void convert_group_pt(uint8_t *kb, int c0, int c1, int t128, float kv_scale, int nvalid) {
@@ -661,6 +663,19 @@ __device__ __forceinline__ void load_q_rope_words(const mla_decode_params &p, co
   }
 }
 
+// A request's per-row state: the causal key limits and the running max reset.
+// Rows past the m-block's end see no key on masked tiles (their scores stay
+// finite or -inf, so they never trigger a rescale).
+__device__ __forceinline__ void reset_rows(const mla_decode_params &p, const ReqWork &w, int mb, uint8_t *smem,
+                                           int tid) {
+  int *lim = reinterpret_cast<int *>(smem + kOffLim);
+  float *sM = reinterpret_cast<float *>(smem + kOffM);
+  if (tid < 64) {
+    lim[tid] = tid < w.rows ? row_limit(p, w, mb, tid) : 0;
+    sM[tid] = -INFINITY;
+  }
+}
+
 // Per request: Q latent into 8 swizzled chunks (cp.async, zero rows past the
 // m-block), Q rope straight into A fragments, row limits, running max reset.
 // Caller: __syncthreads() before (previous request done) and after.
@@ -684,14 +699,7 @@ __device__ __forceinline__ void load_q(const mla_decode_params &p, const ReqWork
     qr[k][2] = v[0][2 * k + 1];
     qr[k][3] = v[1][2 * k + 1];
   }
-  int *lim = reinterpret_cast<int *>(smem + kOffLim);
-  float *sM = reinterpret_cast<float *>(smem + kOffM);
-  if (tid < 64) {
-    // Rows past the m-block's end see no key on masked tiles (their scores
-    // stay finite or -inf, so they never trigger a rescale).
-    lim[tid] = tid < w.rows ? row_limit(p, w, mb, tid) : 0;
-    sM[tid] = -INFINITY;
-  }
+  reset_rows(p, w, mb, smem, tid);
   cp_async_wait_all();
   fence_proxy_async();
 }
@@ -747,12 +755,7 @@ __device__ __forceinline__ float load_q_f16(const mla_decode_params &p, const Re
     qr[k][2] = bf16x2_to_f16x2(rv[0][2 * k + 1], up);
     qr[k][3] = bf16x2_to_f16x2(rv[1][2 * k + 1], up);
   }
-  int *lim = reinterpret_cast<int *>(smem + kOffLim);
-  float *sM = reinterpret_cast<float *>(smem + kOffM);
-  if (tid < 64) {
-    lim[tid] = tid < w.rows ? row_limit(p, w, mb, tid) : 0;  // (as load_q)
-    sM[tid] = -INFINITY;
-  }
+  reset_rows(p, w, mb, smem, tid);
   fence_proxy_async();  // the chunks are read by wgmma (async proxy) after the caller's __syncthreads
   return __uint_as_float((uint32_t)(127 - e) << 23);
 }
