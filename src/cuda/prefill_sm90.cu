@@ -223,6 +223,28 @@ static __device__ __forceinline__ void wgmma_rs_f16(float (&d)[64], const uint32
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
 }
 
+// D[64x64] (+)= A[64x16] (smem, K-major) * B[16x64] (smem, K-major), bf16.
+static __device__ __forceinline__ void wgmma_ss_n64_bf16(float (&d)[32], uint64_t da, uint64_t db, int accum) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(accum));
+}
+// D[64x64] (+)= A[64x16] (smem, K-major) * B[16x64] (smem, K-major), f16.
+static __device__ __forceinline__ void wgmma_ss_n64_f16(float (&d)[32], uint64_t da, uint64_t db, int accum) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(accum));
+}
+
+template <bool F16>
+__device__ __forceinline__ void mma_qk_n64(float (&d)[32], uint64_t da, uint64_t db, int accum) {
+  if (F16) wgmma_ss_n64_f16(d, da, db, accum);
+  else wgmma_ss_n64_bf16(d, da, db, accum);
+}
 template <bool F16>
 __device__ __forceinline__ void mma_qk(float (&d)[64], uint64_t da, uint64_t db, int accum) {
   if (F16) wgmma_ss_f16(d, da, db, accum);
@@ -552,6 +574,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr bool TMA = (MODE & 8) != 0;
   constexpr bool PIN = (MODE & 16) != 0;
   constexpr bool ES = (MODE & 32) != 0;
+  // Half-width first tiles (see the consumer loop) only in the TMA loops
+  // without ES: in the others the extra branch cost ptxas the register room
+  // of the wgmma pipeline (C7511: every wgmma serialised; measured with nvcc
+  // 13.0, as was a half-width P V of that tile, which did it to MODE 11 too).
+  constexpr bool HALFW = TMA && !ES;
   static_assert(DV == 128, "the consumers hold one 64 x 128 O tile");
   using L = Lay<DQK, DV>;
   extern __shared__ uint8_t smem_raw[];
@@ -782,21 +809,46 @@ __global__ void __launch_bounds__(kThreads, 1)
           // first (last-in-sequence) tile: scores and softmax only
           int cur = kv_it & 1;
           uint32_t cur_ph = (kv_it >> 1) & 1;
+          // The first tile holds the diagonal (causal) or the request's
+          // last keys. When no row of this warpgroup sees its keys 64..127
+          // (wg_top: the largest limit of its rows), its scores run at half
+          // width (m64n64; P V stays whole, with P zero there): under a
+          // causal mask with no prefix that is warpgroup 0 on every
+          // m-block's diagonal, ~3 % of the tensor work of 16 x 1K.
+          const int wg_top = p.causal ? min(it.K - 1, it.K - it.Q + it.mb * kBM + 64 * cw + 63) : it.K - 1;
+          const bool half = HALFW && wg_top < (it.ntiles - 1) * kBN + 64;
           {
             const int kt = (it.ntiles - 1) * kBN;
             const uint32_t sK = sbase + L::kK + cur * L::kKBytes;
             mbar_wait(bar + 8 * (BAR_KFULL + cur), cur_ph);
             fence_proxy_async();
             if (LOOP == 2) named_bar_sync(1 + cw, 256);
-            wgmma_fence();
+            // Each branch waits for its own wgmmas: a group still in flight
+            // where the branches join makes ptxas serialise every wgmma of
+            // the kernel (C7515).
+            if (half) {
+              wgmma_fence();
 #pragma unroll
-            for (int k = 0; k < DQK / 16; k++)
-              mma_qk<F16>(s, desc_sw128(qa + (k >> 2) * kSub + (k & 3) * 32, 16, 1024),
-                          desc_sw128(sK + (k >> 2) * kSub + (k & 3) * 32, 16, 1024), k > 0);
-            wgmma_commit();
-            if (LOOP == 2) named_bar_arrive(2 - cw, 256);
-            wgmma_wait<0>();
-            reg_fence(s);
+              for (int k = 0; k < DQK / 16; k++)
+                mma_qk_n64<F16>(*reinterpret_cast<float(*)[32]>(s), desc_sw128(qa + (k >> 2) * kSub + (k & 3) * 32, 16, 1024),
+                                desc_sw128(sK + (k >> 2) * kSub + (k & 3) * 32, 16, 1024), k > 0);
+              wgmma_commit();
+              if (LOOP == 2) named_bar_arrive(2 - cw, 256);
+              wgmma_wait<0>();
+              reg_fence(s);
+#pragma unroll
+              for (int i = 32; i < 64; i++) s[i] = -INFINITY;  // keys 64..127 (masked for every row anyway)
+            } else {
+              wgmma_fence();
+#pragma unroll
+              for (int k = 0; k < DQK / 16; k++)
+                mma_qk<F16>(s, desc_sw128(qa + (k >> 2) * kSub + (k & 3) * 32, 16, 1024),
+                            desc_sw128(sK + (k >> 2) * kSub + (k & 3) * 32, 16, 1024), k > 0);
+              wgmma_commit();
+              if (LOOP == 2) named_bar_arrive(2 - cw, 256);
+              wgmma_wait<0>();
+              reg_fence(s);
+            }
             mbar_arrive(bar + 8 * (BAR_KEMPTY + cur));
             if (it.ntiles == 1) mbar_arrive(bar + 8 * BAR_QEMPTY);
             softmax_tile<CAP>(s, m, l, alpha, sf, kt + kBN - 1 > wg_lim, kt, lim_lo, lim_hi, lane);
