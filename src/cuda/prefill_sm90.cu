@@ -28,7 +28,7 @@
 //    prefix table of the requests' m-block counts in shared memory from the
 //    device index arrays, then walks items in rounds of gridDim.x (snake
 //    order by default: odd rounds backwards, item_of); the item order is
-//    head group (8 heads: their K/V stay in L2) > request > m-block, last
+//    head group (kHeadGroup heads) > request > m-block, last
 //    (heaviest, causal) first > head. Key tiles are walked from the last
 //    (the masked diagonal ones) down; fully masked tiles are never loaded.
 //    (docs/prefill-kernel.md: design, variants, measurements.)
@@ -53,7 +53,10 @@ namespace {
 constexpr int kBM = 128;       // query rows per item (64 per consumer warpgroup)
 constexpr int kBN = 128;       // keys per tile
 constexpr int kThreads = 384;  // producer + 2 consumer warpgroups
-constexpr int kHeadGroup = 8;  // default heads walked together (their K/V share L2)
+// Default heads walked together (MLA_PREFILL_HEAD_GROUP overrides it). On the
+// H=128 bench shapes 2 and 4 measured 3-5 % faster than 8 (2 under 1 % ahead of
+// 4), 16 and 128 slower (docs/prefill-kernel.md §6, session 21).
+constexpr int kHeadGroup = 2;
 constexpr int kDefaultMode = 11;  // overlap232-tma: measured fastest (prefill_kernel MODE; docs/prefill-kernel.md)
 constexpr int kSub = 16384;    // one [128 rows x 64 cols] 16-bit sub-tile, 128B swizzle
 constexpr uint32_t kVtLbo = 16384, kVtSbo = 1024;  // V as MN-major B: 64-col blocks, 8-key groups
