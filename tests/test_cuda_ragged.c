@@ -13,7 +13,8 @@
  * batches (lengths up to 8192, >= 32K tokens, heads 1, 16, 128; the oracle
  * on sampled rows there); every
  * consumer loop of the sm_90a kernel
- * (MLA_PREFILL_VARIANT plain, pingpong) and the default (the generic
+ * (MLA_PREFILL_VARIANT plain, pingpong), the default with 3 heads per item
+ * group (MLA_PREFILL_HEAD_GROUP) and the default (the generic
  * kernel's cases under the default only). Outputs are poisoned (0xFF) with guard
  * elements after them: every row must be written, the guards must not.
  *
@@ -149,13 +150,21 @@ static void run_ragged(const rcase *c, int all_variants) {
 
   unsigned char *out = malloc(oes * (size_t)(no + GUARD));
   float *lse = malloc(sizeof(float) * (size_t)(nl + GUARD));
-  /* every consumer loop of the kernel (src/cuda/prefill_sm90.cu), the default last */
-  static const char *const variants[] = {"plain", "pingpong", NULL};
-  for (int vi = all_variants ? 0 : 2; vi < 3; vi++) {
+  /* every consumer loop of the kernel (src/cuda/prefill_sm90.cu), the default
+   * also with another item order (3 heads per group: a partial last group at
+   * H = 16 and 128), the default last */
+  static const struct {
+    const char *variant, *head_group, *label;
+  } variants[] = {{"plain", NULL, "plain"}, {"pingpong", NULL, "pingpong"}, {NULL, "3", "default, head group 3"},
+                  {NULL, NULL, "default"}};
+  const int nvar = (int)(sizeof variants / sizeof variants[0]);
+  for (int vi = all_variants ? 0 : nvar - 1; vi < nvar; vi++) {
     char cv[260];
-    snprintf(cv, sizeof cv, "%s [%s]", cs, variants[vi] ? variants[vi] : "default");
-    if (variants[vi]) setenv("MLA_PREFILL_VARIANT", variants[vi], 1);
+    snprintf(cv, sizeof cv, "%s [%s]", cs, variants[vi].label);
+    if (variants[vi].variant) setenv("MLA_PREFILL_VARIANT", variants[vi].variant, 1);
     else unsetenv("MLA_PREFILL_VARIANT");
+    if (variants[vi].head_group) setenv("MLA_PREFILL_HEAD_GROUP", variants[vi].head_group, 1);
+    else unsetenv("MLA_PREFILL_HEAD_GROUP");
     CK(cudaMemset(dout, 0xff, oes * (size_t)(no + GUARD)));
     CK(cudaMemset(dlse, 0xff, sizeof(float) * (size_t)(nl + GUARD)));
     mla_status st = mla_attention_ragged(gpu, &a);
