@@ -10,12 +10,15 @@
 # NAME=MLA_BINARY  a label and the path of an `mla` binary (e.g. one unpacked
 #                  from a carried tarball); two or more. A label may carry an
 #                  environment setting for that build only: NAME@VAR=VALUE=PATH.
-# CASE             "b H s_q s_k dtype page", e.g. "128 128 1 8192 bf16 64".
+# CASE             "b H s_q s_k dtype page", e.g. "128 128 1 8192 bf16 64", or
+#                  `ragged`: the bench's ragged prefill rows (causal 192/128,
+#                  H=128: 1 x 8K, 1 x 16K, 16 x 1K; one row each in the table).
 # -r ROUNDS        rounds (default 2); -n RUNS: `--runs` per case (default 20).
 # -e VAR=VALUE     exported for every build (e.g. -e MLA_DECODE_MC=0).
 #
 # Example (device):
 #   scripts/ab-bench.sh -r 2 old=bo/mla new=bn/mla -- "128 128 1 8192 bf16 64" "128 16 1 8192 bf16 64"
+#   scripts/ab-bench.sh -r 2 hg2=b/mla hg8@MLA_PREFILL_HEAD_GROUP=8=b/mla -- ragged
 set -u
 rounds=2
 runs=20
@@ -36,7 +39,7 @@ if [ ${#builds[@]} -lt 1 ] || [ ${#cases[@]} -lt 1 ]; then
   exit 2
 fi
 
-declare -A res
+declare -A res seen
 for ((r = 1; r <= rounds; r++)); do
   for b in "${builds[@]}"; do
     name=${b%%=*}
@@ -48,6 +51,18 @@ for ((r = 1; r <= rounds; r++)); do
       path=${path#*=}
     fi
     for c in "${cases[@]}"; do
+      if [ "$c" = ragged ]; then
+        # one call, three rows: "seqs len t_us TFLOP/s" under the ragged header
+        out=$(env ${envset[@]+"${envset[@]}"} "$path" bench --device cuda --b 1 --h 16 --sq 1 --sk 4096 --dtype bf16 \
+          --no-kv-write --runs "$runs" 2>&1)
+        while read -r seqs len t; do
+          row="ragged ${seqs}x${len}"
+          echo "round $r  $name  [$row]  $t"
+          res["$name|$row"]+="${res["$name|$row"]:+ / }$t"
+          seen["$row"]=1
+        done < <(awk '/ragged MHA/{f=1;next} /^#/{f=0} f && $1 ~ /^[0-9]+$/ {print $1, $2, $3}' <<<"$out")
+        continue
+      fi
       read -r cb ch cq ck cd cp <<<"$c"
       line=$(env ${envset[@]+"${envset[@]}"} "$path" bench --device cuda --b "$cb" --h "$ch" --sq "$cq" --sk "$ck" --dtype "$cd" \
         --page-size "$cp" --no-prefill --no-kv-write --runs "$runs" 2>&1 | tail -n 1)
@@ -55,6 +70,7 @@ for ((r = 1; r <= rounds; r++)); do
       [[ $t =~ ^[0-9.]+$ ]] || t="($line)"
       echo "round $r  $name  [$c]  $t"
       res["$name|$c"]+="${res["$name|$c"]:+ / }$t"
+      seen["$c"]=1
     done
   done
 done
@@ -63,7 +79,15 @@ echo
 printf '%-28s' "case (b H s_q s_k dtype page)"
 for b in "${builds[@]}"; do n=${b%%=*}; printf ' | %-24s' "${n%%@*}"; done
 echo
+rows=()
 for c in "${cases[@]}"; do
+  if [ "$c" = ragged ]; then
+    while read -r k; do rows+=("$k"); done < <(printf '%s\n' "${!seen[@]}" | grep '^ragged' | sort -t x -k2 -n)
+  else
+    rows+=("$c")
+  fi
+done
+for c in "${rows[@]}"; do
   printf '%-28s' "$c"
   for b in "${builds[@]}"; do n=${b%%=*}; printf ' | %-24s' "${res["${n%%@*}|$c"]}"; done
   echo
