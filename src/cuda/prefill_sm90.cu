@@ -39,6 +39,7 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>  // (the MLA_DEV_TIMELINE dev build's printout)
 #include <stdlib.h>
 #include <string.h>
 
@@ -560,6 +561,27 @@ __device__ __forceinline__ void store_o_quads(const mla_prefill_params &p, const
 // ---------------------------------------------------------------------------
 // The kernel
 // ---------------------------------------------------------------------------
+// Development timeline (compile with -DMLA_DEV_TIMELINE; never in a library
+// build): %clock64 stamps by thread 0 of each consumer warpgroup at the
+// phases of every item of the first kPfTlCtas CTAs; the launcher prints a
+// summary by tile count after the MLA_DEV_PF_TIMELINE_AT-th launch
+// (pf_timeline_print). Phases: 0 item start, 1 Q landed, 2 first scores,
+// 3 first softmax packed, 4 last P V retired, 5 epilogue stored.
+#ifdef MLA_DEV_TIMELINE
+constexpr int kPfTlCtas = 160, kPfTlItems = 160, kPfTlPh = 6;
+__device__ long long g_pf_tl[kPfTlCtas][kPfTlItems][2][kPfTlPh];
+__device__ int g_pf_tln[kPfTlCtas][kPfTlItems];  // the item's tiles
+__device__ int g_pf_tlc[kPfTlCtas];              // items the CTA ran
+#define PF_TL(ph) \
+  do { \
+    if (tl_on && round < kPfTlItems) g_pf_tl[blockIdx.x][round][cw][ph] = clock64(); \
+  } while (0)
+#else
+#define PF_TL(ph) \
+  do { \
+  } while (0)
+#endif
+
 // MODE 0: plain loop (scores, softmax, P V in sequence); 1: overlapped (next
 // tile's scores and this tile's P V issued together, softmax while P V
 // runs); 2: overlapped with the two consumer warpgroups taking turns at the
@@ -754,17 +776,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Turns alternate (warpgroup 0 first): every item gives both warpgroups
     // the same ntiles + 1 turns, so the sequence stays in step.
     if (LOOP == 2 && cw == 1) named_bar_arrive(1, 256);
+#ifdef MLA_DEV_TIMELINE
+    const bool tl_on = (tid & 127) == 0 && blockIdx.x < kPfTlCtas;
+#endif
     for (long long round = 0;; round++) {
       const long long id = item_of(p, round, items);
       if (id < 0) break;
       const Item it = decode_item(p, pre, total_mb, id);
       const int t_lo = it.mb * kBM + r_lo, t_hi = t_lo + 8;
+#ifdef MLA_DEV_TIMELINE
+      if (tl_on && cw == 0 && round < kPfTlItems) {
+        g_pf_tln[blockIdx.x][round] = it.ntiles;
+        g_pf_tlc[blockIdx.x] = (int)round + 1;
+      }
+#endif
+      PF_TL(0);
       float o[64];
 #pragma unroll
       for (int i = 0; i < 64; i++) o[i] = 0.0f;
       float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
       if (it.ntiles > 0) {
         mbar_wait(bar + 8 * BAR_QFULL, q_it & 1);
+        PF_TL(1);
         fence_proxy_async();  // cp.async wrote Q through the generic proxy; wgmma reads it through the async one
         q_it++;
         const int lim_lo = p.causal ? min(it.K - 1, it.K - it.Q + t_lo) : it.K - 1;
@@ -852,10 +885,12 @@ __global__ void __launch_bounds__(kThreads, 1)
               wgmma_wait<0>();
               reg_fence(s);
             }
+            PF_TL(2);
             mbar_arrive(bar + 8 * (BAR_KEMPTY + cur));
             if (it.ntiles == 1) mbar_arrive(bar + 8 * BAR_QEMPTY);
             softmax_tile<CAP>(s, m, l, alpha, sf, kt + kBN - 1 > wg_lim, kt, lim_lo, lim_hi, lane);
             pack_p<F16>(s, pa);
+            PF_TL(3);
             kv_it++;
           }
           // Tiles with a masked key for some row of this warpgroup come
@@ -886,6 +921,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (LOOP == 2) named_bar_arrive(2 - cw, 256);
             wgmma_wait<0>();
             reg_fence(o);
+            PF_TL(4);
             mbar_arrive(bar + 8 * (BAR_VEMPTY + cur));
           }
         }
@@ -923,6 +959,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           p.lse[(int64_t)(it.q0 + t) * p.num_heads + it.h] = p.lse_base2 ? lse2 : lse2 * kLn2;
         }
       }
+      PF_TL(5);
     }
   }
 #endif
@@ -1038,6 +1075,52 @@ static bool make_map(CUtensorMap *map, const void *ptr, int dim, int heads, bool
             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+#ifdef MLA_DEV_TIMELINE
+// Dev only: after the MLA_DEV_PF_TIMELINE_AT-th launch (default 5; `mla bench
+// --runs 20` launches 1 x 8K as 1-21, 1 x 16K as 22-42, 16 x 1K as 43-63)
+// print, per tile count, the mean cycles of each phase of the items (both
+// warpgroups, every item but each CTA's first) and their period (start to
+// the next item's start). Syncs the stream.
+static void pf_timeline_print(cudaStream_t stream) {
+  static int calls = 0;
+  const char *at = getenv("MLA_DEV_PF_TIMELINE_AT");
+  if (++calls != (at ? atoi(at) : 5)) return;
+  static long long h[kPfTlCtas][kPfTlItems][2][kPfTlPh];
+  static int hn[kPfTlCtas][kPfTlItems], hc[kPfTlCtas];
+  cudaStreamSynchronize(stream);
+  cudaMemcpyFromSymbol(h, g_pf_tl, sizeof h);
+  cudaMemcpyFromSymbol(hn, g_pf_tln, sizeof hn);
+  cudaMemcpyFromSymbol(hc, g_pf_tlc, sizeof hc);
+  constexpr int kB = 18;  // tile counts 1..16, then > 16 (bucket 17)
+  double sum[kB][kPfTlPh + 1] = {{0}};
+  long long n[kB] = {0};
+  double total = 0;
+  for (int c = 0; c < kPfTlCtas; c++)
+    for (int i = 1; i + 1 < hc[c] && i + 1 < kPfTlItems; i++)
+      for (int w = 0; w < 2; w++) {
+        const int nt = hn[c][i];
+        if (nt <= 0) continue;
+        const int b = nt > 16 ? 17 : nt;
+        for (int k = 1; k < kPfTlPh; k++) sum[b][k] += (double)(h[c][i][w][k] - h[c][i][w][k - 1]);
+        sum[b][kPfTlPh] += (double)(h[c][i + 1][w][0] - h[c][i][w][0]);
+        total += (double)(h[c][i + 1][w][0] - h[c][i][w][0]);
+        n[b]++;
+      }
+  fprintf(stderr,
+          "pf timeline (launch %d; mean cycles per item and warpgroup: Q wait, first Q.K^T, first softmax, the other "
+          "tiles, epilogue | period, share of all item time)\n",
+          calls);
+  for (int b = 1; b < kB; b++) {
+    if (!n[b]) continue;
+    fprintf(stderr, "pf tiles %s%2d: n %6lld |", b == 17 ? ">" : " ", b == 17 ? 16 : b, n[b]);
+    for (int k = 1; k < kPfTlPh; k++) fprintf(stderr, " %7.0f", sum[b][k] / n[b]);
+    fprintf(stderr, " | %7.0f %5.1f %%", sum[b][kPfTlPh] / n[b], total > 0 ? 100.0 * sum[b][kPfTlPh] / total : 0.0);
+    if (b > 1 && b < 17) fprintf(stderr, "  (%.0f per further tile)", sum[b][4] / n[b] / (b - 1));
+    fprintf(stderr, "\n");
+  }
+}
+#endif
+
 template <int DQK, bool F16, bool CAP, int MODE>
 cudaError_t launch(const mla_prefill_params *p, int grid, cudaStream_t stream, const TmaMaps &maps) {
   auto kern = prefill_kernel<DQK, 128, F16, CAP, MODE>;
@@ -1053,6 +1136,9 @@ cudaError_t launch(const mla_prefill_params *p, int grid, cudaStream_t stream, c
   const char *ord = getenv("MLA_PREFILL_ORDER");
   q.order_snake = !(ord && !strcmp(ord, "rr"));
   kern<<<grid, kThreads, smem, stream>>>(q, maps);
+#ifdef MLA_DEV_TIMELINE
+  pf_timeline_print(stream);
+#endif
   return cudaGetLastError();
 }
 
