@@ -43,6 +43,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decode_wgmma.cuh"  // (wg_m64n64k16_ss: the half-width first tile)
 #include "launch_once.cuh"
 #include "mla.h"
 #include "prefill.h"
@@ -227,28 +228,6 @@ static __device__ __forceinline__ void wgmma_rs_f16(float (&d)[64], const uint32
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));
 }
 
-// D[64x64] (+)= A[64x16] (smem, K-major) * B[16x64] (smem, K-major), bf16.
-static __device__ __forceinline__ void wgmma_ss_n64_bf16(float (&d)[32], uint64_t da, uint64_t db, int accum) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(da), "l"(db), "r"(accum));
-}
-// D[64x64] (+)= A[64x16] (smem, K-major) * B[16x64] (smem, K-major), f16.
-static __device__ __forceinline__ void wgmma_ss_n64_f16(float (&d)[32], uint64_t da, uint64_t db, int accum) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(da), "l"(db), "r"(accum));
-}
-
-template <bool F16>
-__device__ __forceinline__ void mma_qk_n64(float (&d)[32], uint64_t da, uint64_t db, int accum) {
-  if (F16) wgmma_ss_n64_f16(d, da, db, accum);
-  else wgmma_ss_n64_bf16(d, da, db, accum);
-}
 template <bool F16>
 __device__ __forceinline__ void mma_qk(float (&d)[64], uint64_t da, uint64_t db, int accum) {
   if (F16) wgmma_ss_f16(d, da, db, accum);
@@ -866,7 +845,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               wgmma_fence();
 #pragma unroll
               for (int k = 0; k < DQK / 16; k++)
-                mma_qk_n64<F16>(*reinterpret_cast<float(*)[32]>(s), desc_sw128(qa + (k >> 2) * kSub + (k & 3) * 32, 16, 1024),
+                wg_m64n64k16_ss<F16>(*reinterpret_cast<float(*)[32]>(s), desc_sw128(qa + (k >> 2) * kSub + (k & 3) * 32, 16, 1024),
                                 desc_sw128(sK + (k >> 2) * kSub + (k & 3) * 32, 16, 1024), k > 0);
               wgmma_commit();
               if (LOOP == 2) named_bar_arrive(2 - cw, 256);

@@ -29,16 +29,3 @@ for ty, tn in (("bf16", "bf16"), ("f16", "f16")):
     print('      : %s' % outs(NR))
     print('      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accum));')
     print("}")
-
-# Half-width scores (m64n64k16, SS) for a warpgroup whose rows see only the
-# first 64 keys of a tile: its 32 registers hold the same fragment positions
-# as the first 32 of n128's.
-for ty, tn in (("bf16", "bf16"), ("f16", "f16")):
-    print("// D[64x64] (+)= A[64x16] (smem, K-major) * B[16x64] (smem, K-major), %s." % ty)
-    print("static __device__ __forceinline__ void wgmma_ss_n64_%s(float (&d)[32], uint64_t da, uint64_t db, int accum) {" % tn)
-    print('  asm volatile(')
-    print('      "{\\n.reg .pred p;\\nsetp.ne.b32 p, %%%d, 0;\\n"' % (32 + 2))
-    print('      "wgmma.mma_async.sync.aligned.m64n64k16.f32.%s.%s {%s}, %%%d, %%%d, p, 1, 1, 0, 0;\\n}\\n"' % (ty, ty, regs(32), 32, 33))
-    print('      : %s' % outs(32))
-    print('      : "l"(da), "l"(db), "r"(accum));')
-    print("}")
