@@ -410,6 +410,20 @@ __device__ __forceinline__ void pack_p(const float (&s)[64], uint32_t (&pa)[8][4
 }
 
 
+// S (+)= Q K^T over DQK: the warpgroup's 64 Q rows at qa against the K tile
+// at sK, 128 keys into s[0..63] or, HALF, its first 64 keys into s[0..31]
+// (wgmma issues only; the caller fences, commits and waits).
+template <int DQK, bool F16, bool HALF>
+__device__ __forceinline__ void qk_issue(float (&s)[64], uint32_t qa, uint32_t sK) {
+#pragma unroll
+  for (int k = 0; k < DQK / 16; k++) {
+    const uint64_t da = desc_sw128(qa + (k >> 2) * kSub + (k & 3) * 32, 16, 1024);
+    const uint64_t db = desc_sw128(sK + (k >> 2) * kSub + (k & 3) * 32, 16, 1024);
+    if (HALF) wg_m64n64k16_ss<F16>(*reinterpret_cast<float(*)[32]>(s), da, db, k > 0);
+    else mma_qk<F16>(s, da, db, k > 0);
+  }
+}
+
 // One tile of the overlapped consumer loop: issue S = Q K_n^T and O += P V
 // of the previous tile, run the softmax of S while P V runs, then rescale O.
 // Branch-free between the issues and the last wait (MASK is compile-time).
@@ -435,10 +449,7 @@ __device__ __forceinline__ void ovl_step(float (&o)[64], float (&s)[64], uint32_
   fence_proxy_async();
   if (PP) named_bar_sync(1 + cw, 256);  // our turn at the tensor cores
   wgmma_fence();
-#pragma unroll
-  for (int k = 0; k < DQK / 16; k++)
-    mma_qk<F16>(s, desc_sw128(qa + (k >> 2) * kSub + (k & 3) * 32, 16, 1024),
-                desc_sw128(sK + (k >> 2) * kSub + (k & 3) * 32, 16, 1024), k > 0);
+  qk_issue<DQK, F16, false>(s, qa, sK);
   wgmma_commit();
   if (ES) {
 #pragma unroll
@@ -795,10 +806,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             mbar_wait(bar + 8 * (BAR_KFULL + st), ph);
             fence_proxy_async();
             wgmma_fence();
-#pragma unroll
-            for (int k = 0; k < DQK / 16; k++)
-              mma_qk<F16>(s, desc_sw128(qa + (k >> 2) * kSub + (k & 3) * 32, 16, 1024),
-                          desc_sw128(sK + (k >> 2) * kSub + (k & 3) * 32, 16, 1024), k > 0);
+            qk_issue<DQK, F16, false>(s, qa, sK);
             wgmma_commit();
             wgmma_wait<0>();
             reg_fence(s);
@@ -843,10 +851,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             // the kernel (C7515).
             if (half) {
               wgmma_fence();
-#pragma unroll
-              for (int k = 0; k < DQK / 16; k++)
-                wg_m64n64k16_ss<F16>(*reinterpret_cast<float(*)[32]>(s), desc_sw128(qa + (k >> 2) * kSub + (k & 3) * 32, 16, 1024),
-                                desc_sw128(sK + (k >> 2) * kSub + (k & 3) * 32, 16, 1024), k > 0);
+              qk_issue<DQK, F16, true>(s, qa, sK);
               wgmma_commit();
               if (LOOP == 2) named_bar_arrive(2 - cw, 256);
               wgmma_wait<0>();
@@ -855,10 +860,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               for (int i = 32; i < 64; i++) s[i] = -INFINITY;  // keys 64..127 (masked for every row anyway)
             } else {
               wgmma_fence();
-#pragma unroll
-              for (int k = 0; k < DQK / 16; k++)
-                mma_qk<F16>(s, desc_sw128(qa + (k >> 2) * kSub + (k & 3) * 32, 16, 1024),
-                            desc_sw128(sK + (k >> 2) * kSub + (k & 3) * 32, 16, 1024), k > 0);
+              qk_issue<DQK, F16, false>(s, qa, sK);
               wgmma_commit();
               if (LOOP == 2) named_bar_arrive(2 - cw, 256);
               wgmma_wait<0>();
