@@ -1089,13 +1089,18 @@ static void pf_timeline_print(cudaStream_t stream) {
       }
   fprintf(stderr,
           "pf timeline (launch %d; mean cycles per item and warpgroup: Q wait, first Q.K^T, first softmax, the other "
-          "tiles, epilogue | period, share of all item time)\n",
+          "tiles, epilogue | gap to the next item | period, share of all item time)\n",
           calls);
   for (int b = 1; b < kB; b++) {
     if (!n[b]) continue;
     fprintf(stderr, "pf tiles %s%2d: n %6lld |", b == 17 ? ">" : " ", b == 17 ? 16 : b, n[b]);
     for (int k = 1; k < kPfTlPh; k++) fprintf(stderr, " %7.0f", sum[b][k] / n[b]);
-    fprintf(stderr, " | %7.0f %5.1f %%", sum[b][kPfTlPh] / n[b], total > 0 ? 100.0 * sum[b][kPfTlPh] / total : 0.0);
+    double phases = 0;
+    for (int k = 1; k < kPfTlPh; k++) phases += sum[b][k];
+    // gap: from one item's epilogue stamp to the next one's start (the loop
+    // head: the item decode, and whatever waits behind the epilogue's stores)
+    fprintf(stderr, " | gap %5.0f | %7.0f %5.1f %%", (sum[b][kPfTlPh] - phases) / n[b], sum[b][kPfTlPh] / n[b],
+            total > 0 ? 100.0 * sum[b][kPfTlPh] / total : 0.0);
     if (b > 1 && b < 17) fprintf(stderr, "  (%.0f per further tile)", sum[b][4] / n[b] / (b - 1));
     fprintf(stderr, "\n");
   }
