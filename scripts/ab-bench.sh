@@ -39,7 +39,7 @@ if [ ${#builds[@]} -lt 1 ] || [ ${#cases[@]} -lt 1 ]; then
   exit 2
 fi
 
-declare -A res seen
+declare -A res seen  # seen: the ragged rows met (their names come from the bench's output)
 for ((r = 1; r <= rounds; r++)); do
   for b in "${builds[@]}"; do
     name=${b%%=*}
@@ -70,7 +70,6 @@ for ((r = 1; r <= rounds; r++)); do
       [[ $t =~ ^[0-9.]+$ ]] || t="($line)"
       echo "round $r  $name  [$c]  $t"
       res["$name|$c"]+="${res["$name|$c"]:+ / }$t"
-      seen["$c"]=1
     done
   done
 done

@@ -1094,9 +1094,11 @@ static void pf_timeline_print(cudaStream_t stream) {
   for (int b = 1; b < kB; b++) {
     if (!n[b]) continue;
     fprintf(stderr, "pf tiles %s%2d: n %6lld |", b == 17 ? ">" : " ", b == 17 ? 16 : b, n[b]);
-    for (int k = 1; k < kPfTlPh; k++) fprintf(stderr, " %7.0f", sum[b][k] / n[b]);
     double phases = 0;
-    for (int k = 1; k < kPfTlPh; k++) phases += sum[b][k];
+    for (int k = 1; k < kPfTlPh; k++) {
+      fprintf(stderr, " %7.0f", sum[b][k] / n[b]);
+      phases += sum[b][k];
+    }
     // gap: from one item's epilogue stamp to the next one's start (the loop
     // head: the item decode, and whatever waits behind the epilogue's stores)
     fprintf(stderr, " | gap %5.0f | %7.0f %5.1f %%", (sum[b][kPfTlPh] - phases) / n[b], sum[b][kPfTlPh] / n[b],
