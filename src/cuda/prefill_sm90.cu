@@ -70,7 +70,7 @@ __host__ __device__ constexpr int producer_regs(int mode) { return mode == 0 ? 5
 __host__ __device__ constexpr int consumer_regs(int mode) { return mode == 0 ? 224 : mode == 3 ? 232 : 240; }
 
 // Shared memory: Q, K[2], V[2] (each a run of 16 KiB sub-tiles, 1024-aligned),
-// 8 mbarriers, the request prefix table.
+// 14 mbarriers and the item ring (kBar: 256 bytes), the request prefix table.
 template <int DQK, int DV>
 struct Lay {
   static constexpr int kQ = 0;
@@ -79,7 +79,7 @@ struct Lay {
   static constexpr int kV = kK + 2 * kKBytes;
   static constexpr int kVBytes = DV / 64 * kSub;
   static constexpr int kBar = kV + 2 * kVBytes;
-  static constexpr int kTab = kBar + 128;
+  static constexpr int kTab = kBar + 256;
   static constexpr int kSmem = kTab + 4 * (MLA_CUDA_PREFILL_MAX_BATCH + 1) + 1024;  // + alignment slack
 };
 static_assert(Lay<192, 128>::kSmem <= 232448, "192/128 tiles exceed the shared memory of an SM");
@@ -92,9 +92,22 @@ static_assert(Lay<192, 128>::kSmem <= 232448, "192/128 tiles exceed the shared m
 struct TmaMaps {
   CUtensorMap q, k, v;
 };
-enum { BAR_QFULL = 0, BAR_QEMPTY = 1, BAR_KFULL = 2, BAR_VFULL = 4, BAR_KEMPTY = 6, BAR_VEMPTY = 8 };
-// A scratch word after the 10 mbarriers (written by PIN loops, never read).
-constexpr uint32_t kPinWord = 96;
+enum {
+  BAR_QFULL = 0,
+  BAR_QEMPTY = 1,
+  BAR_KFULL = 2,
+  BAR_VFULL = 4,
+  BAR_KEMPTY = 6,
+  BAR_VEMPTY = 8,
+  BAR_IFULL = 10,  // item ring, 2 slots
+  BAR_IEMPTY = 12
+};
+// A scratch word after the 14 mbarriers (written by PIN loops, never read).
+constexpr uint32_t kPinWord = 112;
+// The item ring: kItemSlots decoded Items (32 bytes each) at this offset of
+// the barrier area, written by the producer, read by the consumers.
+constexpr uint32_t kItemRing = 128;
+constexpr int kItemSlots = 2;
 
 // ---------------------------------------------------------------------------
 // PTX wrappers
@@ -245,8 +258,9 @@ __device__ __forceinline__ void mma_pv(float (&d)[64], const uint32_t (&a)[4], u
 struct Item {
   int req, mb, h;   // request, m-block, query head
   int q0, Q, k0, K; // first rows and lengths
-  int ntiles;       // key tiles visited (0: no row of the m-block sees a key)
+  int ntiles;       // key tiles visited (0: no row of the m-block sees a key; -1: no more items)
 };
+static_assert(sizeof(Item) == 32, "an item is one 32-byte slot of the ring");
 
 // Lengths of request i, or 0 / 0 for one the kernel must skip.
 __device__ __forceinline__ void lengths(const mla_prefill_params &p, int i, int &Q, int &K) {
@@ -292,6 +306,20 @@ __device__ __forceinline__ long long item_of(const mla_prefill_params &p, long l
   const long long g = gridDim.x;
   const long long id = r * g + ((p.order_snake && (r & 1)) ? g - 1 - blockIdx.x : blockIdx.x);
   return id < items ? id : -1;
+}
+
+// The Item in ring slot `slot` (shared address; the consumers' read).
+__device__ __forceinline__ Item ring_item(uint32_t slot) {
+  Item it;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(it.req), "=r"(it.mb), "=r"(it.h), "=r"(it.q0)
+               : "r"(slot)
+               : "memory");
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(it.Q), "=r"(it.k0), "=r"(it.K), "=r"(it.ntiles)
+               : "r"(slot + 16)
+               : "memory");
+  return it;
 }
 
 // ---------------------------------------------------------------------------
@@ -498,25 +526,92 @@ __device__ __forceinline__ void ovl_step(float (&o)[64], float (&s)[64], uint32_
   kv_it++;
 }
 
-// The item's O rows t_lo, t_lo + 8 of this thread, o * inv in 16-bit, as
-// 16-byte stores (out 16-byte aligned). Per row and group g of 32 columns the
-// quad's 4 x 4 words (lane j: the pair 8 c + 2 j, + 1 of each group c = 4 g ..
-// 4 g + 3) are transposed with two xor shuffle stages, so lane q holds all
-// eight columns of group 4 g + q: a quad writes 64 contiguous bytes of a row,
-// a warp instruction 8 half lines. Measured on an H200 (docs/prefill-kernel.md
-// §6): without any O store 16 x 1K ran 15 % faster; 8-byte stores (8 whole
-// sectors per instruction) made it 3 % faster than the 4-byte pairs the
-// accumulator holds, these 16-byte ones 2 % more. Rows past the request are
-// computed and not stored: every lane takes part in the shuffles.
-template <bool F16>
-__device__ __forceinline__ void store_o_quads(const mla_prefill_params &p, const Item &it, const float (&o)[64],
-                                              const float (&inv)[2], int t_lo, int lane) {
+// Predicated stores and arrive: the deferred epilogue runs while a wgmma
+// group is in flight, where a branch (divergent, to ptxas) serialises every
+// wgmma of the kernel (C7518), so nothing in it branches.
+__device__ __forceinline__ void st_v4_if(bool c, void *ptr, uint32_t a, uint32_t b, uint32_t d, uint32_t e) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p st.global.v4.b32 [%1], {%2, %3, %4, %5};\n}" ::"r"((int)c),
+               "l"(ptr), "r"(a), "r"(b), "r"(d), "r"(e)
+               : "memory");
+}
+__device__ __forceinline__ void st_b32_if(bool c, void *ptr, uint32_t a) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p st.global.b32 [%1], %2;\n}" ::"r"((int)c), "l"(ptr), "r"(a)
+               : "memory");
+}
+__device__ __forceinline__ void st_v2f32_if(bool c, void *ptr, float a, float b) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p st.global.v2.f32 [%1], {%2, %3};\n}" ::"r"((int)c),
+               "l"(ptr), "f"(a), "f"(b)
+               : "memory");
+}
+// The same as plain branches (PRED false: an epilogue with no wgmma in flight,
+// where ptxas allocates registers better around branches than predicates).
+template <bool PRED>
+__device__ __forceinline__ void st16_if(bool c, void *ptr, uint32_t a, uint32_t b, uint32_t d, uint32_t e);
+template <bool PRED>
+__device__ __forceinline__ void st4_if(bool c, void *ptr, uint32_t a);
+template <bool PRED>
+__device__ __forceinline__ void st8f_if(bool c, void *ptr, float a, float b);
+__device__ __forceinline__ void mbar_arrive_if(bool c, uint32_t bar) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%1];\n}" ::"r"((int)c),
+               "r"(bar)
+               : "memory");
+}
+template <bool PRED>
+__device__ __forceinline__ void st16_if(bool c, void *ptr, uint32_t a, uint32_t b, uint32_t d, uint32_t e) {
+  if (PRED) st_v4_if(c, ptr, a, b, d, e);
+  else if (c) *reinterpret_cast<uint4 *>(ptr) = make_uint4(a, b, d, e);
+}
+template <bool PRED>
+__device__ __forceinline__ void st4_if(bool c, void *ptr, uint32_t a) {
+  if (PRED) st_b32_if(c, ptr, a);
+  else if (c) *reinterpret_cast<uint32_t *>(ptr) = a;
+}
+template <bool PRED>
+__device__ __forceinline__ void st8f_if(bool c, void *ptr, float a, float b) {
+  if (PRED) st_v2f32_if(c, ptr, a, b);
+  else if (c) *reinterpret_cast<float2 *>(ptr) = make_float2(a, b);
+}
+
+// The rows' totals over the quad, 1 / l (0 for a row without a key, whose O
+// is 0) and the base-2 lse (-inf there).
+__device__ __forceinline__ void finish_rows(const float (&m)[2], float (&l)[2], float (&inv)[2], float (&lse2)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    inv[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    lse2[r] = l[r] > 0.0f ? m[r] + log2f(l[r]) : -INFINITY;
+  }
+}
+
+// The epilogue of the item in ring slot `is` when `on` (else nothing, and
+// `is` names the consumers' current slot: the other may be one the producer
+// is writing): this thread's rows
+// r_lo, r_lo + 8 of its m-block as o * inv (16-bit quads when quad_ok, else
+// the accumulator's pairs, 16-bit or fp32) and their lse; rows past the
+// request unwritten; then frees the slot. Branch-free (see st_v4_if).
+//
+// The quads: per row and group g of 32 columns the quad's 4 x 4 words (lane
+// j: the pair 8 c + 2 j, + 1 of each group c = 4 g .. 4 g + 3) are
+// transposed with two xor shuffle stages, so lane q holds all eight columns
+// of group 4 g + q: a quad writes 64 contiguous bytes of a row, a warp
+// instruction 8 half lines. Measured on an H200 (docs/prefill-kernel.md §6):
+// without any O store 16 x 1K ran 15 % faster; 8-byte stores made it 3 %
+// faster than the 4-byte pairs, these 16-byte ones 2 % more.
+template <bool F16, bool PRED>
+__device__ __forceinline__ void item_epilogue(const mla_prefill_params &p, const float (&o)[64], const float (&inv)[2],
+                                              const float (&lse2)[2], uint32_t bar, int is, int r_lo, int lane,
+                                              bool quad_ok, bool on, bool release = true) {
+  const Item et = ring_item(bar + kItemRing + 32 * is);
+  const int t_lo = et.mb * kBM + r_lo;
   const int q = lane & 3;
   const bool b1 = q & 2, b0 = q & 1;
 #pragma unroll
   for (int r = 0; r < 2; r++) {
     const int t = t_lo + 8 * r;
-    uint16_t *row = (uint16_t *)p.out + ((int64_t)(it.q0 + t) * p.num_heads + it.h) * 128;
+    const bool row_on = on && (quad_ok || !PRED) && t < et.Q;  // (PRED: the quads only)
+    const int64_t orow = ((int64_t)(et.q0 + t) * p.num_heads + et.h) * 128;
+    uint16_t *row = (uint16_t *)p.out + orow;
 #pragma unroll
     for (int g = 0; g < 4; g++) {
       uint32_t a[4];  // a[k]: columns 8 (4 g + k) + 2 q, + 1
@@ -526,26 +621,40 @@ __device__ __forceinline__ void store_o_quads(const mla_prefill_params &p, const
       // stage 1 (lanes q, q ^ 2): swap the off-diagonal 2 x 2 blocks
       const uint32_t x0 = __shfl_xor_sync(0xffffffffu, b1 ? a[0] : a[2], 2);
       const uint32_t x1 = __shfl_xor_sync(0xffffffffu, b1 ? a[1] : a[3], 2);
-      if (b1) {
-        a[0] = x0;
-        a[1] = x1;
-      } else {
-        a[2] = x0;
-        a[3] = x1;
-      }
+      a[0] = b1 ? x0 : a[0];
+      a[1] = b1 ? x1 : a[1];
+      a[2] = b1 ? a[2] : x0;
+      a[3] = b1 ? a[3] : x1;
       // stage 2 (lanes q, q ^ 1): transpose each 2 x 2 block
       const uint32_t y0 = __shfl_xor_sync(0xffffffffu, b0 ? a[0] : a[1], 1);
       const uint32_t y1 = __shfl_xor_sync(0xffffffffu, b0 ? a[2] : a[3], 1);
-      if (b0) {
-        a[0] = y0;
-        a[2] = y1;
-      } else {
-        a[1] = y0;
-        a[3] = y1;
-      }
-      if (t < it.Q) *reinterpret_cast<uint4 *>(row + 32 * g + 8 * q) = make_uint4(a[0], a[1], a[2], a[3]);
+      a[0] = b0 ? y0 : a[0];
+      a[2] = b0 ? y1 : a[2];
+      a[1] = b0 ? a[1] : y0;
+      a[3] = b0 ? a[3] : y1;
+      st16_if<PRED>(quad_ok && row_on, row + 32 * g + 8 * q, a[0], a[1], a[2], a[3]);
     }
+    // the pairs (fp32 output, or one not 16-byte aligned; never deferred,
+    // so not in the predicated form, which must fit under a Q.K^T)
+#pragma unroll
+    for (int c = 0; c < (PRED ? 0 : 16); c++) {
+      const int col = 8 * c + 2 * q;
+      const float v0 = o[4 * c + 2 * r] * inv[r], v1 = o[4 * c + 2 * r + 1] * inv[r];
+      st8f_if<PRED>(!quad_ok && p.out_f32 && row_on, (float *)p.out + orow + col, v0, v1);
+      st4_if<PRED>(!quad_ok && !p.out_f32 && row_on, row + col, pack2<F16>(v0, v1));
+    }
+    const float lse = p.lse_base2 ? lse2[r] : lse2[r] * kLn2;
+    st4_if<PRED>(p.lse && q == 0 && row_on, p.lse + (int64_t)(et.q0 + t) * p.num_heads + et.h, __float_as_uint(lse));
   }
+  if (PRED) mbar_arrive_if(on, bar + 8 * (BAR_IEMPTY + is));  // (after this thread's reads of the slot)
+  else if (on && release) mbar_arrive(bar + 8 * (BAR_IEMPTY + is));
+}
+
+__device__ __forceinline__ void zero_state(float (&o)[64], float (&m)[2], float (&l)[2]) {
+#pragma unroll
+  for (int i = 0; i < 64; i++) o[i] = 0.0f;
+  m[0] = m[1] = -INFINITY;
+  l[0] = l[1] = 0.0f;
 }
 
 // ---------------------------------------------------------------------------
@@ -556,7 +665,9 @@ __device__ __forceinline__ void store_o_quads(const mla_prefill_params &p, const
 // phases of every item of the first kPfTlCtas CTAs; the launcher prints a
 // summary by tile count after the MLA_DEV_PF_TIMELINE_AT-th launch
 // (pf_timeline_print). Phases: 0 item start, 1 Q landed, 2 first scores,
-// 3 first softmax packed, 4 last P V retired, 5 epilogue stored.
+// 3 first softmax packed, 4 last P V retired, 5 item done (the epilogue
+// stored, or, DEFER, the rows finished: the stores then run in phase 2 of
+// the next item, under its first Q.K^T).
 #ifdef MLA_DEV_TIMELINE
 constexpr int kPfTlCtas = 160, kPfTlItems = 160, kPfTlPh = 6;
 __device__ long long g_pf_tl[kPfTlCtas][kPfTlItems][2][kPfTlPh];
@@ -594,6 +705,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // of the wgmma pipeline (C7511: every wgmma serialised; measured with nvcc
   // 13.0, as was a half-width P V of that tile, which did it to MODE 11 too).
   constexpr bool HALFW = TMA && !ES;
+  // The overlapped loops defer an item's epilogue (its O and lse stores)
+  // into the next item's first Q.K^T, which would otherwise run alone.
+  // (Not in the half-width loops with softcap: there the extra live
+  // registers cost ptxas the wgmma pipeline, C7511, nvcc 13.0.)
+  constexpr bool DEFER = LOOP != 0 && !(CAP && HALFW);
   static_assert(DV == 128, "the consumers hold one 64 x 128 O tile");
   using L = Lay<DQK, DV>;
   extern __shared__ uint8_t smem_raw[];
@@ -625,6 +741,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_init(bar + 8 * (BAR_VFULL + s), TMA ? 1 : 128);
         mbar_init(bar + 8 * (BAR_KEMPTY + s), 256);
         mbar_init(bar + 8 * (BAR_VEMPTY + s), 256);
+        mbar_init(bar + 8 * (BAR_IFULL + s), 1);
+        mbar_init(bar + 8 * (BAR_IEMPTY + s), 256);
       }
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
       // Count the requests the kernel skips (once per launch).
@@ -665,8 +783,23 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t kv_it = 0, q_it = 0;
     for (long long round = 0;; round++) {
       const long long id = item_of(p, round, items);
+      Item it = {0, 0, 0, 0, 0, 0, 0, -1};  // (-1 tiles: no more items)
+      if (id >= 0) it = decode_item(p, pre, total_mb, id);
+      // Hand the decoded item to the consumers: they read it from the ring
+      // (also in the deferred epilogue, DEFER) instead of decoding it.
+      if (t == 0) {
+        const int is = (int)(round & 1);
+        mbar_wait(bar + 8 * (BAR_IEMPTY + is), (uint32_t)((round >> 1) & 1) ^ 1);
+        const uint32_t slot = bar + kItemRing + 32 * is;
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(slot), "r"(it.req), "r"(it.mb), "r"(it.h),
+                     "r"(it.q0)
+                     : "memory");
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(slot + 16), "r"(it.Q), "r"(it.k0), "r"(it.K),
+                     "r"(it.ntiles)
+                     : "memory");
+        mbar_arrive(bar + 8 * (BAR_IFULL + is));  // (release: the slot's stores before it)
+      }
       if (id < 0) break;
-      const Item it = decode_item(p, pre, total_mb, id);
       if (it.ntiles == 0) continue;
       mbar_wait(bar + 8 * BAR_QEMPTY, (q_it & 1) ^ 1);
       const int row0 = it.mb * kBM;
@@ -760,7 +893,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     uint32_t kv_it = 0, q_it = 0;
     // 16-bit output, 16-byte aligned (what ragged.c accepts): the O rows
-    // leave as 16-byte stores (store_o_quads); fp32 output (or a misaligned
+    // leave as 16-byte stores (item_epilogue); fp32 output (or a misaligned
     // one) as the pairs the accumulator holds.
     const bool quad_ok = !p.out_f32 && ((uintptr_t)p.out & 15) == 0;
     // Turns alternate (warpgroup 0 first): every item gives both warpgroups
@@ -769,10 +902,29 @@ __global__ void __launch_bounds__(kThreads, 1)
 #ifdef MLA_DEV_TIMELINE
     const bool tl_on = (tid & 127) == 0 && blockIdx.x < kPfTlCtas;
 #endif
+    // O, m and l of the current item; inv (1 / l) and lse2 (base 2) of its
+    // rows once its tiles are done; pend: its epilogue not yet run (DEFER:
+    // until the next item's first Q.K^T is in flight).
+    float o[64], m[2], l[2], inv[2] = {0.0f, 0.0f}, lse2[2] = {-INFINITY, -INFINITY};
+    zero_state(o, m, l);
+    bool pend = false;
     for (long long round = 0;; round++) {
-      const long long id = item_of(p, round, items);
-      if (id < 0) break;
-      const Item it = decode_item(p, pre, total_mb, id);
+      // The item comes decoded from the producer through the ring; its slot
+      // is held until its epilogue, which reads the item again from it.
+      const uint32_t islot = bar + kItemRing + 32 * (uint32_t)(round & 1);
+      mbar_wait(bar + 8 * (BAR_IFULL + (int)(round & 1)), (uint32_t)(round >> 1) & 1);
+      const Item it = ring_item(islot);
+      // The previous item's epilogue, unless it runs under this item's
+      // first Q.K^T (branch-free: see st_v4_if).
+      // (Slot: the previous one, held by the consumers, from round 1 on; at
+      // round 0, when nothing is pending, the current one, as the other may
+      // be one the producer is writing.)
+      if (DEFER) {
+        const bool now = pend && it.ntiles <= 0;
+        item_epilogue<F16, true>(p, o, inv, lse2, bar, (int)(round & 1) ^ (int)(round != 0), r_lo, lane, quad_ok, now);
+        pend = pend && !now;
+      }
+      if (it.ntiles < 0) break;
       const int t_lo = it.mb * kBM + r_lo, t_hi = t_lo + 8;
 #ifdef MLA_DEV_TIMELINE
       if (tl_on && cw == 0 && round < kPfTlItems) {
@@ -781,10 +933,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
 #endif
       PF_TL(0);
-      float o[64];
+      if (!DEFER) {
+        zero_state(o, m, l);
+      } else {
+        // O stays until the previous epilogue under the first Q.K^T; an
+        // item without tiles (its epilogue: zeros) clears it here, by
+        // selects: a write to a wgmma accumulator in a branch makes ptxas
+        // serialise every wgmma (C7518)
+        const bool z = it.ntiles == 0;
 #pragma unroll
-      for (int i = 0; i < 64; i++) o[i] = 0.0f;
-      float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+        for (int i = 0; i < 64; i++) o[i] = z ? 0.0f : o[i];
+        m[0] = m[1] = -INFINITY;
+        l[0] = l[1] = 0.0f;
+      }
       if (it.ntiles > 0) {
         mbar_wait(bar + 8 * BAR_QFULL, q_it & 1);
         PF_TL(1);
@@ -854,6 +1015,9 @@ __global__ void __launch_bounds__(kThreads, 1)
               qk_issue<DQK, F16, true>(s, qa, sK);
               wgmma_commit();
               if (LOOP == 2) named_bar_arrive(2 - cw, 256);
+              if (DEFER)
+                item_epilogue<F16, true>(p, o, inv, lse2, bar, (int)(round & 1) ^ (int)(round != 0), r_lo, lane,
+                                         quad_ok, pend);
               wgmma_wait<0>();
               reg_fence(s);
 #pragma unroll
@@ -863,8 +1027,15 @@ __global__ void __launch_bounds__(kThreads, 1)
               qk_issue<DQK, F16, false>(s, qa, sK);
               wgmma_commit();
               if (LOOP == 2) named_bar_arrive(2 - cw, 256);
+              if (DEFER)
+                item_epilogue<F16, true>(p, o, inv, lse2, bar, (int)(round & 1) ^ (int)(round != 0), r_lo, lane,
+                                         quad_ok, pend);
               wgmma_wait<0>();
               reg_fence(s);
+            }
+            if (DEFER) {
+              zero_state(o, m, l);
+              pend = false;
             }
             PF_TL(2);
             mbar_arrive(bar + 8 * (BAR_KEMPTY + cur));
@@ -907,39 +1078,16 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
-      // epilogue: o / l and the lse of rows t_lo, t_hi (rows past Q unwritten)
-#pragma unroll
-      for (int r = 0; r < 2; r++) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-      }
-      float inv[2];  // 1 / l; 0 for rows without a key (their o is 0)
-#pragma unroll
-      for (int r = 0; r < 2; r++) inv[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-      if (quad_ok) store_o_quads<F16>(p, it, o, inv, t_lo, lane);
-#pragma unroll
-      for (int r = 0; r < 2; r++) {
-        const int t = r ? t_hi : t_lo;
-        if (t >= it.Q) continue;
-        const bool empty = !(l[r] > 0.0f);
-        const int64_t orow = ((int64_t)(it.q0 + t) * p.num_heads + it.h) * DV;
-        if (!quad_ok) {  // (else store_o_quads wrote the rows)
-#pragma unroll
-          for (int c = 0; c < 16; c++) {
-            const int col = 8 * c + 2 * (lane & 3);
-            const float v0 = empty ? 0.0f : o[4 * c + 2 * r] * inv[r];
-            const float v1 = empty ? 0.0f : o[4 * c + 2 * r + 1] * inv[r];
-            if (p.out_f32)
-              *reinterpret_cast<float2 *>((float *)p.out + orow + col) = make_float2(v0, v1);
-            else
-              *reinterpret_cast<uint32_t *>((uint16_t *)p.out + orow + col) = pack2<F16>(v0, v1);
-          }
-        }
-        if (p.lse && (lane & 3) == 0) {
-          const float lse2 = empty ? -INFINITY : m[r] + log2f(l[r]);
-          p.lse[(int64_t)(it.q0 + t) * p.num_heads + it.h] = p.lse_base2 ? lse2 : lse2 * kLn2;
-        }
-      }
+      // epilogue: o / l and the lse of rows t_lo, t_hi (rows past Q
+      // unwritten); DEFER: under the next item's first Q.K^T
+      finish_rows(m, l, inv, lse2);
+      pend = true;
+      // The pairs (not quad_ok) are not deferred: stored here, while the
+      // slot, as for the quads, is freed by the deferred call (which then
+      // stores nothing), so every slot read is of a slot the consumers hold.
+      if (!DEFER || !quad_ok)
+        item_epilogue<F16, false>(p, o, inv, lse2, bar, (int)(round & 1), r_lo, lane, quad_ok, true, !DEFER);
+      if (!DEFER) pend = false;
       PF_TL(5);
     }
   }
@@ -1088,8 +1236,9 @@ static void pf_timeline_print(cudaStream_t stream) {
         n[b]++;
       }
   fprintf(stderr,
-          "pf timeline (launch %d; mean cycles per item and warpgroup: Q wait, first Q.K^T, first softmax, the other "
-          "tiles, epilogue | gap to the next item | period, share of all item time)\n",
+          "pf timeline (launch %d; mean cycles per item and warpgroup: Q wait, first Q.K^T (deferred loops: with the "
+          "previous epilogue), first softmax, the other tiles, epilogue | gap to the next item | period, share of all "
+          "item time)\n",
           calls);
   for (int b = 1; b < kB; b++) {
     if (!n[b]) continue;
