@@ -31,6 +31,9 @@
 //    head group (kHeadGroup heads) > request > m-block, last
 //    (heaviest, causal) first > head. Key tiles are walked from the last
 //    (the masked diagonal ones) down; fully masked tiles are never loaded.
+//    The producer decodes each item and hands it to the consumers through a
+//    2-slot ring in shared memory; in the overlapped loops an item's O / lse
+//    stores run under the next item's first Q K^T (item_epilogue).
 //    (docs/prefill-kernel.md: design, variants, measurements.)
 //
 #include <cuda.h>
