@@ -107,10 +107,9 @@ enum {
 };
 // A scratch word after the 14 mbarriers (written by PIN loops, never read).
 constexpr uint32_t kPinWord = 112;
-// The item ring: kItemSlots decoded Items (32 bytes each) at this offset of
-// the barrier area, written by the producer, read by the consumers.
+// The item ring: 2 decoded Items (32 bytes each, slot = round & 1) at this
+// offset of the barrier area, written by the producer, read by the consumers.
 constexpr uint32_t kItemRing = 128;
-constexpr int kItemSlots = 2;
 
 // ---------------------------------------------------------------------------
 // PTX wrappers
@@ -311,6 +310,14 @@ __device__ __forceinline__ long long item_of(const mla_prefill_params &p, long l
   return id < items ? id : -1;
 }
 
+// An Item into ring slot `slot` (shared address; the producer's write).
+__device__ __forceinline__ void ring_put(uint32_t slot, const Item &it) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(slot), "r"(it.req), "r"(it.mb), "r"(it.h), "r"(it.q0)
+               : "memory");
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(slot + 16), "r"(it.Q), "r"(it.k0), "r"(it.K),
+               "r"(it.ntiles)
+               : "memory");
+}
 // The Item in ring slot `slot` (shared address; the consumers' read).
 __device__ __forceinline__ Item ring_item(uint32_t slot) {
   Item it;
@@ -541,24 +548,23 @@ __device__ __forceinline__ void st_b32_if(bool c, void *ptr, uint32_t a) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p st.global.b32 [%1], %2;\n}" ::"r"((int)c), "l"(ptr), "r"(a)
                : "memory");
 }
-__device__ __forceinline__ void st_v2f32_if(bool c, void *ptr, float a, float b) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p st.global.v2.f32 [%1], {%2, %3};\n}" ::"r"((int)c),
-               "l"(ptr), "f"(a), "f"(b)
-               : "memory");
-}
-// The same as plain branches (PRED false: an epilogue with no wgmma in flight,
-// where ptxas allocates registers better around branches than predicates).
-template <bool PRED>
-__device__ __forceinline__ void st16_if(bool c, void *ptr, uint32_t a, uint32_t b, uint32_t d, uint32_t e);
-template <bool PRED>
-__device__ __forceinline__ void st4_if(bool c, void *ptr, uint32_t a);
-template <bool PRED>
-__device__ __forceinline__ void st8f_if(bool c, void *ptr, float a, float b);
 __device__ __forceinline__ void mbar_arrive_if(bool c, uint32_t bar) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%1];\n}" ::"r"((int)c),
                "r"(bar)
                : "memory");
 }
+__device__ __forceinline__ void st_v2f32_if(bool c, void *ptr, float a, float b) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p st.global.v2.f32 [%1], {%2, %3};\n}" ::"r"((int)c),
+               "l"(ptr), "f"(a), "f"(b)
+               : "memory");
+}
+template <bool PRED>
+__device__ __forceinline__ void st8f_if(bool c, void *ptr, float a, float b) {
+  if (PRED) st_v2f32_if(c, ptr, a, b);
+  else if (c) *reinterpret_cast<float2 *>(ptr) = make_float2(a, b);
+}
+// The same as plain branches (PRED false: an epilogue with no wgmma in flight,
+// where ptxas allocates registers better around branches than predicates).
 template <bool PRED>
 __device__ __forceinline__ void st16_if(bool c, void *ptr, uint32_t a, uint32_t b, uint32_t d, uint32_t e) {
   if (PRED) st_v4_if(c, ptr, a, b, d, e);
@@ -568,11 +574,6 @@ template <bool PRED>
 __device__ __forceinline__ void st4_if(bool c, void *ptr, uint32_t a) {
   if (PRED) st_b32_if(c, ptr, a);
   else if (c) *reinterpret_cast<uint32_t *>(ptr) = a;
-}
-template <bool PRED>
-__device__ __forceinline__ void st8f_if(bool c, void *ptr, float a, float b) {
-  if (PRED) st_v2f32_if(c, ptr, a, b);
-  else if (c) *reinterpret_cast<float2 *>(ptr) = make_float2(a, b);
 }
 
 // The rows' totals over the quad, 1 / l (0 for a row without a key, whose O
@@ -793,13 +794,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (t == 0) {
         const int is = (int)(round & 1);
         mbar_wait(bar + 8 * (BAR_IEMPTY + is), (uint32_t)((round >> 1) & 1) ^ 1);
-        const uint32_t slot = bar + kItemRing + 32 * is;
-        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(slot), "r"(it.req), "r"(it.mb), "r"(it.h),
-                     "r"(it.q0)
-                     : "memory");
-        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(slot + 16), "r"(it.Q), "r"(it.k0), "r"(it.K),
-                     "r"(it.ntiles)
-                     : "memory");
+        ring_put(bar + kItemRing + 32 * is, it);
         mbar_arrive(bar + 8 * (BAR_IFULL + is));  // (release: the slot's stores before it)
       }
       if (id < 0) break;
@@ -917,14 +912,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t islot = bar + kItemRing + 32 * (uint32_t)(round & 1);
       mbar_wait(bar + 8 * (BAR_IFULL + (int)(round & 1)), (uint32_t)(round >> 1) & 1);
       const Item it = ring_item(islot);
+      // The slot of the pending (previous) item's epilogue: the other one
+      // from round 1 on; at round 0, when nothing is pending, the current
+      // one, as the other may be one the producer is writing.
+      const int eslot = (int)(round & 1) ^ (int)(round != 0);
       // The previous item's epilogue, unless it runs under this item's
       // first Q.K^T (branch-free: see st_v4_if).
-      // (Slot: the previous one, held by the consumers, from round 1 on; at
-      // round 0, when nothing is pending, the current one, as the other may
-      // be one the producer is writing.)
       if (DEFER) {
         const bool now = pend && it.ntiles <= 0;
-        item_epilogue<F16, true>(p, o, inv, lse2, bar, (int)(round & 1) ^ (int)(round != 0), r_lo, lane, quad_ok, now);
+        item_epilogue<F16, true>(p, o, inv, lse2, bar, eslot, r_lo, lane, quad_ok, now);
         pend = pend && !now;
       }
       if (it.ntiles < 0) break;
@@ -1018,9 +1014,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               qk_issue<DQK, F16, true>(s, qa, sK);
               wgmma_commit();
               if (LOOP == 2) named_bar_arrive(2 - cw, 256);
-              if (DEFER)
-                item_epilogue<F16, true>(p, o, inv, lse2, bar, (int)(round & 1) ^ (int)(round != 0), r_lo, lane,
-                                         quad_ok, pend);
+              if (DEFER) item_epilogue<F16, true>(p, o, inv, lse2, bar, eslot, r_lo, lane, quad_ok, pend);
               wgmma_wait<0>();
               reg_fence(s);
 #pragma unroll
@@ -1030,9 +1024,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               qk_issue<DQK, F16, false>(s, qa, sK);
               wgmma_commit();
               if (LOOP == 2) named_bar_arrive(2 - cw, 256);
-              if (DEFER)
-                item_epilogue<F16, true>(p, o, inv, lse2, bar, (int)(round & 1) ^ (int)(round != 0), r_lo, lane,
-                                         quad_ok, pend);
+              if (DEFER) item_epilogue<F16, true>(p, o, inv, lse2, bar, eslot, r_lo, lane, quad_ok, pend);
               wgmma_wait<0>();
               reg_fence(s);
             }
