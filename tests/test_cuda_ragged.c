@@ -7,7 +7,8 @@
  * lengths crossing the 128-row / 128-key tiles, one long request (~2.5K),
  * heads 1, 16 (grouped kv heads 4 and 2) and 128, qk/v dims 192/128 and
  * 128/128, bf16 and f16, causal and not, softcap, natural and base-2 LSE,
- * MLA_FLAG_OUT_F32, a NULL lse, a batch of 600 short requests; the generic
+ * MLA_FLAG_OUT_F32, a NULL lse, a batch of 600 short requests, batches of one
+ * request (H 128, 16 and 3: the default's head group 1); the generic
  * kernel (what the sm_90a kernels do not take: dims 64/64, 256/256, 100/36,
  * 72/40, 1/1, f32 activations, 5000 requests); long varlen
  * batches (lengths up to 8192, >= 32K tokens, heads 1, 16, 128; the oracle
@@ -91,7 +92,7 @@ static void run_ragged(const rcase *c, int all_variants) {
   for (int i = 0; i < c->bs; i++) {
     int q = tu_randint(&rng, 1, c->maxq);
     int kv = q + tu_randint(&rng, 0, c->maxprefix);
-    if (i == 0) q = 0;                                      /* zero-length request */
+    if (i == 0 && c->bs > 1) q = 0;                         /* zero-length request */
     if (i == 1) kv = 0;                                     /* queries, no keys */
     if (i == 3 && c->causal) kv = q > 1 ? q / 2 : kv;       /* fewer keys than queries */
     if (i == 2 && c->longq > 0) q = c->longq, kv = q + tu_randint(&rng, 0, c->maxprefix);
@@ -559,6 +560,12 @@ int main(int argc, char **argv) {
       {"h16 gqa2 causal softcap no-lse", 5, 16, 2, 192, 128, 1, 20.0f, 0, MLA_DTYPE_BF16, 0, 200, 150, 0},
       {"h1 128/128 noncausal", 5, 1, 1, 128, 128, 0, 0.0f, MLA_FLAG_LSE_BASE2 | MLA_FLAG_OUT_F32, MLA_DTYPE_BF16, 1,
        400, 600, 0},
+      /* a batch of one request: the default walks one head at a time (head group 1) */
+      {"h128 one request causal", 1, 128, 128, 192, 128, 1, 0.0f, 0, MLA_DTYPE_BF16, 1, 420, 200, 0},
+      {"h16 gqa4 one request noncausal softcap base2", 1, 16, 4, 192, 128, 0, 30.0f, MLA_FLAG_LSE_BASE2,
+       MLA_DTYPE_BF16, 1, 700, 300, 0},
+      {"h3 one request 128/128 f16 out_f32", 1, 3, 1, 128, 128, 1, 0.0f, MLA_FLAG_OUT_F32, MLA_DTYPE_F16, 1, 900, 400,
+       0},
       /* many short requests: a long prefix table, items of one or two tiles */
       {"h4 many requests", 600, 4, 2, 192, 128, 1, 0.0f, 0, MLA_DTYPE_BF16, 1, 24, 40, 0},
   };

@@ -28,8 +28,8 @@
 //    prefix table of the requests' m-block counts in shared memory from the
 //    device index arrays, then walks items in rounds of gridDim.x (snake
 //    order by default: odd rounds backwards, item_of); the item order is
-//    head group (kHeadGroup heads) > request > m-block, last
-//    (heaviest, causal) first > head. Key tiles are walked from the last
+//    head group (kHeadGroup heads, 1 for a batch of one request) > request >
+//    m-block, last (heaviest, causal) first > head. Key tiles are walked from the last
 //    (the masked diagonal ones) down; fully masked tiles are never loaded.
 //    The producer decodes each item and hands it to the consumers through a
 //    2-slot ring in shared memory; in the overlapped loops an item's O / lse
@@ -1147,10 +1147,16 @@ __global__ void __launch_bounds__(256) merge_kernel(const __grid_constant__ Merg
 
 // Heads per group of the item order; MLA_PREFILL_HEAD_GROUP overrides it
 // (tuning in dev/cuda/prefill; read at every launch, a few nanoseconds).
-static int head_group() {
+// A batch of one request walks one head at a time: its m-blocks alone fill
+// the grid's rounds, and one head's K and V (10.5 MB at 16K, 192/128) stay in
+// L2 while every CTA reads them (1 x 16K 1.5-2.8 % faster than with 2 in
+// three rounds of session 24; batches lose 0.5-1.5 % with 1;
+// docs/prefill-kernel.md section 6).
+static int head_group(int batch_size) {
+  const int dflt = batch_size == 1 ? 1 : kHeadGroup;
   const char *e = getenv("MLA_PREFILL_HEAD_GROUP");
-  const int v = e ? atoi(e) : kHeadGroup;
-  return v >= 1 ? v : kHeadGroup;
+  const int v = e ? atoi(e) : dflt;
+  return v >= 1 ? v : dflt;
 }
 
 typedef CUresult (*EncodeTiledFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
@@ -1261,7 +1267,7 @@ cudaError_t launch(const mla_prefill_params *p, int grid, cudaStream_t stream, c
   const cudaError_t e = set_smem_once(kern, smem, &smem_set);
   if (e != cudaSuccess) return e;
   mla_prefill_params q = *p;
-  q.head_group = head_group();
+  q.head_group = head_group(p->batch_size);
   // Snake order unless MLA_PREFILL_ORDER=rr (plain round robin): +3-5 % on
   // 1 x 16K in five of five paired runs, neutral on 16 x 1K
   // (docs/prefill-kernel.md section 5).
