@@ -191,6 +191,16 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr, uint32_t lbo, uin
   return (uint64_t)((saddr & 0x3FFFF) >> 4) | (uint64_t)((lbo & 0x3FFFF) >> 4) << 16 |
          (uint64_t)((sbo & 0x3FFFF) >> 4) << 32 | 1ull << 62;
 }
+// The same descriptor in two words: lo (start address and LBO) and hi (SBO,
+// swizzle). A shared address is below 2^18, so the descriptor of saddr + off
+// is lo + off / 16 (no carry out of the 14-bit address field): one add per
+// wgmma instead of recomputing and masking the whole descriptor.
+__device__ __forceinline__ uint32_t desc_lo(uint32_t saddr, uint32_t lbo) {
+  return ((saddr & 0x3FFFF) >> 4) | ((lbo & 0x3FFFF) >> 4) << 16;
+}
+__device__ __forceinline__ uint64_t desc_at(uint32_t lo, uint32_t off, uint32_t sbo) {
+  return (uint64_t)(lo + (off >> 4)) | (uint64_t)(((sbo & 0x3FFFF) >> 4) | (1u << 30)) << 32;
+}
 __device__ __forceinline__ float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -453,10 +463,11 @@ __device__ __forceinline__ void pack_p(const float (&s)[64], uint32_t (&pa)[8][4
 // (wgmma issues only; the caller fences, commits and waits).
 template <int DQK, bool F16, bool HALF>
 __device__ __forceinline__ void qk_issue(float (&s)[64], uint32_t qa, uint32_t sK) {
+  const uint32_t a0 = desc_lo(qa, 16), b0 = desc_lo(sK, 16);
 #pragma unroll
   for (int k = 0; k < DQK / 16; k++) {
-    const uint64_t da = desc_sw128(qa + (k >> 2) * kSub + (k & 3) * 32, 16, 1024);
-    const uint64_t db = desc_sw128(sK + (k >> 2) * kSub + (k & 3) * 32, 16, 1024);
+    const uint64_t da = desc_at(a0, (k >> 2) * kSub + (k & 3) * 32, 1024);
+    const uint64_t db = desc_at(b0, (k >> 2) * kSub + (k & 3) * 32, 1024);
     if (HALF) wg_m64n64k16_ss<F16>(*reinterpret_cast<float(*)[32]>(s), da, db, k > 0);
     else mma_qk<F16>(s, da, db, k > 0);
   }
@@ -495,7 +506,7 @@ __device__ __forceinline__ void ovl_step(float (&o)[64], float (&s)[64], uint32_
     wgmma_fence();  // O was written by these multiplies
   }
 #pragma unroll
-  for (int kk = 0; kk < 8; kk++) mma_pv<F16>(o, pa[kk], desc_sw128(sVc + kk * 2048, kVtLbo, kVtSbo), 1);
+  for (int kk = 0; kk < 8; kk++) mma_pv<F16>(o, pa[kk], desc_at(desc_lo(sVc, kVtLbo), kk * 2048, kVtSbo), 1);
   wgmma_commit();
   if (PP) named_bar_arrive(2 - cw, 256);  // the other warpgroup's turn
   wgmma_wait<1>();
@@ -981,7 +992,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < 8; kk++)
-              mma_pv<F16>(o, pa[kk], desc_sw128(sV + kk * 2048, kVtLbo, kVtSbo), 1);
+              mma_pv<F16>(o, pa[kk], desc_at(desc_lo(sV, kVtLbo), kk * 2048, kVtSbo), 1);
             wgmma_commit();
             wgmma_wait<0>();
             reg_fence(o);
@@ -1063,7 +1074,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < 8; kk++)
-              mma_pv<F16>(o, pa[kk], desc_sw128(sVc + kk * 2048, kVtLbo, kVtSbo), 1);
+              mma_pv<F16>(o, pa[kk], desc_at(desc_lo(sVc, kVtLbo), kk * 2048, kVtSbo), 1);
             wgmma_commit();
             if (LOOP == 2) named_bar_arrive(2 - cw, 256);
             wgmma_wait<0>();
