@@ -688,6 +688,30 @@ constexpr int kPfTlCtas = 160, kPfTlItems = 160, kPfTlPh = 6;
 __device__ long long g_pf_tl[kPfTlCtas][kPfTlItems][2][kPfTlPh];
 __device__ int g_pf_tln[kPfTlCtas][kPfTlItems];  // the item's tiles
 __device__ int g_pf_tlc[kPfTlCtas];              // items the CTA ran
+#endif
+// Development balance probe (-DMLA_DEV_BALANCE, also part of the timeline
+// build): per CTA, %globaltimer at the consumers' item loop start and end and
+// the CTA's work (2 x tiles + 1 per item), written by predicated stores only.
+#if defined(MLA_DEV_TIMELINE) || defined(MLA_DEV_BALANCE)
+constexpr int kPfBalCtas = 160;
+__device__ unsigned long long g_pf_gt[kPfBalCtas][2];  // ns
+__device__ unsigned g_pf_work[kPfBalCtas];
+// %globaltimer into *dst where on; a predicated store, not a branch (a
+// branch here made ptxas serialise the wgmmas of the kernel, C7518)
+__device__ __forceinline__ void pf_globaltimer_if(unsigned long long *dst, bool on) {
+  asm volatile(
+      "{\n .reg .pred p;\n .reg .u64 t;\n setp.ne.b32 p, %1, 0;\n mov.u64 t, %%globaltimer;\n @p st.global.u64 "
+      "[%0], t;\n}\n" ::"l"(dst),
+      "r"((int)on)
+      : "memory");
+}
+__device__ __forceinline__ void pf_u32_if(unsigned *dst, unsigned v, bool on) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p st.global.u32 [%0], %1;\n}\n" ::"l"(dst), "r"(v),
+               "r"((int)on)
+               : "memory");
+}
+#endif
+#ifdef MLA_DEV_TIMELINE
 #define PF_TL(ph) \
   do { \
     if (tl_on && round < kPfTlItems) g_pf_tl[blockIdx.x][round][cw][ph] = clock64(); \
@@ -911,6 +935,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #ifdef MLA_DEV_TIMELINE
     const bool tl_on = (tid & 127) == 0 && blockIdx.x < kPfTlCtas;
 #endif
+#if defined(MLA_DEV_TIMELINE) || defined(MLA_DEV_BALANCE)
+    const bool bal_on = (tid & 255) == 128 && blockIdx.x < kPfBalCtas;  // thread 0 of consumer warpgroup 0
+    unsigned bal_work = 0;
+    pf_globaltimer_if(&g_pf_gt[blockIdx.x % kPfBalCtas][0], bal_on);
+#endif
     // O, m and l of the current item; inv (1 / l) and lse2 (base 2) of its
     // rows once its tiles are done; pend: its epilogue not yet run (DEFER:
     // until the next item's first Q.K^T is in flight).
@@ -935,6 +964,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         pend = pend && !now;
       }
       if (it.ntiles < 0) break;
+#if defined(MLA_DEV_TIMELINE) || defined(MLA_DEV_BALANCE)
+      bal_work += 2u * (unsigned)it.ntiles + 1u;
+#endif
       const int t_lo = it.mb * kBM + r_lo, t_hi = t_lo + 8;
 #ifdef MLA_DEV_TIMELINE
       if (tl_on && cw == 0 && round < kPfTlItems) {
@@ -1096,6 +1128,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (!DEFER) pend = false;
       PF_TL(5);
     }
+#if defined(MLA_DEV_TIMELINE) || defined(MLA_DEV_BALANCE)
+    pf_globaltimer_if(&g_pf_gt[blockIdx.x % kPfBalCtas][1], bal_on);
+    pf_u32_if(&g_pf_work[blockIdx.x % kPfBalCtas], bal_work, bal_on);
+#endif
   }
 #endif
 }
@@ -1216,22 +1252,73 @@ static bool make_map(CUtensorMap *map, const void *ptr, int dim, int heads, bool
             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-#ifdef MLA_DEV_TIMELINE
-// Dev only: after the MLA_DEV_PF_TIMELINE_AT-th launch (default 5; `mla bench
-// --runs 20` launches 1 x 8K as 1-21, 1 x 16K as 22-42, 16 x 1K as 43-63)
-// print, per tile count, the mean cycles of each phase of the items (both
-// warpgroups, every item but each CTA's first) and their period (start to
-// the next item's start). Syncs the stream.
-static void pf_timeline_print(cudaStream_t stream) {
+#if defined(MLA_DEV_TIMELINE) || defined(MLA_DEV_BALANCE)
+// Dev only: whether this launch is one MLA_DEV_PF_TIMELINE_AT names (a
+// comma-separated list of launch numbers, default 5; `mla bench --runs 20`
+// launches 1 x 8K as 1-21, 1 x 16K as 22-42, 16 x 1K as 43-63).
+static bool pf_dev_hit() {
   static int calls = 0;
   const char *at = getenv("MLA_DEV_PF_TIMELINE_AT");
-  if (++calls != (at ? atoi(at) : 5)) return;
+  ++calls;
+  if (!at) return calls == 5;
+  for (const char *c = at; c && *c;) {
+    if (atoi(c) == calls) return true;
+    c = strchr(c, ',');
+    if (c) c++;
+  }
+  return false;
+}
+static int cmp_double(const void *a, const void *b) {
+  const double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+// Per CTA, the consumers' item loop in wall time (%globaltimer) against its
+// work: how even the static item order leaves the SMs, and whether some SMs
+// run slower per unit of work. Call after the launch has completed.
+static void pf_balance_print(int grid) {
+  static unsigned long long gt[kPfBalCtas][2];
+  static unsigned work[kPfBalCtas];
+  cudaMemcpyFromSymbol(gt, g_pf_gt, sizeof gt);
+  cudaMemcpyFromSymbol(work, g_pf_work, sizeof work);
+  const int n = grid < kPfBalCtas ? grid : kPfBalCtas;
+  unsigned long long t0 = ~0ull;
+  for (int c = 0; c < n; c++) t0 = gt[c][0] < t0 ? gt[c][0] : t0;
+  double end[kPfBalCtas], rate[kPfBalCtas];
+  double sb = 0, sw = 0, max_e = 0, max_b = 0, max_w = 0;
+  for (int c = 0; c < n; c++) {
+    end[c] = 1e-3 * (double)(gt[c][1] - t0);
+    const double busy = 1e-3 * (double)(gt[c][1] - gt[c][0]), w = 0.5 * work[c];
+    rate[c] = 1e3 * busy / (w > 0 ? w : 1);
+    sb += busy, sw += w;
+    max_e = end[c] > max_e ? end[c] : max_e;
+    max_b = busy > max_b ? busy : max_b;
+    max_w = w > max_w ? w : max_w;
+  }
+  qsort(end, n, sizeof(double), cmp_double);
+  qsort(rate, n, sizeof(double), cmp_double);
+  fprintf(stderr,
+          "pf balance: CTA end (us from the first start) p0 %.1f p10 %.1f p50 %.1f p90 %.1f max %.1f | busy max / "
+          "mean %.4f | work (tiles + 0.5 per item) max / mean %.4f | ns per work unit p0 %.1f p50 %.1f max %.1f\n",
+          end[0], end[n / 10], end[n / 2], end[n * 9 / 10], max_e, max_b / (sb / n), max_w / (sw / n), rate[0],
+          rate[n / 2], rate[n - 1]);
+}
+#endif
+
+#ifdef MLA_DEV_TIMELINE
+// Dev only: after the launches pf_dev_hit names, print the balance and, per
+// tile count, the mean cycles of each phase of the items (both warpgroups,
+// every item but each CTA's first) and their period (start to the next
+// item's start). Syncs the stream. (nvcc 13.0: ptxas serialises the wgmmas
+// of this build, C7518, so its cycle counts are not the library kernel's.)
+static void pf_timeline_print(cudaStream_t stream, int grid) {
+  if (!pf_dev_hit()) return;
   static long long h[kPfTlCtas][kPfTlItems][2][kPfTlPh];
   static int hn[kPfTlCtas][kPfTlItems], hc[kPfTlCtas];
   cudaStreamSynchronize(stream);
   cudaMemcpyFromSymbol(h, g_pf_tl, sizeof h);
   cudaMemcpyFromSymbol(hn, g_pf_tln, sizeof hn);
   cudaMemcpyFromSymbol(hc, g_pf_tlc, sizeof hc);
+  pf_balance_print(grid);
   constexpr int kB = 18;  // tile counts 1..16, then > 16 (bucket 17)
   double sum[kB][kPfTlPh + 1] = {{0}};
   long long n[kB] = {0};
@@ -1286,7 +1373,12 @@ cudaError_t launch(const mla_prefill_params *p, int grid, cudaStream_t stream, c
   q.order_snake = !(ord && !strcmp(ord, "rr"));
   kern<<<grid, kThreads, smem, stream>>>(q, maps);
 #ifdef MLA_DEV_TIMELINE
-  pf_timeline_print(stream);
+  pf_timeline_print(stream, grid);
+#elif defined(MLA_DEV_BALANCE)
+  if (pf_dev_hit()) {
+    cudaStreamSynchronize(stream);
+    pf_balance_print(grid);
+  }
 #endif
   return cudaGetLastError();
 }
