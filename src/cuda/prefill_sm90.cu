@@ -702,11 +702,6 @@ __device__ __forceinline__ void pf_globaltimer_if(unsigned long long *dst, bool 
       "r"((int)on)
       : "memory");
 }
-__device__ __forceinline__ void pf_u32_if(unsigned *dst, unsigned v, bool on) {
-  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p st.global.u32 [%0], %1;\n}\n" ::"l"(dst), "r"(v),
-               "r"((int)on)
-               : "memory");
-}
 #endif
 #ifdef MLA_DEV_TIMELINE
 #define PF_TL(ph) \
@@ -1127,7 +1122,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 #if defined(MLA_DEV_TIMELINE) || defined(MLA_DEV_BALANCE)
     pf_globaltimer_if(&g_pf_gt[blockIdx.x % kPfBalCtas][1], bal_on);
-    pf_u32_if(&g_pf_work[blockIdx.x % kPfBalCtas], bal_work, bal_on);
+    st_b32_if(bal_on, &g_pf_work[blockIdx.x % kPfBalCtas], bal_work);
 #endif
   }
 #endif
@@ -1281,13 +1276,12 @@ static void pf_balance_print(int grid) {
   unsigned long long t0 = ~0ull;
   for (int c = 0; c < n; c++) t0 = gt[c][0] < t0 ? gt[c][0] : t0;
   double end[kPfBalCtas], rate[kPfBalCtas];
-  double sb = 0, sw = 0, max_e = 0, max_b = 0, max_w = 0;
+  double sb = 0, sw = 0, max_b = 0, max_w = 0;
   for (int c = 0; c < n; c++) {
     end[c] = 1e-3 * (double)(gt[c][1] - t0);
     const double busy = 1e-3 * (double)(gt[c][1] - gt[c][0]), w = 0.5 * work[c];
     rate[c] = 1e3 * busy / (w > 0 ? w : 1);
     sb += busy, sw += w;
-    max_e = end[c] > max_e ? end[c] : max_e;
     max_b = busy > max_b ? busy : max_b;
     max_w = w > max_w ? w : max_w;
   }
@@ -1296,7 +1290,7 @@ static void pf_balance_print(int grid) {
   fprintf(stderr,
           "pf balance: CTA end (us from the first start) p0 %.1f p10 %.1f p50 %.1f p90 %.1f max %.1f | busy max / "
           "mean %.4f | work (tiles + 0.5 per item) max / mean %.4f | ns per work unit p0 %.1f p50 %.1f max %.1f\n",
-          end[0], end[n / 10], end[n / 2], end[n * 9 / 10], max_e, max_b / (sb / n), max_w / (sw / n), rate[0],
+          end[0], end[n / 10], end[n / 2], end[n * 9 / 10], end[n - 1], max_b / (sb / n), max_w / (sw / n), rate[0],
           rate[n / 2], rate[n - 1]);
 }
 #endif
