@@ -493,8 +493,21 @@ typedef struct mla_ragged_args {
   const void *v;             /* [Tk, Hkv, v_dim] */
   void *out;                 /* [Tq, H, v_dim] */
   float *lse;                /* [Tq, H] or NULL */
+  /* Optional (NULL: none). CUDA contexts: device memory of at least
+   * mla_attention_ragged_workspace_size bytes, 4-byte aligned, that no other
+   * call uses while this one may run (another stream, a graph replayed
+   * meanwhile). With it the sm_90a kernel hands out its work items to CTAs as
+   * they become free (a counter the call zeroes on the stream before its
+   * launch) instead of in a fixed order, which evens the SMs' loads on long
+   * causal sequences. The result is the same bits either way. The CPU path
+   * ignores it. */
+  void *workspace;
+  size_t workspace_bytes;
 } mla_ragged_args;
 
+/* Bytes of the optional mla_ragged_args workspace this context uses (0 on a
+ * CPU context; a constant per context). */
+MLA_API mla_status mla_attention_ragged_workspace_size(mla_ctx *ctx, size_t *bytes);
 MLA_API mla_status mla_attention_ragged(mla_ctx *ctx, const mla_ragged_args *args);
 
 /* Merge n partial states over the same queries:

@@ -19,7 +19,8 @@
 #   lib       the library's CUDA build (cmake -DMLA_CUDA=ON) and its ctest suite
 #   libgpu    (not in all) only the library's GPU tests (test_cuda_* and test_backend_graph, or LIBGPU_TESTS="a b";
 #             quicker than lib), the Python binding's GPU tests (pytest, torch) and `mla bench --device cuda`
-#             (the library's decode path, CUDA events, L2 flushed)
+#             (the library's decode path, CUDA events, L2 flushed), and bench/prefill_vs_torch.py (the ragged
+#             prefill against torch SDPA, interleaved call by call; PREFILL_VS_TORCH_ARGS adds options)
 #   dcp       (not in all) decode context parallel over NCCL: nvidia-smi topo -m, the library's CUDA build
 #             (NCCL found through MLA_NCCL_ROOT or torch's nvidia-nccl pip package), tests/test_cuda_dcp_nccl
 #             (2 GPUs, one thread per rank) and `mla bench --dcp 2` (b=64 s_k=65536 H=128 bf16 page 64,
@@ -255,6 +256,10 @@ if want libgpu; then
     > "$OUT/pygpu.txt" 2>&1 || status=1
   q=""; [ "$QUICK" = 1 ] && q="--quick"
   timeout 400 "$LIB/mla" bench --device cuda $q ${LIBBENCH_ARGS:-} > "$OUT/libbench.txt" 2>&1 || status=1
+  # The prefill against torch's SDPA backends, interleaved call by call in one process (the GPU's
+  # clock moves with its temperature at the power cap; bench/prefill_vs_torch.py says why).
+  ( cd "$ROOT" && MLA_LIBRARY="$LIB/libmla.so" PYTHONPATH="$ROOT/python" PYTHONUNBUFFERED=1 timeout 400 \
+      python3 bench/prefill_vs_torch.py ${PREFILL_VS_TORCH_ARGS:-} ) > "$OUT/prefill_vs_torch.txt" 2>&1 || status=1
 fi
 
 if want dcp; then
@@ -314,6 +319,7 @@ fi
   [ -f "$OUT/bench.txt" ] && grep -E "^COPYBW" "$OUT/bench.txt"
   [ -f "$OUT/torch.txt" ] && grep -E "^MATMUL|^COPY" "$OUT/torch.txt"
   [ -f "$OUT/torch_prefill.txt" ] && tail -12 "$OUT/torch_prefill.txt" | sed 's/^/torch prefill: /'
+  [ -f "$OUT/prefill_vs_torch.txt" ] && sed -n '/^# summary/,$p' "$OUT/prefill_vs_torch.txt" | sed 's/^/prefill vs torch: /'
   if [ -f "$OUT/bench.txt" ]; then
     echo "shape (P=64)                  | version: us (TFLOP/s, GB/s) ... | torch us"
     grep "^BENCH" "$OUT/bench.txt" | awk -v tf="$OUT/torch.txt" '

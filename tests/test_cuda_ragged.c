@@ -30,6 +30,11 @@
  * is empty (o = 0, lse = -inf, never NaN), base-2 flag, in place (out =
  * o_parts[0], lse_out = lse_parts[0]) and a NULL lse_out.
  *
+ * The optional workspace (dynamic item order): the default runs with and
+ * without it and must give the same bits; the long batches and the head
+ * group 3 pass use it; a CUDA graph of the call replayed over other lengths
+ * equals the eager calls; a small / host / misaligned workspace is refused.
+ *
  * Refusals with the CPU path's statuses (and outputs untouched), the CUDA
  * scope (host pointers: INVALID_ARGUMENT; more than 2032 merge states
  * without lse_out: UNSUPPORTED), a decreasing index array reported by
@@ -55,6 +60,9 @@ int main(void) {
 
 static tu_rng rng;
 static mla_ctx *gpu, *cpu;
+/* the optional ragged workspace (mla_attention_ragged_workspace_size) */
+static void *g_ws;
+static size_t g_ws_bytes;
 
 typedef struct rcase {
   const char *name;
@@ -151,21 +159,32 @@ static void run_ragged(const rcase *c, int all_variants) {
 
   unsigned char *out = malloc(oes * (size_t)(no + GUARD));
   float *lse = malloc(sizeof(float) * (size_t)(nl + GUARD));
+  unsigned char *out_static = malloc(oes * (size_t)(no + GUARD));
+  float *lse_static = malloc(sizeof(float) * (size_t)(nl + GUARD));
   /* every consumer loop of the kernel (src/cuda/prefill_sm90.cu), the default
    * also with another item order (3 heads per group: a partial last group at
-   * H = 16 and 128), the default last */
+   * H = 16 and 128), the default with its fixed item order (no workspace),
+   * then with the workspace (dynamic order: the same bits as the fixed one) */
   static const struct {
     const char *variant, *head_group, *label;
-  } variants[] = {{"plain", NULL, "plain"}, {"pingpong", NULL, "pingpong"}, {NULL, "3", "default, head group 3"},
-                  {NULL, NULL, "default"}};
+    int ws;
+  } variants[] = {{"plain", NULL, "plain", 0},
+                  {"pingpong", NULL, "pingpong", 0},
+                  {NULL, "3", "default, head group 3, dynamic order", 1},
+                  {NULL, NULL, "default", 0},
+                  {NULL, NULL, "default, dynamic order", 1}};
   const int nvar = (int)(sizeof variants / sizeof variants[0]);
-  for (int vi = all_variants ? 0 : nvar - 1; vi < nvar; vi++) {
+  for (int vi = all_variants ? 0 : nvar - 2; vi < nvar; vi++) {
     char cv[260];
     snprintf(cv, sizeof cv, "%s [%s]", cs, variants[vi].label);
     if (variants[vi].variant) setenv("MLA_PREFILL_VARIANT", variants[vi].variant, 1);
     else unsetenv("MLA_PREFILL_VARIANT");
     if (variants[vi].head_group) setenv("MLA_PREFILL_HEAD_GROUP", variants[vi].head_group, 1);
     else unsetenv("MLA_PREFILL_HEAD_GROUP");
+    a.workspace = variants[vi].ws ? g_ws : NULL;
+    a.workspace_bytes = variants[vi].ws ? g_ws_bytes : 0;
+    /* the counter as a previous call may leave it: the call must zero it */
+    if (variants[vi].ws) CK(cudaMemset(g_ws, 0x5a, g_ws_bytes));
     CK(cudaMemset(dout, 0xff, oes * (size_t)(no + GUARD)));
     CK(cudaMemset(dlse, 0xff, sizeof(float) * (size_t)(nl + GUARD)));
     mla_status st = mla_attention_ragged(gpu, &a);
@@ -219,9 +238,18 @@ static void run_ragged(const rcase *c, int all_variants) {
     }
     printf("  %s: max err/tol %.3f, cos dist %.2e, lse max err %.2e\n", cv, worst, cosd, lse_worst);
     free(o);
+    /* the dynamic order computes every item as the fixed one does */
+    if (vi == nvar - 2) {
+      memcpy(out_static, out, oes * (size_t)(no + GUARD));
+      memcpy(lse_static, lse, sizeof(float) * (size_t)(nl + GUARD));
+    } else if (vi == nvar - 1) {
+      TU_CHECK(memcmp(out, out_static, oes * (size_t)no) == 0, "%s: out differs from the fixed order's", cv);
+      TU_CHECK(memcmp(lse, lse_static, sizeof(float) * (size_t)nl) == 0, "%s: lse differs from the fixed order's",
+               cv);
+    }
   }
   free(q), free(k), free(v), free(qb), free(kb), free(vb), free(o_ref), free(l_ref), free(pb);
-  free(out), free(lse);
+  free(out), free(lse), free(out_static), free(lse_static);
   cudaFree(dq), cudaFree(dk), cudaFree(dv), cudaFree(dqo), cudaFree(dkvp), cudaFree(dout), cudaFree(dlse);
 }
 
@@ -286,6 +314,8 @@ static void run_long(int H, int Hkv, int causal) {
   a.v = dv_;
   a.out = dout;
   a.lse = dlse;
+  a.workspace = g_ws; /* the dynamic order: many rounds of items over the SMs */
+  a.workspace_bytes = g_ws_bytes;
   mla_status st = mla_attention_ragged(gpu, &a);
   TU_CHECK(st == MLA_OK, "%s: %s (%s)", cs, mla_status_string(st), mla_ctx_last_error(gpu));
   st = mla_ctx_synchronize(gpu);
@@ -350,6 +380,84 @@ static void run_long(int H, int Hkv, int causal) {
   printf("  %s: %lld sampled rows, max err/tol %.3f, lse max err %.2e\n", cs, (long long)rows, worst, lworst);
   free(s), free(qb), free(kb), free(vb), free(out), free(lse);
   cudaFree(dq), cudaFree(dk), cudaFree(dv_), cudaFree(dqo), cudaFree(dout), cudaFree(dlse);
+}
+
+/* ---- graph capture with the workspace ---------------------------------------- */
+/* mla_attention_ragged with its workspace captured on a stream, replayed with
+ * other lengths in the same device index arrays (the dynamic order's counter
+ * is zeroed inside the graph): every replay equals the eager call on the
+ * same lengths bit for bit, replays of the same lengths included. */
+static void graph_replay(void) {
+  enum { BS = 3, H = 16, DQK = 192, DV = 128, MAXT = 3 * 700 };
+  static const int32_t lens[3][BS + 1] = {{0, 700, 1300, 1900}, {0, 5, 650, 2100}, {0, 0, 1024, 1536}};
+  const int64_t nq = (int64_t)MAXT * H * DQK, nv = (int64_t)MAXT * H * DV, no = nv, nl = (int64_t)MAXT * H;
+  void *qb, *kb, *vb;
+  double *d0 = rand_act(MLA_DTYPE_BF16, nq, &qb), *d1 = rand_act(MLA_DTYPE_BF16, nq, &kb);
+  double *d2 = rand_act(MLA_DTYPE_BF16, nv, &vb);
+  free(d0), free(d1), free(d2);
+  void *dq = tu_dev_copy(qb, 2 * (size_t)nq), *dk = tu_dev_copy(kb, 2 * (size_t)nq), *dv = tu_dev_copy(vb, 2 * (size_t)nv);
+  int32_t *dind = tu_dev_alloc(sizeof(int32_t) * (BS + 1));
+  void *dout = tu_dev_alloc(2 * (size_t)no);
+  float *dlse = tu_dev_alloc(sizeof(float) * (size_t)nl);
+  mla_ragged_args a;
+  memset(&a, 0, sizeof a);
+  a.batch_size = BS, a.num_heads = a.num_kv_heads = H, a.qk_dim = DQK, a.v_dim = DV;
+  a.scale = 0.07f, a.causal = 1, a.act_dtype = MLA_DTYPE_BF16;
+  a.qo_indptr = a.kv_indptr = dind;
+  a.q = dq, a.k = dk, a.v = dv, a.out = dout, a.lse = dlse;
+  a.workspace = g_ws, a.workspace_bytes = g_ws_bytes;
+  uint16_t *oe[3], *og = malloc(2 * (size_t)no);
+  float *le[3], *lg = malloc(sizeof(float) * (size_t)nl);
+  for (int r = 0; r < 3; r++) { /* eager */
+    oe[r] = malloc(2 * (size_t)no), le[r] = malloc(sizeof(float) * (size_t)nl);
+    CK(cudaMemcpy(dind, lens[r], sizeof lens[r], cudaMemcpyHostToDevice));
+    CK(cudaMemset(dout, 0xff, 2 * (size_t)no));
+    CK(cudaMemset(dlse, 0xff, sizeof(float) * (size_t)nl));
+    TU_STATUS(mla_attention_ragged(gpu, &a), MLA_OK);
+    TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
+    CK(cudaMemcpy(oe[r], dout, 2 * (size_t)no, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(le[r], dlse, sizeof(float) * (size_t)nl, cudaMemcpyDeviceToHost));
+  }
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  TU_STATUS(mla_ctx_set_stream(gpu, s), MLA_OK);
+  cudaGraph_t graph = NULL;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  const mla_status st = mla_attention_ragged(gpu, &a);
+  const cudaError_t ce = cudaStreamEndCapture(s, &graph);
+  TU_CHECK(st == MLA_OK && ce == cudaSuccess, "ragged graph: capture %s / %s (%s)", mla_status_string(st),
+           cudaGetErrorString(ce), mla_ctx_last_error(gpu));
+  if (st == MLA_OK && ce == cudaSuccess) {
+    cudaGraphExec_t exec;
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    static const int order[5] = {1, 0, 2, 2, 1};
+    for (int i = 0; i < 5; i++) {
+      const int r = order[i];
+      CK(cudaMemcpy(dind, lens[r], sizeof lens[r], cudaMemcpyHostToDevice));
+      CK(cudaMemset(dout, 0xff, 2 * (size_t)no));
+      CK(cudaMemset(dlse, 0xff, sizeof(float) * (size_t)nl));
+      CK(cudaDeviceSynchronize());
+      CK(cudaGraphLaunch(exec, s));
+      CK(cudaStreamSynchronize(s));
+      CK(cudaMemcpy(og, dout, 2 * (size_t)no, cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(lg, dlse, sizeof(float) * (size_t)nl, cudaMemcpyDeviceToHost));
+      const int64_t t = lens[r][BS];
+      TU_CHECK(memcmp(og, oe[r], 2 * (size_t)no) == 0 && memcmp(lg, le[r], sizeof(float) * (size_t)nl) == 0,
+               "ragged graph: replay %d (lengths %d) differs from the eager call", i, r);
+      int64_t unwritten = 0;
+      for (int64_t e = 0; e < t * H * DV; e++) unwritten += og[e] == 0xffff;
+      TU_CHECK(unwritten == 0, "ragged graph: replay %d: %lld outputs unwritten", i, (long long)unwritten);
+    }
+    printf("  ragged graph with the workspace: 5 replays over 3 length sets equal the eager calls\n");
+    CK(cudaGraphExecDestroy(exec));
+  }
+  if (graph) CK(cudaGraphDestroy(graph));
+  cudaGetLastError();
+  TU_STATUS(mla_ctx_set_stream(gpu, NULL), MLA_OK);
+  CK(cudaStreamDestroy(s));
+  for (int r = 0; r < 3; r++) free(oe[r]), free(le[r]);
+  free(og), free(lg), free(qb), free(kb), free(vb);
+  cudaFree(dq), cudaFree(dk), cudaFree(dv), cudaFree(dind), cudaFree(dout), cudaFree(dlse);
 }
 
 /* ---- merge ---------------------------------------------------------------- */
@@ -503,6 +611,37 @@ static void refusals(void) {
   TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
   CK(cudaMemcpy(host, dout, ob, cudaMemcpyDeviceToHost));
   TU_CHECK(tu_all_poisoned(host, ob), "batch 0: out written");
+  /* the optional workspace: too small, host memory, misaligned (checked
+   * even for an empty batch); nothing written */
+  {
+    unsigned char *hws = malloc(g_ws_bytes);
+    char *dws = tu_dev_alloc(g_ws_bytes + 8);
+    struct {
+      const char *what;
+      void *ws;
+      size_t bytes;
+      int bs;
+      mla_status want;
+    } wb[] = {{"workspace too small", g_ws, 3, 2, MLA_ERR_WORKSPACE_TOO_SMALL},
+              {"workspace too small, empty batch", g_ws, g_ws_bytes - 1, 0, MLA_ERR_WORKSPACE_TOO_SMALL},
+              {"workspace in host memory", hws, g_ws_bytes, 2, MLA_ERR_INVALID_ARGUMENT},
+              {"workspace misaligned", dws + 2, g_ws_bytes, 2, MLA_ERR_INVALID_ARGUMENT}};
+    for (size_t i = 0; i < sizeof wb / sizeof wb[0]; i++) {
+      x = g, x.workspace = wb[i].ws, x.workspace_bytes = wb[i].bytes, x.batch_size = wb[i].bs;
+      CK(cudaMemset(dout, 0xff, ob));
+      TU_CHECK(mla_attention_ragged(gpu, &x) == wb[i].want, "%s: want %s", wb[i].what,
+               mla_status_string(wb[i].want));
+      TU_CHECK(mla_ctx_last_error(gpu)[0] != '\0', "%s: no message", wb[i].what);
+      TU_STATUS(mla_ctx_synchronize(gpu), MLA_OK);
+      CK(cudaMemcpy(host, dout, ob, cudaMemcpyDeviceToHost));
+      TU_CHECK(tu_all_poisoned(host, ob), "%s: out written", wb[i].what);
+    }
+    /* the CPU path ignores it (whatever it points at) */
+    x = hcpu, x.workspace = hws, x.workspace_bytes = 1;
+    TU_STATUS(mla_attention_ragged(cpu, &x), MLA_OK);
+    free(hws);
+    cudaFree(dws);
+  }
   /* a decreasing index array: skipped on the device, reported on synchronize */
   x = g, x.kv_indptr = dbad;
   TU_STATUS(mla_attention_ragged(gpu, &x), MLA_OK);
@@ -548,6 +687,16 @@ int main(int argc, char **argv) {
   if (!gpu) return tu_finish("test_cuda_ragged");
   mla_ctx_desc cd = {MLA_DEVICE_CPU, 1, 0};
   TU_STATUS(mla_ctx_create(&cd, &cpu), MLA_OK);
+  {
+    size_t cpu_bytes = 1;
+    TU_STATUS(mla_attention_ragged_workspace_size(gpu, &g_ws_bytes), MLA_OK);
+    TU_STATUS(mla_attention_ragged_workspace_size(cpu, &cpu_bytes), MLA_OK);
+    TU_CHECK(g_ws_bytes >= 4 && cpu_bytes == 0, "ragged workspace: %zu bytes on the GPU, %zu on the CPU", g_ws_bytes,
+             cpu_bytes);
+    TU_STATUS(mla_attention_ragged_workspace_size(gpu, NULL), MLA_ERR_INVALID_ARGUMENT);
+    TU_STATUS(mla_attention_ragged_workspace_size(NULL, &cpu_bytes), MLA_ERR_INVALID_ARGUMENT);
+    g_ws = tu_dev_alloc(g_ws_bytes);
+  }
   /* "small": the compute-sanitizer run (one small case of each kind) */
   const int small = argc > 1 && strcmp(argv[1], "small") == 0;
   const rcase cases[] = {
@@ -606,6 +755,7 @@ int main(int argc, char **argv) {
     run_long(16, 16, 1);
     run_long(128, 128, 1);
     run_long(16, 4, 0);
+    graph_replay();
     refusals();
   }
   mla_ctx_destroy(cpu);

@@ -429,6 +429,14 @@ static int run_prefill(mla_ctx *ctx, int seqs, int n, int runs, void *flush, siz
   a.v = v;
   a.out = out;
   a.lse = lse;
+  /* the optional workspace, as an engine would pass it (the dynamic item
+   * order; MLA_PREFILL_ORDER=snake times the static one) */
+  size_t ws_bytes = 0;
+  void *ws = NULL;
+  if (mla_attention_ragged_workspace_size(ctx, &ws_bytes) == MLA_OK && ws_bytes)
+    BC_CK(cudaMalloc(&ws, ws_bytes));
+  a.workspace = ws;
+  a.workspace_bytes = ws_bytes;
   bc_args ca = {.ctx = ctx, .args = &a};
   mla_status st = MLA_OK;
   if (median_us(call_ragged, &ca, runs, flush, flush_bytes, &st, us)) return 1;
@@ -445,6 +453,7 @@ static int run_prefill(mla_ctx *ctx, int seqs, int n, int runs, void *flush, siz
   cudaFree(out);
   cudaFree(lse);
   cudaFree(d_ind);
+  cudaFree(ws);
   free(ind);
   return 0;
 }
@@ -801,9 +810,10 @@ int bench_cuda_main(int argc, char **argv) {
   if (!o.no_prefill) {
     /* The prefill shapes of the CUDA prefill issue: causal ragged MHA. */
     static const int shapes[3][2] = {{1, 8192}, {1, 16384}, {16, 1024}};
-    printf("# causal ragged MHA prefill, 192/128, H=128, bf16 (mla_attention_ragged), median of %d runs, L2 "
-           "flushed\n",
-           o.runs);
+    const char *ord = getenv("MLA_PREFILL_ORDER");
+    printf("# causal ragged MHA prefill, 192/128, H=128, bf16 (mla_attention_ragged, with its workspace: item "
+           "order %s), median of %d runs, L2 flushed\n",
+           ord && (!strcmp(ord, "snake") || !strcmp(ord, "rr")) ? ord : "dynamic", o.runs);
     printf("%6s %6s %10s %9s  %s\n", "seqs", "len", "t_us", "TFLOP/s", "note");
     for (int i = 0; i < 3; i++) {
       double us = 0, tf = 0;

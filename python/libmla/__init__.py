@@ -25,7 +25,7 @@ from ._lib import (BLOCK_TABLE_PAD, FLAG_FP8_MATH, FLAG_LSE_BASE2, FLAG_OUT_F32,
 from .api import (Backend, ChunkPlan, ChunkPlanner, Context, DcpPlan, DcpPlanner, DevicePlan, DraftPlan,
                   DraftPlanner, KVCache, MLAError, Plan, Planner, RequestTable, Step, StepMetadata,
                   attention_absorbed, attention_ragged, batch, bf16_to_f32, convert, dcp_gather_table, dcp_plan,
-                  expand_kv, f32_to_bf16, gather_latent, merge_states, plan)
+                  expand_kv, f32_to_bf16, gather_latent, merge_states, plan, ragged_workspace_size)
 from .sglang import ForwardBatch, ForwardMode, SglangMLABackend, SglangMLAMultiStepDraftBackend
 
 __version__ = "%d.%d.0" % (_lib.VERSION_MAJOR, _lib.VERSION_MINOR)
@@ -38,7 +38,7 @@ __all__ = [
     "Mode", "Plan", "Planner", "RequestTable", "Sched", "SglangMLABackend", "Step", "StepMetadata",
     "SglangMLAMultiStepDraftBackend", "Status", "attention_absorbed", "attention_ragged", "batch",
     "bf16_to_f32", "convert", "dcp_gather_table", "dcp_plan", "expand_kv", "f32_to_bf16", "gather_latent",
-    "merge_states", "plan", "LATENT", "ROPE", "ROW", "REQ_PAD", "SLOT_UNUSED", "BLOCK_TABLE_PAD",
+    "merge_states", "plan", "ragged_workspace_size", "LATENT", "ROPE", "ROW", "REQ_PAD", "SLOT_UNUSED", "BLOCK_TABLE_PAD",
     "FLAG_FP8_MATH", "FLAG_LSE_BASE2", "FLAG_OUT_F32", "FP8_BLOCK", "FP8_BLOCK_ROW_BYTES", "MAX_HEADS",
     "MAX_HEAD_DIM", "MAX_PAGE_SIZE", "library_path", "library_version",
 ]

@@ -245,6 +245,8 @@ class RaggedArgs(ctypes.Structure):
         ("v", _ptr),  # [Tk, Hkv, v_dim]
         ("out", _ptr),  # [Tq, H, v_dim]
         ("lse", _ptr),  # [Tq, H] or NULL
+        ("workspace", _ptr),  # optional, device: the dynamic item order's counter
+        ("workspace_bytes", ctypes.c_size_t),
     ]
 
 
@@ -423,6 +425,7 @@ PROTOTYPES = {
     "mla_attention_absorbed_workspace_size": (_S, [_P, ctypes.POINTER(Plan), _int, _SZ]),
     "mla_attention_absorbed": (
         _S, [_P, _P, _int, ctypes.POINTER(Plan), ctypes.POINTER(AbsorbedArgs), _P, ctypes.c_size_t]),
+    "mla_attention_ragged_workspace_size": (_S, [_P, _SZ]),
     "mla_attention_ragged": (_S, [_P, ctypes.POINTER(RaggedArgs)]),
     "mla_merge_states": (_S, [_P, _int, _int, _int, _int, _enum, ctypes.c_uint, _P, _P, _P, _P]),
     "mla_dcp_merge_workspace_size": (_S, [_P, _int, _int, _int, _int, _enum, _SZ]),

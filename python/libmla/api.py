@@ -1214,9 +1214,17 @@ def _upload_indptr(ctx, like, qa, ka):
     return qd.data_ptr(), kd.data_ptr()
 
 
+def ragged_workspace_size(ctx):
+    """Bytes of attention_ragged's optional workspace on this context (0 on a CPU context)."""
+    n = ctypes.c_size_t()
+    ctx._check(_c.mla_attention_ragged_workspace_size(ctx.handle, _byref(n)),
+               "mla_attention_ragged_workspace_size")
+    return n.value
+
+
 def attention_ragged(ctx, q, k, v, qo_indptr, kv_indptr, *, scale, causal=True, softcap=0.0,
                      out=None, lse=None, return_lse=False, lse_base2=False, out_f32=False,
-                     dtype=None):
+                     dtype=None, workspace="auto"):
     """Ragged MHA (prefill without prefix, prefix chunks): request i owns query rows
     [qo_indptr[i], qo_indptr[i+1]) and key rows [kv_indptr[i], kv_indptr[i+1]).
 
@@ -1227,6 +1235,12 @@ def attention_ragged(ctx, q, k, v, qo_indptr, kv_indptr, *, scale, causal=True, 
     (used in place, graph-capturable; their contents cannot be checked on the host, a bad
     length is skipped by the kernel and reported by ctx.synchronize()), or host arrays, which
     are checked here and copied to the device on each call (needs torch).
+
+    workspace (CUDA): "auto" (the context's scratch workspace, shared by its calls in
+    stream order), None (no workspace: the kernel's fixed item order), or a device tensor of
+    at least ragged_workspace_size(ctx) bytes that no concurrent call uses. With one the
+    kernel hands out its work items as SMs become free (same bits, faster on long causal
+    sequences). Ignored on a CPU context.
     """
     dev = ctx.device
     tq = check(q, "q", dtypes=_ACT, shape=(None, None, None), device=dev, bf16=dtype is not None)
@@ -1259,8 +1273,24 @@ def attention_ragged(ctx, q, k, v, qo_indptr, kv_indptr, *, scale, causal=True, 
         lse = empty_like_kind(q, (Tq, H), "f32")
     tl = check(lse, "lse", dtypes=("f32",), shape=(Tq, H), device=dev, writable=True, allow_none=True)
     flags = _flags(lse_base2) | (_lib.FLAG_OUT_F32 if out_f32 else 0)
+    wp, wn = None, 0
+    if dev == "cuda" and workspace is not None:
+        need = getattr(ctx, "_ragged_ws_need", None)
+        if need is None:  # once per context
+            need = ctx._ragged_ws_need = ragged_workspace_size(ctx)
+        if isinstance(workspace, str):
+            if workspace != "auto":
+                raise ValueError("argument 'workspace': 'auto', None or a device tensor")
+            wp, wn = ctx._scratch(need, q)
+        else:
+            tw = inspect(workspace, "workspace")
+            if tw.device != "cuda" or not tw.contiguous:
+                raise ValueError("argument 'workspace': must be a contiguous CUDA tensor")
+            wp, wn = tw.ptr, tw.numel() * itemsize(tw.dtype)
+            if wn < need:
+                raise ValueError("argument 'workspace': %d bytes, needs %d" % (wn, need))
     a = _lib.RaggedArgs(bs, H, Hkv, Dqk, Dv, float(scale), float(softcap), 1 if causal else 0, flags,
-                        int(act), qp, kp, tq.ptr, tk.ptr, tv.ptr, to.ptr, tl.ptr if tl else None)
+                        int(act), qp, kp, tq.ptr, tk.ptr, tv.ptr, to.ptr, tl.ptr if tl else None, wp, wn)
     ctx._before_launch(tq)
     ctx._check(_c.mla_attention_ragged(ctx.handle, _byref(a)), "mla_attention_ragged")
     return (out, lse) if want_lse else out

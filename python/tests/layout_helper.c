@@ -132,6 +132,8 @@ int main(void) {
   F(mla_ragged_args, v);
   F(mla_ragged_args, out);
   F(mla_ragged_args, lse);
+  F(mla_ragged_args, workspace);
+  F(mla_ragged_args, workspace_bytes);
 
   S(mla_backend_desc);
   F(mla_backend_desc, cache);

@@ -117,6 +117,12 @@ def test_ragged_mha(ctx, rng, act):
     o_ref, _ = ref.ragged(q, k, v, qo, kv, SCALE, True)
     ref.assert_close(o32, o_ref, *TOL["f32"], what="ragged out_f32") if act == "f32" else \
         ref.assert_close(o32, o_ref, 2e-3, 2e-3, "ragged out_f32")
+    # the optional workspace is a CUDA matter: none on a CPU context, and ignored there
+    assert libmla.ragged_workspace_size(ctx) == 0
+    o_nows = libmla.attention_ragged(ctx, q_act, k_act, v_act, qo, kv, scale=SCALE, dtype=act,
+                                     workspace=None)
+    o_auto = libmla.attention_ragged(ctx, q_act, k_act, v_act, qo, kv, scale=SCALE, dtype=act)
+    assert np.array_equal(o_nows, o_auto)
 
 
 @pytest.mark.parametrize("act", ["f32", "bf16"])

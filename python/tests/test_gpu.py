@@ -379,6 +379,18 @@ def test_ragged_prefill_cuda(cctx):
     o2 = libmla.attention_ragged(cctx, q, k, v, qo, kv, scale=SCALE, causal=True)
     cctx.synchronize()
     assert torch.equal(o2, o)
+    # the workspace: none (fixed item order) and a caller's tensor give the same bits as "auto"
+    need = libmla.ragged_workspace_size(cctx)
+    assert need > 0
+    o3 = libmla.attention_ragged(cctx, q, k, v, qo_d, kv_d, scale=SCALE, causal=True, workspace=None)
+    ws = torch.full((need,), 0x5A, dtype=torch.uint8, device="cuda")
+    o4 = libmla.attention_ragged(cctx, q, k, v, qo_d, kv_d, scale=SCALE, causal=True, workspace=ws)
+    cctx.synchronize()
+    assert torch.equal(o3, o) and torch.equal(o4, o)
+    with pytest.raises(ValueError, match="'workspace'.*needs"):
+        libmla.attention_ragged(cctx, q, k, v, qo_d, kv_d, scale=SCALE, workspace=ws[:need - 1])
+    with pytest.raises(ValueError, match="'workspace'"):
+        libmla.attention_ragged(cctx, q, k, v, qo_d, kv_d, scale=SCALE, workspace=ws.cpu())
     with pytest.raises(ValueError, match="'qo_indptr'.*ends at"):
         libmla.attention_ragged(cctx, q[:-1], k, v, qo, kv, scale=SCALE)
     with pytest.raises(ValueError, match="'kv_indptr'.*dtype i64"):

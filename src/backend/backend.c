@@ -64,6 +64,9 @@ struct mla_backend_s {
   size_t step_ws_bytes;
   int32_t *stage_scratch;     /* [2 * max_bs] ids then seq_lens, staged together */
   int32_t *d_qo;              /* CUDA EXTEND through MHA: qo_indptr [max_bs+1] (device) */
+  void *d_ragged_ws;          /* CUDA: the ragged MHA calls' workspace (their item counter; the
+                                 backend's calls run in stream order, so one serves them all) */
+  size_t ragged_ws_bytes;
   int32_t *d_chunk_slots;     /* CUDA chunked prefix: the chunk plan's slots [max_bs * max_context] */
   int32_t *d_chunk_cu;        /* and its cu_seq_lens [(max_context+1) * (max_bs+1)] */
   /* Graph steps (mla_backend_graph_*): fixed buffers. */
@@ -149,6 +152,7 @@ void mla_backend_destroy(mla_backend *be) {
   dev_free(be, be->part_lse);
   dev_free(be, be->main_lse);
   dev_free(be, be->d_qo);
+  dev_free(be, be->d_ragged_ws);
   dev_free(be, be->d_chunk_slots);
   dev_free(be, be->d_chunk_cu);
   free(be);
@@ -283,6 +287,9 @@ mla_status mla_backend_create(mla_ctx *ctx, const mla_backend_desc *desc, mla_ba
   if (st == MLA_OK && on_cuda) st = mla_mirror_init(&be->mirror, be->rt, eb);
   if (st == MLA_OK && on_cuda && !(be->d_qo = dev_alloc(be, sizeof(int32_t) * ((size_t)d.max_bs + 1))))
     st = mla_fail(eb, MLA_ERR_OUT_OF_MEMORY, __func__, "device qo_indptr");
+  if (st == MLA_OK && on_cuda) st = mla_attention_ragged_workspace_size(ctx, &be->ragged_ws_bytes);
+  if (st == MLA_OK && be->ragged_ws_bytes && !(be->d_ragged_ws = dev_alloc(be, be->ragged_ws_bytes)))
+    st = mla_fail(eb, MLA_ERR_OUT_OF_MEMORY, __func__, "ragged workspace");
   if (st == MLA_OK && on_cuda) st = size_cuda_attention_workspace(be);
   if (st == MLA_OK && !on_cuda) {
     /* The largest plan the limits allow sizes the attention workspace. */
@@ -880,6 +887,8 @@ static mla_ragged_args extend_ragged(const mla_backend *be, const mla_forward_ar
   r.v = a->v;
   r.out = a->out;
   r.lse = a->lse;
+  r.workspace = be->d_ragged_ws;
+  r.workspace_bytes = be->ragged_ws_bytes;
   return r;
 }
 

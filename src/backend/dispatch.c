@@ -31,6 +31,20 @@ mla_status mla_attention_absorbed(mla_ctx *ctx, const mla_kv_cache *cache, int l
   return mla_cpu_attention_absorbed(ctx, cache, layer, plan, args, workspace, workspace_bytes);
 }
 
+mla_status mla_attention_ragged_workspace_size(mla_ctx *ctx, size_t *bytes) {
+  if (!ctx) return MLA_ERR_INVALID_ARGUMENT;
+  mla_clear_error(&ctx->err);
+  MLA_REQUIRE_PTR(&ctx->err, bytes);
+#ifdef MLA_WITH_CUDA
+  if (ctx->device == MLA_DEVICE_CUDA) {
+    *bytes = MLA_CUDA_RAGGED_WORKSPACE_BYTES;
+    return MLA_OK;
+  }
+#endif
+  *bytes = 0;
+  return MLA_OK;
+}
+
 /* CUDA contexts: the sm_90a ragged MHA kernel (src/cuda/ragged.c); device
  * q, k, v, out, lse and index arrays. */
 mla_status mla_attention_ragged(mla_ctx *ctx, const mla_ragged_args *args) {

@@ -18,6 +18,9 @@ extern "C" {
 /* Requests a launch can take: each CTA keeps a prefix table of the
  * requests' m-block counts in shared memory (prefill_sm90.cu). */
 #define MLA_CUDA_PREFILL_MAX_BATCH 4096
+/* The optional workspace of mla_attention_ragged: the dynamic item order's
+ * counter (4 bytes; 16 leave room without changing the reported size). */
+#define MLA_CUDA_RAGGED_WORKSPACE_BYTES 16
 /* States one merge pass takes: their pointers travel as kernel parameters
  * (CUDA 12.1's 32 764-byte parameter space; 16 B a state). More states are
  * merged in passes, the running result held in out and lse_out. */
@@ -47,6 +50,8 @@ typedef struct mla_prefill_params {
   int *bad;                  /* device counter of skipped requests */
   int head_group;            /* set by the launcher: heads per group of the item order */
   int order_snake;           /* set by the launcher: odd rounds of items run backwards (default) */
+  unsigned *item_counter;    /* device word no other launch uses meanwhile: items handed out as CTAs
+                                ask (the launcher zeroes it on the stream first); NULL: static order */
 } mla_prefill_params;
 
 /* NULL when the kernels take these dims and dtype, else what they take. */

@@ -26,8 +26,11 @@
 //    of 11, slower when measured) stay selectable (MLA_PREFILL_VARIANT).
 //  - work items are (request, 128-row m-block, head); every CTA builds the
 //    prefix table of the requests' m-block counts in shared memory from the
-//    device index arrays, then walks items in rounds of gridDim.x (snake
-//    order by default: odd rounds backwards, item_of); the item order is
+//    device index arrays, then takes items in the item order either as they
+//    are drawn from a counter in the caller's workspace (dynamic: a CTA
+//    claims the next item near the end of its current one, draw_item) or,
+//    without a workspace, in rounds of gridDim.x (snake: odd rounds
+//    backwards, item_of); the item order is
 //    head group (kHeadGroup heads, 1 for a batch of one request) > request >
 //    m-block, last (heaviest, causal) first > head. Key tiles are walked from the last
 //    (the masked diagonal ones) down; fully masked tiles are never loaded.
@@ -110,6 +113,9 @@ constexpr uint32_t kPinWord = 112;
 // The item ring: 2 decoded Items (32 bytes each, slot = round & 1) at this
 // offset of the barrier area, written by the producer, read by the consumers.
 constexpr uint32_t kItemRing = 128;
+// The dynamic order's item ids (2 words, slot = round & 1) at this offset:
+// producer thread 0 draws them, the other producer threads read them here.
+constexpr uint32_t kIdSlots = 192;
 
 // ---------------------------------------------------------------------------
 // PTX wrappers
@@ -279,12 +285,12 @@ __device__ __forceinline__ void lengths(const mla_prefill_params &p, int i, int 
 }
 
 __device__ __forceinline__ Item decode_item(const mla_prefill_params &p, const int *pre, int total_mb,
-                                            long long id) {
+                                            uint32_t id) {
   Item it;
   const int hg = p.head_group;
-  const long long per_group = (long long)total_mb * hg;
+  const uint32_t per_group = (uint32_t)total_mb * (uint32_t)hg;  // (<= items: 32 bits)
   const int g = (int)(id / per_group);
-  const int rem = (int)(id - (long long)g * per_group);
+  const int rem = (int)(id - (uint32_t)g * per_group);
   const int hs = min(hg, p.num_heads - g * hg);
   const int mbi = rem / hs;
   it.h = g * hg + rem % hs;
@@ -306,15 +312,32 @@ __device__ __forceinline__ Item decode_item(const mla_prefill_params &p, const i
   return it;
 }
 
-// This CTA's item of round r (items r * grid .. r * grid + grid - 1), or -1
-// past the last. With p.order_snake the odd rounds run backwards (CTA b
+// Item ids are 32-bit: 2^32 items of 128 query rows x 1 head would need a
+// q tensor of more than a terabyte. kNoItem: past the last item.
+constexpr uint32_t kNoItem = 0xffffffffu;
+// This CTA's item of round r (items r * grid .. r * grid + grid - 1), or
+// kNoItem past the last. With p.order_snake the odd rounds run backwards (CTA b
 // takes item grid - 1 - b), which evens out the per-CTA sums of the
 // decreasing causal item sizes (simulated max / mean 1.023 -> 1.015 on
 // 1 x 8K, H = 128; no change on 16 x 1K).
-__device__ __forceinline__ long long item_of(const mla_prefill_params &p, long long r, long long items) {
-  const long long g = gridDim.x;
-  const long long id = r * g + ((p.order_snake && (r & 1)) ? g - 1 - blockIdx.x : blockIdx.x);
-  return id < items ? id : -1;
+__device__ __forceinline__ uint32_t item_of(const mla_prefill_params &p, uint32_t r, uint32_t items) {
+  const uint32_t g = gridDim.x;
+  const uint32_t id = r * g + ((p.order_snake && (r & 1)) ? g - 1 - blockIdx.x : blockIdx.x);
+  return id < items && id >= r * g ? id : kNoItem;  // (a wrap past 2^32 ends the walk)
+}
+
+// Dynamic order: the next item id from the launch's counter (zeroed by the
+// launcher on the stream before the kernel). A CTA draws until it gets an id
+// past the last item; ids are handed out in item order (largest m-blocks of
+// each head group first), each to whichever CTA asks next.
+__device__ __forceinline__ uint32_t draw_item(unsigned *counter) { return atomicAdd(counter, 1u); }
+__device__ __forceinline__ void st_shared_u32(uint32_t a, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(a), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t a) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a) : "memory");
+  return v;
 }
 
 // An Item into ring slot `slot` (shared address; the producer's write).
@@ -800,7 +823,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
   }
   const int total_mb = pre[bs];
-  const long long items = (long long)total_mb * p.num_heads;
+  const uint32_t items = (uint32_t)min((long long)total_mb * p.num_heads, (long long)kNoItem);
   const int G = p.num_heads / p.num_kv_heads;
   const int wg = tid >> 7;
 
@@ -812,20 +835,39 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t k_stride = (int64_t)p.num_kv_heads * DQK * 2;
     const int64_t v_stride = (int64_t)p.num_kv_heads * DV * 2;
     uint32_t kv_it = 0, q_it = 0;
-    for (long long round = 0;; round++) {
-      const long long id = item_of(p, round, items);
+    // Dynamic order (p.item_counter): thread 0 draws the next item's id
+    // while this item's tiles load (two tiles before its last K tile) and
+    // puts it in the next round's slot, so the draw's round trip hides under
+    // the consumers' remaining tiles, and a CTA claims its next item near the
+    // end of the current one (balance).
+    bool drawn = false;  // (thread 0) this round's id is already in its slot
+    for (uint32_t round = 0;; round++) {
+      // Thread 0 picks the round's item id (drawn, or from the static order)
+      // and the producer threads read it from its slot after a barrier. (Both
+      // orders take this path, in 32-bit words: with the barrier under a
+      // condition, or a few more live registers in the producer's 40, ptxas
+      // serialised the wgmmas of the consumer loops, C7511, nvcc 13.0.)
+      const uint32_t slot = bar + kIdSlots + 4 * (round & 1);
+      if (t == 0 && !drawn) st_shared_u32(slot, p.item_counter ? draw_item(p.item_counter) : item_of(p, round, items));
+      drawn = false;
+      // (two slots: thread 0 writes the other one during this round, and
+      // this one again only after every producer thread has passed the next
+      // round's barrier)
+      named_bar_sync(4, 128);
+      const uint32_t u = ld_shared_u32(slot);
+      const bool more = u < items;
       Item it = {0, 0, 0, 0, 0, 0, 0, -1};  // (-1 tiles: no more items)
-      if (id >= 0) it = decode_item(p, pre, total_mb, id);
+      if (more) it = decode_item(p, pre, total_mb, u);
       // Hand the decoded item to the consumers: they read it from the ring
       // (also in the deferred epilogue, DEFER) instead of decoding it.
       if (t == 0) {
         const int is = (int)(round & 1);
-        mbar_wait(bar + 8 * (BAR_IEMPTY + is), (uint32_t)((round >> 1) & 1) ^ 1);
+        mbar_wait(bar + 8 * (BAR_IEMPTY + is), ((round >> 1) & 1) ^ 1);
         ring_put(bar + kItemRing + 32 * is, it);
         mbar_arrive(bar + 8 * (BAR_IFULL + is));  // (release: the slot's stores before it)
       }
-      if (id < 0) break;
-      if (it.ntiles == 0) continue;
+      if (!more) break;
+      if (it.ntiles == 0) continue;  // (the next round draws)
       mbar_wait(bar + 8 * BAR_QEMPTY, (q_it & 1) ^ 1);
       const int row0 = it.mb * kBM;
       if (TMA) {
@@ -847,6 +889,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       // order, from the last key tile down), so the next scores' K can land
       // while the consumers still hold the V of the tile before.
       for (int j = 0; j <= it.ntiles; j++) {
+        if (p.item_counter && t == 0 && j == max(0, it.ntiles - 2)) {
+          st_shared_u32(bar + kIdSlots + 4 * ((round + 1) & 1), draw_item(p.item_counter));
+          drawn = true;
+        }
         if (j < it.ntiles) {
           const uint32_t x = kv_it + j;
           const int s = x & 1;
@@ -1357,11 +1403,18 @@ cudaError_t launch(const mla_prefill_params *p, int grid, cudaStream_t stream, c
   if (e != cudaSuccess) return e;
   mla_prefill_params q = *p;
   q.head_group = head_group(p->batch_size);
-  // Snake order unless MLA_PREFILL_ORDER=rr (plain round robin): +3-5 % on
-  // 1 x 16K in five of five paired runs, neutral on 16 x 1K
-  // (docs/prefill-kernel.md section 5).
+  // The static orders: snake unless MLA_PREFILL_ORDER=rr (plain round
+  // robin): +3-5 % on 1 x 16K in five of five paired runs, neutral on
+  // 16 x 1K (docs/prefill-kernel.md section 5). With a counter (the caller's
+  // workspace) the dynamic order runs instead, unless MLA_PREFILL_ORDER
+  // names a static one (rr or snake; for A/B runs).
   const char *ord = getenv("MLA_PREFILL_ORDER");
   q.order_snake = !(ord && !strcmp(ord, "rr"));
+  if (ord && (!strcmp(ord, "rr") || !strcmp(ord, "snake"))) q.item_counter = nullptr;
+  if (q.item_counter) {
+    const cudaError_t z = cudaMemsetAsync(q.item_counter, 0, sizeof(unsigned), stream);
+    if (z != cudaSuccess) return z;
+  }
   kern<<<grid, kThreads, smem, stream>>>(q, maps);
 #ifdef MLA_DEV_TIMELINE
   pf_timeline_print(stream, grid);

@@ -14,7 +14,9 @@
  * never reads them (no synchronisation, graph-capturable): their contents
  * cannot be validated here. A request whose lengths are negative (or
  * indptr[0] != 0) is skipped by the kernel and reported as OUT_OF_RANGE by
- * mla_ctx_synchronize, like the other device-side bad values. For the same
+ * mla_ctx_synchronize, like the other device-side bad values. The optional
+ * workspace holds the sm_90a kernel's item counter (dynamic order); the
+ * generic kernel does not use it. For the same
  * reason q, k, v and out must be non-NULL whenever batch_size > 0 (the CPU
  * path accepts NULL k / v when every key length is 0). */
 #include <math.h>
@@ -69,6 +71,16 @@ mla_status mla_cuda_attention_ragged(mla_ctx *ctx, const mla_ragged_args *args) 
       "args->flags = 0x%x has unknown bits", a->flags);
   mla_status st = check_dtype(eb, FN, "args->act_dtype", a->act_dtype);
   if (st != MLA_OK) return st;
+  /* The optional workspace (the dynamic order's counter): checked even for an
+   * empty batch, so a bad one shows on the first call. */
+  if (a->workspace) {
+    REQ(eb, FN, a->workspace_bytes >= MLA_CUDA_RAGGED_WORKSPACE_BYTES, MLA_ERR_WORKSPACE_TOO_SMALL,
+        "args->workspace_bytes = %zu, need %d (mla_attention_ragged_workspace_size)", a->workspace_bytes,
+        MLA_CUDA_RAGGED_WORKSPACE_BYTES);
+    REQ(eb, FN, ((uintptr_t)a->workspace & 3) == 0, MLA_ERR_INVALID_ARGUMENT,
+        "args->workspace must be 4-byte aligned");
+    if ((st = require_device(eb, FN, "args->workspace", a->workspace)) != MLA_OK) return st;
+  }
   if (a->batch_size == 0) return MLA_OK;
   REQ(eb, FN, a->qo_indptr, MLA_ERR_INVALID_ARGUMENT, "args->qo_indptr is NULL");
   REQ(eb, FN, a->kv_indptr, MLA_ERR_INVALID_ARGUMENT, "args->kv_indptr is NULL");
@@ -116,6 +128,7 @@ mla_status mla_cuda_attention_ragged(mla_ctx *ctx, const mla_ragged_args *args) 
   p.out = a->out;
   p.lse = a->lse;
   p.bad = ctx->d_bad;
+  p.item_counter = (unsigned *)a->workspace;
   const int sms = ctx->sm_count > 0 ? ctx->sm_count : 132;
   const int e = fast ? mla_cuda_prefill_launch(&p, sms, ctx->stream)
                      : mla_cuda_prefill_generic_launch(&p, sms, ctx->stream);
