@@ -16,8 +16,9 @@ overhead never shows in the event time. TFLOP/s with causal FLOPs counted once:
 2 H (192 + 128) n (n + 1) / 2 per sequence.
 
 Contestants: libmla (its workspace: the dynamic item order), libmla-static (no
-workspace: the fixed snake order), and the SDPA backends given by --torch
-(default cudnn; efficient also accepts the shape, flash refuses 192/128). torch
+workspace: the fixed snake order), and the torch kernels given by --torch
+(default cudnn,efficient,flex: the SDPA backends that accept 192/128 (flash
+refuses it) and torch.compile'd flex_attention with a causal block mask). torch
 gets its dense [B, H, N, D] layout (contiguous copies of the same values, made
 outside the timing); libmla its ragged [T, H, D] one. Neither computes an LSE.
 
@@ -75,27 +76,36 @@ def contestants(ctx, b, n, torch_names):
                 F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
         return call
 
+
+    def flex():
+        # torch.compile'd flex_attention with a causal block mask (built once, outside the timing)
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        bm = create_block_mask(lambda b_, h_, qi, ki: qi >= ki, B=None, H=None, Q_LEN=n, KV_LEN=n,
+                               device="cuda")
+        fa = torch.compile(flex_attention, dynamic=False)
+        return lambda: fa(qt, kt, vt, block_mask=bm, scale=scale)
+
     c = [("libmla", ours(ws)), ("libmla-static", ours(None))]
-    for name in torch_names:
-        c.append(("torch-" + name, sdpa(BACKENDS[name])))
     # a first call of each, and a check that every contestant computes the same thing
     ours(ws)()
     ref = out.clone()
     ours(None)()
     torch.cuda.synchronize()
     same = torch.equal(out, ref)
-    ok = []
-    for name, call in c[2:]:
+    for name in torch_names:
         try:
-            with sdpa_kernel([BACKENDS[name[6:]]]):
-                o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+            call = flex() if name == "flex" else sdpa(BACKENDS[name])
+            o = call()
+            if o is None:  # (the SDPA wrapper returns nothing: one call for the check)
+                with sdpa_kernel([BACKENDS[name]]):
+                    o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
             torch.cuda.synchronize()
             err = (o.transpose(1, 2).reshape(T, H, DV).float() - ref.float()).abs().max().item()
-            print(f"  {name}: max |diff| to libmla {err:.3g}")
-            ok.append((name, call))
-        except RuntimeError as ex:
-            print(f"  {name}: refused ({str(ex).splitlines()[0][:100]})")
-    return c[:2] + ok, same
+            print(f"  torch-{name}: max |diff| to libmla {err:.3g}")
+            c.append(("torch-" + name, call))
+        except Exception as ex:  # a backend that refuses the shape (or flex failing to compile)
+            print(f"  torch-{name}: refused ({type(ex).__name__}: {str(ex).splitlines()[0][:100] if str(ex) else ''})")
+    return c, same
 
 
 def run_shape(ctx, b, n, runs, torch_names):
@@ -139,13 +149,13 @@ def run_shape(ctx, b, n, runs, torch_names):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=30)
-    ap.add_argument("--torch", default="cudnn")
+    ap.add_argument("--torch", default="cudnn,efficient,flex")
     ap.add_argument("--shapes", default="1x8192,1x16384,16x1024")
     o = ap.parse_args()
     names = [x for x in o.torch.split(",") if x]
     for x in names:
-        if x not in BACKENDS:
-            print(f"unknown torch backend {x!r} (cudnn, efficient, flash)")
+        if x not in BACKENDS and x != "flex":
+            print(f"unknown torch backend {x!r} (cudnn, efficient, flash, flex)")
             return 2
     shapes = [tuple(int(v) for v in s.split("x")) for s in o.shapes.split(",")]
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, libmla {libmla.library_version}")
