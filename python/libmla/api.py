@@ -230,6 +230,7 @@ class Context(_Handle):
         self._h = h.value
         self._children = []
         self._ws = None  # scratch workspace (host numpy or device tensor), grown on demand
+        self._ragged_ws = None  # attention_ragged's workspace="auto" (device, one counter)
         self._follow_torch = dev == Device.CUDA and stream == "torch"
         self._stream = None
         if dev == Device.CUDA and stream not in ("torch", None):
@@ -1236,8 +1237,8 @@ def attention_ragged(ctx, q, k, v, qo_indptr, kv_indptr, *, scale, causal=True, 
     length is skipped by the kernel and reported by ctx.synchronize()), or host arrays, which
     are checked here and copied to the device on each call (needs torch).
 
-    workspace (CUDA): "auto" (the context's scratch workspace, shared by its calls in
-    stream order), None (no workspace: the kernel's fixed item order), or a device tensor of
+    workspace (CUDA): "auto" (a small buffer the context keeps for its ragged calls, which
+    use it in stream order), None (no workspace: the kernel's fixed item order), or a device tensor of
     at least ragged_workspace_size(ctx) bytes that no concurrent call uses. With one the
     kernel hands out its work items as SMs become free (same bits, faster on long causal
     sequences). Ignored on a CPU context.
@@ -1281,7 +1282,17 @@ def attention_ragged(ctx, q, k, v, qo_indptr, kv_indptr, *, scale, causal=True, 
         if isinstance(workspace, str):
             if workspace != "auto":
                 raise ValueError("argument 'workspace': 'auto', None or a device tensor")
-            wp, wn = ctx._scratch(need, q)
+            # The context's own small buffer for these calls, apart from its scratch: a ragged
+            # call zeroes it on the stream, which must never touch an absorbed call's workspace.
+            buf = ctx._ragged_ws
+            if buf is None:
+                torch = sys.modules.get("torch")
+                if torch is None:
+                    raise ValueError("argument 'workspace': 'auto' on a CUDA context needs torch "
+                                     "(imported); pass None or a device tensor")
+                buf = ctx._ragged_ws = torch.empty(need, dtype=torch.uint8,
+                                                   device="cuda:%d" % ctx.device_id)
+            wp, wn = buf.data_ptr(), need
         else:
             tw = inspect(workspace, "workspace")
             if tw.device != "cuda" or not tw.contiguous:
