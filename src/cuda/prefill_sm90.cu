@@ -328,8 +328,9 @@ __device__ __forceinline__ uint32_t item_of(const mla_prefill_params &p, uint32_
 
 // Dynamic order: the next item id from the launch's counter (zeroed by the
 // launcher on the stream before the kernel). A CTA draws until it gets an id
-// past the last item; ids are handed out in item order (largest m-blocks of
-// each head group first), each to whichever CTA asks next.
+// past the last item; ids are handed out in item order (within a head group,
+// request by request, each request's heaviest m-block first), each to
+// whichever CTA asks next.
 __device__ __forceinline__ uint32_t draw_item(unsigned *counter) { return atomicAdd(counter, 1u); }
 __device__ __forceinline__ void st_shared_u32(uint32_t a, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;" ::"r"(a), "r"(v) : "memory");
@@ -1294,10 +1295,10 @@ static bool make_map(CUtensorMap *map, const void *ptr, int dim, int heads, bool
 // Dev only: whether this launch is one MLA_DEV_PF_TIMELINE_AT names (a
 // comma-separated list of launch numbers, default 5; `mla bench --runs 20`
 // launches 1 x 8K as 1-21, 1 x 16K as 22-42, 16 x 1K as 43-63).
+static int pf_dev_calls = 0;  // launches so far (the timeline's printout names its launch)
 static bool pf_dev_hit() {
-  static int calls = 0;
   const char *at = getenv("MLA_DEV_PF_TIMELINE_AT");
-  ++calls;
+  const int calls = ++pf_dev_calls;
   if (!at) return calls == 5;
   for (const char *c = at; c && *c;) {
     if (atoi(c) == calls) return true;
@@ -1375,7 +1376,7 @@ static void pf_timeline_print(cudaStream_t stream, int grid) {
           "pf timeline (launch %d; mean cycles per item and warpgroup: Q wait, first Q.K^T (deferred loops: with the "
           "previous epilogue), first softmax, the other tiles, epilogue | gap to the next item | period, share of all "
           "item time)\n",
-          calls);
+          pf_dev_calls);
   for (int b = 1; b < kB; b++) {
     if (!n[b]) continue;
     fprintf(stderr, "pf tiles %s%2d: n %6lld |", b == 17 ? ">" : " ", b == 17 ? 16 : b, n[b]);
