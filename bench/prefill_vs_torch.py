@@ -23,9 +23,12 @@ gets its dense [B, H, N, D] layout (contiguous copies of the same values, made
 outside the timing); libmla its ragged [T, H, D] one. Neither computes an LSE.
 
 Usage: PYTHONPATH=python python3 bench/prefill_vs_torch.py [--runs 30]
-       [--torch cudnn,efficient] [--shapes 1x8192,1x16384,16x1024]
+       [--torch cudnn,efficient,flex] [--shapes 1x8192,1x16384,16x1024]
+       [--also NAME:VAR=VALUE]... (a libmla variant selected by an environment variable,
+       e.g. --also pp:MLA_PREFILL_VARIANT=overlap232-tma-pp)
 """
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -50,7 +53,7 @@ def sm_clock():
         return "n/a"
 
 
-def contestants(ctx, b, n, torch_names):
+def contestants(ctx, b, n, torch_names, extra):
     """(name, callable) pairs on the same values."""
     gen = torch.Generator(device="cuda").manual_seed(1000 + n)
     T = b * n
@@ -85,7 +88,24 @@ def contestants(ctx, b, n, torch_names):
         fa = torch.compile(flex_attention, dynamic=False)
         return lambda: fa(qt, kt, vt, block_mask=bm, scale=scale)
 
+    def ours_env(var, value):
+        # libmla with one environment variable set for its calls only (the library reads its
+        # MLA_PREFILL_* tuning variables at every launch): a variant timed in the same rounds
+        def call():
+            old = os.environ.get(var)
+            os.environ[var] = value
+            try:
+                ours(ws)()
+            finally:
+                if old is None:
+                    del os.environ[var]
+                else:
+                    os.environ[var] = old
+        return call
+
     c = [("libmla", ours(ws)), ("libmla-static", ours(None))]
+    for name, var, value in extra:
+        c.append(("libmla-" + name, ours_env(var, value)))
     # a first call of each, and a check that every contestant computes the same thing
     ours(ws)()
     ref = out.clone()
@@ -108,10 +128,10 @@ def contestants(ctx, b, n, torch_names):
     return c, same
 
 
-def run_shape(ctx, b, n, runs, torch_names):
+def run_shape(ctx, b, n, runs, torch_names, extra):
     flops = 2.0 * H * (DQK + DV) * b * n * (n + 1) / 2
     print(f"\n## {b} x {n}, H={H}, 192/128, bf16, causal ({flops / 1e12:.3f} TFLOP)")
-    c, same = contestants(ctx, b, n, torch_names)
+    c, same = contestants(ctx, b, n, torch_names, extra)
     print(f"  libmla dynamic and static orders give the same bits: {same}")
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in c]
@@ -151,7 +171,17 @@ def main():
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--torch", default="cudnn,efficient,flex")
     ap.add_argument("--shapes", default="1x8192,1x16384,16x1024")
+    ap.add_argument("--also", action="append", default=[], metavar="NAME:VAR=VALUE",
+                    help="one more libmla contestant, with VAR=VALUE in the environment for its calls")
     o = ap.parse_args()
+    extra = []
+    for a in o.also:
+        name, _, kv = a.partition(":")
+        var, _, value = kv.partition("=")
+        if not name or not var:
+            print(f"--also {a!r}: expected NAME:VAR=VALUE")
+            return 2
+        extra.append((name, var, value))
     names = [x for x in o.torch.split(",") if x]
     for x in names:
         if x not in BACKENDS and x != "flex":
@@ -163,7 +193,7 @@ def main():
     ctx = libmla.Context("cuda")
     summary = []
     for b, n in shapes:
-        rows = run_shape(ctx, b, n, o.runs, names)
+        rows = run_shape(ctx, b, n, o.runs, names, extra)
         summary.append(((b, n), rows))
         print(f"  nvidia-smi after: {sm_clock()}")
     print("\n# summary: shape | contestant median us (TFLOP/s) | best torch / libmla (per-round median ratio)")
