@@ -30,7 +30,8 @@
 #   ncu       (not in all) Nsight Compute sections for one launch per version (NCU_VERSIONS, NCU_HS="128 16")
 #   full      all + lib
 # Environment: PREBUILT=DIR (libgpu, libsan: no cmake; run the binaries of a CUDA build made elsewhere and
-#   carried, DIR holding mla, libmla.so* and tests/test_*; the tests run one by one instead of through ctest),
+#   carried, DIR holding mla, libmla.so* and tests/test_*, as scripts/pack-prebuilt.sh packs them; the tests run one
+#   by one instead of through ctest),
 #   LIBBENCH_ARGS (more options for libgpu's `mla bench --device cuda`), VERSIONS (default 1,...,10), OUT (log folder; the device tool sets it), QUICK=1 (bench s_k 8192 only),
 #   SKIP_BUILD=1 (use a dev/cuda/build carried from a machine with nvcc 13: no make; its ptxas reports are still listed),
 #   CHECK_VERSIONS, SANITIZE_VERSIONS (default VERSIONS: the versions the check / sanitize stages run),
