@@ -701,7 +701,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---------------------------------------------------------------------------
 // Wide fp8 math kernel (MLA_FLAG_FP8_MATH, per-tensor e4m3 cache, page size
-// >= 8): the seesaw above on fp8 tensor cores (decode_wide_fp8.cuh).
+// >= 8): the seesaw above on fp8 tensor cores (decode_wide_fp8.cuh). Since
+// session 27 only with MLA_DECODE_W8_OLD=1 (the A/B baseline of
+// decode_wide8t_kernel below, which replaced it).
 // ---------------------------------------------------------------------------
 __global__ void __launch_bounds__(kThreads, 1)
     decode_wide8_kernel(const mla_decode_params p, const __grid_constant__ KvMaps kv_maps) {
@@ -883,6 +885,222 @@ __global__ void __launch_bounds__(kThreads, 1)
     // (V^T of both buffers: 64 KB, free after the request's last P.V; staged
     // stores: 520 -> 482 us at b=128 s_k 8192 in spite of 76 bytes of spill)
     epilogue<false>(p, w, mb, smem, o, lsA, lsB, wg, rA, rB, cq, lead, p.kv_scale, L::kOffL, L::kOffM, L::kOffV0);
+  }
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// The fp8 math kernel in the O^T form (session 27; docs/decode-kernel.md §12;
+// the default, the kernel above stays behind MLA_DECODE_W8_OLD): the same
+// seesaw, but O^T = V^T P^T with the V^T fragments loaded from the raw K tile
+// into registers (vt_frags) and P from shared memory, so no V^T buffers and
+// no transposes. That frees room for a third K buffer: tile g of the part
+// lives in buffer g % 3, and each buffer's refill (tile g + 3) is issued as
+// soon as its tile's Q.K^T and fragment loads are done, ~a pair earlier than
+// with two buffers. P0 (WG0's own), P1 (two by pair parity) and P0' = s1 P0
+// (for WG1) each have a tile; O^T's per-row rescales read the factors of all
+// 64 rows from shared memory (after a warpgroup vote); the epilogue stages
+// the rows over Q and the P tiles.
+// ---------------------------------------------------------------------------
+__global__ void __launch_bounds__(kThreads, 1)
+    decode_wide8t_kernel(const mla_decode_params p, const __grid_constant__ KvMaps kv_maps) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using L = W8T;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t *smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  const uint32_t sb = smem_u32(smem);
+  pdl_trigger();
+  const int part = blockIdx.x, mb = blockIdx.y;
+  const int *meta = p.sched_meta + part * SCHED_INTS;
+  if (meta[SCHED_NUM_REQS] == 0) return;
+  const int tid = threadIdx.x, wg = tid >> 7, t128 = tid & 127, wi = (tid >> 5) & 3, lane = tid & 31;
+  const int rA = 16 * wi + (lane >> 2), rB = rA + 8;
+  const int cq = 2 * (lane & 3);
+  const bool lead = (lane & 3) == 0;
+  float *sM = reinterpret_cast<float *>(smem + L::kOffM);
+  float *sS0 = reinterpret_cast<float *>(smem + L::kOffS0);
+  float *sS1 = reinterpret_cast<float *>(smem + L::kOffS1);
+  const int *lim = reinterpret_cast<const int *>(smem + L::kOffLim);
+  const uint32_t barb = sb + L::kOffBar, kbb = sb + L::kOffB0;  // buffer b: barb + 24 b, kbb + kBuf b
+  const uint32_t sPa = sb + L::kOffPa, sPc = sb + L::kOffPc;
+  const CUtensorMap *map = &kv_maps.m[2];  // the swizzled byte view
+  const int er = meta[SCHED_END_REQ];
+  const bool issuer = t128 == 0;
+
+  if (tid == 0) {
+    for (int i = 0; i < 9; i++) mbar_init(barb + 8 * i, 1);
+    fence_mbar_init();
+  }
+  __syncthreads();
+
+  // la: the part's tile 3 ahead of the pair's first (the refill of that tile's buffer)
+  BufCursor la;
+  la.req = meta[SCHED_BEGIN_REQ];
+  la.t = 0;
+  la.w = req_work(p, meta, la.req, mb);
+  cur3_settle(p, meta, mb, la);
+  for (int b = 0; b < 3; b++) {
+    if (tid == 0) {
+      const TileSrc s0 = tile_src<LOAD_FP8_TMA>(p, er, la, 0);
+      if (s0.valid)
+        for (int g = 0; g < 3; g++) load8_group(p, map, s0, kbb + L::kBuf * b, barb + 24 * b + 8 * g, g);
+    }
+    cur3_next(p, meta, mb, la);
+  }
+  uint32_t gt = 0;     // the pair's first tile in the part's order
+  uint32_t pairs = 0;  // pairs done (P1 tile parity)
+
+  for (int req = meta[SCHED_BEGIN_REQ]; req <= er; req++) {
+    const ReqWork w = req_work(p, meta, req, mb);
+    if (w.rows == 0) continue;
+    __syncthreads();  // the last request is done with Q, sM and the row arrays
+    const float sl2 = p.scale * kLog2e * p.kv_scale * load_q8<L>(p, w, mb, sb + L::kOffQ, smem, tid);
+    __syncthreads();
+    const int limA = lim[rA], limB = lim[rB], lim0 = lim[0];  // row 0 has the lowest limit
+
+    float o[4][32];  // O^T: m-tile mt = dims 256 wg + 64 mt .., columns = the m-block's rows
+#pragma unroll
+    for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+      for (int i = 0; i < 32; i++) o[mt][i] = 0.f;
+    float lsA = 0.f, lsB = 0.f;  // this warpgroup's partial row sums of P' (thread part)
+
+    for (int t0 = 0; t0 < w.n_tiles; t0 += 2, pairs++) {
+      const bool has1 = t0 + 1 < w.n_tiles;
+      const int kt0 = w.kstart + 64 * t0, kt1 = kt0 + 64;
+      const int nv0 = min(64, w.kend_blk - kt0), nv1 = has1 ? min(64, w.kend_blk - kt1) : 0;
+      const bool full0 = kt0 + 64 <= lim0, full1 = kt1 + 64 <= lim0;
+      const uint32_t ba = gt % 3, bb = (gt + 1) % 3;           // the pair's buffers
+      const uint32_t par0 = (gt / 3) & 1, par1 = ((gt + 1) / 3) & 1;
+      const uint32_t kb0 = kbb + L::kBuf * ba, kb1 = kbb + L::kBuf * bb;
+      const uint32_t bars0 = barb + 24 * ba, bars1 = barb + 24 * bb;
+      const uint32_t sPb = sb + L::kOffPb + (pairs & 1) * kChunk;
+      float *sS0p = sS0 + 64 * (pairs & 1), *sS1p = sS1 + 64 * (pairs & 1);  // this pair's factors
+      BufCursor la1 = la;  // the refill of the pair's second tile's buffer
+      cur3_next(p, meta, mb, la1);
+      TileSrc ld0, ld1;
+      ld0.valid = ld1.valid = 0;
+      if (issuer) {
+        ld0 = tile_src<LOAD_FP8_TMA>(p, er, la, 0);
+        if (has1) ld1 = tile_src<LOAD_FP8_TMA>(p, er, la1, 0);
+      }
+      float s[32];
+      uint32_t pa[2][4];
+      uint32_t va[4][2][4];
+      if (wg == 0) {
+        // ---------------- WG0: tile T0 in B0 ----------------
+        qk8_tile_nt_issue(s, sb + L::kOffQ, kb0, bars0, par0, 0);
+        vt_frags(kb0, 0, nv0, wi, lane, va);  // V0_L^T, under the Q.K^T
+        wgmma_wait<0>();
+        reg_fence(s);
+        named_bar_sync(BAR_WG0, 128);  // the four warps' Q.K^T and fragment reads of B0 retired
+        if (ld0.valid) {  // B0's rope and latent 0-255 are read by nothing else in this pair
+          load8_group(p, map, ld0, kb0, bars0 + 16, 2);
+          load8_group(p, map, ld0, kb0, bars0, 0);
+        }
+        float mxA, mxB;
+        row_max(s, full0, kt0, limA, limB, cq, mxA, mxB);
+        const float mpA = sM[rA], mpB = sM[rB];
+        const float m0A = lazy_max8(mpA, mxA * sl2), m0B = lazy_max8(mpB, mxB * sl2);
+        const float s0A = lazy_scale(mpA, m0A), s0B = lazy_scale(mpB, m0B);
+        float sumA, sumB;
+        exp_rows(s, sl2, m0A, m0B, sumA, sumB);
+        pack_p8(pa, s, 1.f, 1.f);
+        store_p8(sPa, pa, wi, lane);
+        fence_proxy_async();
+        publish_rows(sM, sS0p, rA, rB, m0A, m0B, s0A, s0B, lead);
+        named_bar_arrive(BAR_A, kThreads);
+        // every row's s0 (the vote is a warpgroup barrier: the four warps' s0 are written; this
+        // parity's are not rewritten before WG1's BAR_P1 of the next pair)
+        if (wg_any(s0A != 1.f || s0B != 1.f, BAR_RED0)) rescale_ot(o, sS0p, nullptr, lane);
+        lsA = lsA * s0A + sumA;
+        lsB = lsB * s0B + sumB;
+        pv8_ot(o, va, sPa);  // O^T_L = s0 O^T_L + V0_L^T P0^T
+        wgmma_wait<0>();     // (while WG1 computes its softmax) its fragment registers are free again
+        reg_fence2(o);
+        keep_alive_a(va);
+        if (has1) {  // V1_L^T before the hand-off
+          mbar_wait(bars1, par1);  // B1 latent 0-255
+          vt_frags(kb1, 0, nv1, wi, lane, va);
+        }
+        // WG1's P1 / s1; P0' = s1 P0 for WG1's P0' V0_R.
+        named_bar_sync(BAR_P1, kThreads);
+        const float s1A = sS1p[rA], s1B = sS1p[rB];
+        {
+          uint32_t pb[2][4];
+          pack_p8(pb, s, s1A, s1B);
+          store_p8(sPc, pb, wi, lane);
+          fence_proxy_async();
+        }
+        const bool drain = wg_any(s1A != 1.f || s1B != 1.f, BAR_RED0);  // (also: the four warps' P0' written)
+        named_bar_arrive(BAR_P0, kThreads);
+        lsA *= s1A;
+        lsB *= s1B;
+        if (drain) rescale_ot(o, sS1p, nullptr, lane);
+        if (has1) {
+          // (the vote above was a warpgroup barrier: the four warps' fragment reads of B1 latent 0-255 are
+          // done; WG1's Q.K^T on B1 retired before BAR_P1)
+          if (ld1.valid) load8_group(p, map, ld1, kb1, bars1, 0);
+          pv8_ot(o, va, sPb);  // O^T_L += V1_L^T P1^T
+          wgmma_wait<0>();
+          reg_fence2(o);
+          keep_alive_a(va);
+        }
+      } else {
+        // ---------------- WG1: tile T1 in B1 ----------------
+        float mxA = -INFINITY, mxB = -INFINITY;
+        if (has1) {
+          qk8_tile_nt_issue(s, sb + L::kOffQ, kb1, bars1, par1, 1);
+          vt_frags(kb1, 1, nv1, wi, lane, va);  // V1_R^T, under the Q.K^T
+          wgmma_wait<0>();
+          reg_fence(s);
+          named_bar_sync(BAR_WG1, 128);
+          if (ld1.valid) {  // B1's rope and latent 256-511: nothing else reads them in this pair
+            load8_group(p, map, ld1, kb1, bars1 + 16, 2);
+            load8_group(p, map, ld1, kb1, bars1 + 8, 1);
+          }
+          row_max(s, full1, kt1, limA, limB, cq, mxA, mxB);
+        }
+        named_bar_sync(BAR_A, kThreads);
+        const float m0A = sM[rA], m0B = sM[rB];
+        const float s0A = sS0p[rA], s0B = sS0p[rB];
+        const float m1A = lazy_max8(m0A, mxA * sl2), m1B = lazy_max8(m0B, mxB * sl2);
+        const float s1A = lazy_scale(m0A, m1A), s1B = lazy_scale(m0B, m1B);
+        float sumA = 0.f, sumB = 0.f;
+        if (has1) {
+          exp_rows(s, sl2, m1A, m1B, sumA, sumB);
+          pack_p8(pa, s, 1.f, 1.f);
+          store_p8(sPb, pa, wi, lane);
+          fence_proxy_async();
+        }
+        publish_rows(sM, sS1p, rA, rB, m1A, m1B, s1A, s1B, lead);
+        named_bar_arrive(BAR_P1, kThreads);
+        const float fA = s0A * s1A, fB = s0B * s1B;
+        // every row's s0 s1 (this parity's stay until WG0's BAR_A two pairs on)
+        if (wg_any(fA != 1.f || fB != 1.f, BAR_RED1)) rescale_ot(o, sS0p, sS1p, lane);
+        lsA = lsA * fA + sumA;
+        lsB = lsB * fB + sumB;
+        if (has1) {
+          pv8_ot(o, va, sPb);  // O^T_R += V1_R^T P1^T
+          wgmma_wait<0>();
+          reg_fence2(o);
+          keep_alive_a(va);
+        }
+        mbar_wait(bars0 + 8, par0);  // B0 latent 256-511 (WG0's Q.K^T on B0 retired before BAR_A)
+        vt_frags(kb0, 1, nv0, wi, lane, va);
+        named_bar_sync(BAR_WG1, 128);
+        if (ld0.valid) load8_group(p, map, ld0, kb0, bars0 + 8, 1);
+        named_bar_sync(BAR_P0, kThreads);
+        pv8_ot(o, va, sPc);  // O^T_R += V0_R^T P0'^T
+        wgmma_wait<0>();
+        reg_fence2(o);
+        keep_alive_a(va);
+      }
+      gt += has1 ? 2 : 1;
+      la = la1;
+      if (has1) cur3_next(p, meta, mb, la);
+    }
+    epilogue_ot(p, w, mb, smem, o, lsA, lsB, wg, wi, lane, rA, rB, lead, p.kv_scale, L::kOffL, L::kOffM, L::kOffStage);
   }
 #endif
 }
@@ -2220,7 +2438,20 @@ cudaError_t launch_wide(const mla_decode_params *p, const KvMaps &map, cudaStrea
   return cudaGetLastError();
 }
 
+bool env_flag(const char *name);
+// The fp8 math kernel: the O^T form with three K buffers (decode_wide8t_kernel,
+// 3-7 % faster at b = 128, H = 128: bench/RESULTS.md session 27 run 7);
+// MLA_DECODE_W8_OLD=1 (development switch, read once) runs the transposing
+// kernel before it, for the A/B of docs/decode-kernel.md §12.
 cudaError_t launch_wide8(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
+  static const bool old_kernel = env_flag("MLA_DECODE_W8_OLD");
+  if (!old_kernel) {
+    static uint64_t smem_t;
+    DEV_CUDA_OK(set_smem_once(decode_wide8t_kernel, (int)W8T::kSmem, &smem_t));
+    dim3 grid(p->num_sm_parts, mla_decode_m_blocks(p));
+    decode_wide8t_kernel<<<grid, kThreads, W8T::kSmem, stream>>>(*p, map);
+    return cudaGetLastError();
+  }
   static uint64_t smem_set;
   DEV_CUDA_OK(set_smem_once(decode_wide8_kernel, (int)W8::kSmem, &smem_set));
   dim3 grid(p->num_sm_parts, mla_decode_m_blocks(p));

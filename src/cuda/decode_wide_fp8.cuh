@@ -20,6 +20,9 @@
 //  - The schedule is the wide kernel's seesaw (decode_sm90.cu, ladder v9);
 //    a K buffer is refilled as soon as its Q.K^T and its two transposes are
 //    done (not after the P.V, as V now lives in the V^T buffers).
+//  - Since session 27 the library runs the O^T form below instead (W8T,
+//    vt_frags, epilogue_ot): V^T as register A fragments, no V^T buffers,
+//    three K buffers; the transposing kernel stays as its A/B baseline.
 #pragma once
 
 #include "decode_seesaw.cuh"
@@ -211,6 +214,36 @@ __device__ __forceinline__ void qk8_tile(float (&s)[32], uint32_t sq, uint32_t k
   reg_fence(s);
 }
 
+// The Q.K^T of qk8_tile issued (no transposes, no wait): the caller loads
+// fragments under it, then waits (wgmma_wait<0>, reg_fence(s)).
+__device__ __forceinline__ void qk8_tile_nt_issue(float (&s)[32], uint32_t sq, uint32_t kb, uint32_t bars,
+                                                  uint32_t par, int wg) {
+  const uint64_t dq = desc_sw128(sq, 16, 1024), dk = desc_sw128(kb, 16, 1024);
+#pragma unroll
+  for (int i = 0; i < 32; i++) s[i] = 0.f;
+  mbar_wait(bars + 16, par);
+  wgmma_fence();
+#pragma unroll
+  for (int k = 2; k < 4; k++) {
+    const uint32_t off = (4 * kChunk + 32 * k) >> 4;
+    wgmma_m64n64k32_ss_e4m3(s, dq + off, dk + off, 1);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    const int g = wg == 0 ? h : 1 - h;
+    mbar_wait(bars + 8 * g, par);
+    wgmma_fence();
+#pragma unroll
+    for (int c = 0; c < 2; c++)
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        const uint32_t off = ((2 * g + c) * kChunk + 32 * k) >> 4;
+        wgmma_m64n64k32_ss_e4m3(s, dq + off, dk + off, 1);
+      }
+  }
+  wgmma_commit();
+}
+
 // O[:, 256 half ..] += P V with P from registers / from a P tile; V^T of the
 // tile at vt (this half's keys at bytes 64 half of each row).
 __device__ __forceinline__ void pv8_rs(float (&o)[128], const uint32_t (&pa)[2][4], uint32_t vt, int half) {
@@ -226,6 +259,215 @@ __device__ __forceinline__ void pv8_ss(float (&o)[128], uint32_t sP, uint32_t vt
 #pragma unroll
   for (int kk = 0; kk < 2; kk++) wgmma_m64n256k32_ss_e4m3(o, dp + ((32 * kk) >> 4), dv + ((32 * kk) >> 4), 1);
   wgmma_commit();
+}
+
+// ---- the O^T form (decode_wide8t_kernel; docs/decode-kernel.md §4, §12) ----
+// O^T[256 x 64] += V^T P^T per warpgroup: V^T from registers as the A operand
+// of wgmma m64n64k32 (four m-tiles of 64 dims), P the K-major B from shared
+// memory. No V^T buffers, and a K buffer's latent half is free once its
+// fragments are loaded; the 64 KB they took hold a third K buffer, and the
+// epilogue stages its rows over Q and the P tiles (free at a request's end).
+struct W8T {
+  static constexpr uint32_t kOffQ = 0;                        // as W8 (5 chunks)
+  static constexpr uint32_t kOffPa = 5 * kChunk;              // P0 (WG0's own P.V)
+  static constexpr uint32_t kOffPb = kOffPa + kChunk;         // P1, two by pair parity (both warpgroups read it)
+  static constexpr uint32_t kOffPc = kOffPb + 2 * kChunk;     // P0' = s1 P0 (WG1's P0' V0_R)
+  static constexpr uint32_t kOffStage = 0;                    // the epilogue's 64 rows x 1 KB over Q, P0 and P1
+  static constexpr uint32_t kOffB0 = kOffPc + kChunk;         // three K buffers: tile g of a part in g % 3
+  static constexpr uint32_t kBuf = 5 * kChunk;
+  static constexpr uint32_t kOffM = kOffB0 + 3 * kBuf;
+  static constexpr uint32_t kOffS0 = kOffM + 256;   // float[2][64] by pair parity: the rescales of O^T read
+  static constexpr uint32_t kOffS1 = kOffS0 + 512;  // every row's factor after the hand-off that frees them
+  static constexpr uint32_t kOffL = kOffS1 + 512;
+  static constexpr uint32_t kOffLim = kOffL + 512;
+  static constexpr uint32_t kOffRed = kOffLim + 256;
+  static constexpr uint32_t kOffBar = kOffRed + 32;           // 9 mbarriers: [buffer][latent 0-255, 256-511, rope]
+  static constexpr uint32_t kSmem = kOffBar + 9 * 8 + 1024;
+  static_assert(kOffPc + kChunk >= 8 * kChunk && kOffB0 % 1024 == 0, "staging fits below the K buffers");
+  static_assert(kSmem <= 232448, "over the opt-in shared memory of sm_90");
+  static_assert(kOffBar % 8 == 0, "mbarrier alignment");
+};
+
+// The part's tiles in order (request by request, t = 0, 1, ...): the three
+// K buffers' cursor (tile g goes to buffer g % 3).
+__device__ __forceinline__ void cur3_settle(const mla_decode_params &p, const int *meta, int mb, BufCursor &c) {
+  const int er = meta[SCHED_END_REQ];
+  while (c.req <= er && c.t >= c.w.n_tiles) {
+    c.req++;
+    c.t = 0;
+    if (c.req <= er) c.w = req_work(p, meta, c.req, mb);
+  }
+}
+__device__ __forceinline__ void cur3_next(const mla_decode_params &p, const int *meta, int mb, BufCursor &c) {
+  c.t++;
+  cur3_settle(p, meta, mb, c);
+}
+
+
+// O^T[64 x 64] (+)= A[64 x 32] (registers) * B[32 x 64] (smem desc, K-major), e4m3.
+__device__ __forceinline__ void wgmma_m64n64k32_rs_e4m3(float (&d)[32], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+      "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+// V^T fragments of one tile for this warpgroup's 256 dims (half): per m-tile
+// (64 dims) and k32 step one ldmatrix.x4.trans of the raw tile at kb (keys
+// 32 kk + 8 i .. of matrix i, the warp's 16-byte dim unit) and four byte
+// permutes: fragment row g = dim 2g, row g + 8 = dim 2g + 1 of the warp's 16;
+// logical k 4c..4c + 3 = keys {2c, 2c + 1, 8 + 2c, 9 + 2c} (pack_p8's order).
+// Keys >= nvalid become 0 (past the piece: NaN possible).
+__device__ __forceinline__ void vt_frags(uint32_t kb, int half, int nvalid, int wi, int lane, uint32_t (&a)[4][2][4]) {
+  const int c = lane & 3;
+#pragma unroll
+  for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++) {
+      const int key = 32 * kk + 8 * (lane >> 3) + (lane & 7);
+      const int unit = 4 * (mt & 1) + wi;  // 16-byte unit of dims 256 half + 64 mt + 16 wi in chunk 2 half + mt / 2
+      uint32_t r[4];
+      ldsm_x4_trans(kb + (2 * half + (mt >> 1)) * kChunk + key * 128 + (((unit ^ (key & 7)) & 7) << 4), r);
+      a[mt][kk][0] = __byte_perm(r[0], r[1], 0x6420);
+      a[mt][kk][1] = __byte_perm(r[0], r[1], 0x7531);
+      a[mt][kk][2] = __byte_perm(r[2], r[3], 0x6420);
+      a[mt][kk][3] = __byte_perm(r[2], r[3], 0x7531);
+    }
+  if (nvalid < 64) {
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++)
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+        const int k0 = 32 * kk + 16 * h + 2 * c;
+        const uint32_t keep = (k0 < nvalid ? 0xffu : 0u) | (k0 + 1 < nvalid ? 0xff00u : 0u) |
+                              (k0 + 8 < nvalid ? 0xff0000u : 0u) | (k0 + 9 < nvalid ? 0xff000000u : 0u);
+#pragma unroll
+        for (int mt = 0; mt < 4; mt++) {
+          a[mt][kk][2 * h] &= keep;
+          a[mt][kk][2 * h + 1] &= keep;
+        }
+      }
+  }
+}
+__device__ __forceinline__ void keep_alive_a(const uint32_t (&a)[4][2][4]) {
+#pragma unroll
+  for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++)
+#pragma unroll
+      for (int j = 0; j < 4; j++) asm volatile("" ::"r"(a[mt][kk][j]) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void reg_fence2(float (&r)[4][N]) {
+#pragma unroll
+  for (int mt = 0; mt < 4; mt++) reg_fence(r[mt]);
+}
+// O^T += V^T P^T of one tile (P at sP: 64 rows x 64 keys), left in flight.
+__device__ __forceinline__ void pv8_ot(float (&o)[4][32], const uint32_t (&a)[4][2][4], uint32_t sP) {
+  wgmma_fence();
+#pragma unroll
+  for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++) wgmma_m64n64k32_rs_e4m3(o[mt], a[mt][kk], desc_sw128(sP + 32 * kk, 16, 1024));
+  wgmma_commit();
+}
+// O^T's columns (the m-block's rows 8 j + 2c + e) times per-row factors f
+// from shared memory (f1 != nullptr: times f1 too).
+__device__ __forceinline__ void rescale_ot(float (&o)[4][32], const float *f0, const float *f1, int lane) {
+  const int c = lane & 3;
+#pragma unroll
+  for (int j = 0; j < 8; j++)
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+      const int n = 8 * j + 2 * c + e;
+      const float f = f1 ? f0[n] * f1[n] : f0[n];
+#pragma unroll
+      for (int mt = 0; mt < 4; mt++) {
+        o[mt][4 * j + e] *= f;
+        o[mt][4 * j + 2 + e] *= f;
+      }
+    }
+}
+
+// Epilogue of one request for O^T (the wide epilogue's arithmetic): l = both
+// warpgroups' partial sums; rows staged at st (64 x 1 KB, staged_off) and
+// written out in whole 16-byte units. Element (mt, 4 j + 2 h + e) of a thread
+// is row 8 j + 2c + e, dim 256 wg + 64 mt + 16 wi + 2g + h: the pair h = 0, 1
+// is two adjacent dims, stored together.
+__device__ __forceinline__ void epilogue_ot(const mla_decode_params &p, const ReqWork &w, int mb, uint8_t *smem,
+                                            const float (&o)[4][32], float lsA, float lsB, int wg, int wi, int lane,
+                                            int rA, int rB, bool lead, float osc, uint32_t offL, uint32_t offM,
+                                            uint32_t offStage) {
+  float *sL = reinterpret_cast<float *>(smem + offL);
+  const float *sM = reinterpret_cast<const float *>(smem + offM);
+  lsA += __shfl_xor_sync(0xffffffffu, lsA, 1);
+  lsA += __shfl_xor_sync(0xffffffffu, lsA, 2);
+  lsB += __shfl_xor_sync(0xffffffffu, lsB, 1);
+  lsB += __shfl_xor_sync(0xffffffffu, lsB, 2);
+  if (lead) {
+    sL[wg * 64 + rA] = lsA;
+    sL[wg * 64 + rB] = lsB;
+  }
+  __syncthreads();
+  const int g = lane >> 2, c = lane & 3, tid = threadIdx.x;
+  float inv[16];
+#pragma unroll
+  for (int j = 0; j < 8; j++)
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+      const int n = 8 * j + 2 * c + e;
+      const float t = sL[n] + sL[64 + n];
+      inv[2 * j + e] = t > 0.f ? osc / t : 0.f;
+    }
+  uint8_t *st = smem + offStage;
+  if (!w.is_split) {
+#pragma unroll
+    for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+      for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const int n = 8 * j + 2 * c + e, d = 256 * wg + 64 * mt + 16 * wi + 2 * g;
+          const float f = inv[2 * j + e];
+          *reinterpret_cast<uint32_t *>(st + staged_off(n, d >> 3) + 2 * (d & 7)) =
+              pack2<false>(o[mt][4 * j + e] * f, o[mt][4 * j + 2 + e] * f);
+        }
+    __syncthreads();
+    uint16_t *dst = p.out + ((size_t)w.q0 * p.num_heads + mb * 64) * 512;
+    copy_staged_rows(st, reinterpret_cast<uint8_t *>(dst), w.rows, 1024, tid);
+  } else {
+    float *dst = p.o_accum + ((size_t)w.split_idx * mla_decode_rows(&p) + mb * 64) * 512;
+#pragma unroll 1
+    for (int half = 0; half < 2; half++) {
+      if (half) __syncthreads();  // the first half is copied out
+      if (wg == half) {
+#pragma unroll
+        for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+          for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+              const int n = 8 * j + 2 * c + e, d = 64 * mt + 16 * wi + 2 * g;  // dim within the half
+              const float f = inv[2 * j + e];
+              *reinterpret_cast<float2 *>(st + staged_off(n, d >> 2) + 4 * (d & 3)) =
+                  make_float2(o[mt][4 * j + e] * f, o[mt][4 * j + 2 + e] * f);
+            }
+      }
+      __syncthreads();
+      copy_staged_rows(st, reinterpret_cast<uint8_t *>(dst + 256 * half), w.rows, 2048, tid);
+    }
+  }
+  if (wg == 0 && lead) {
+    const float tA = sL[rA] + sL[64 + rA], tB = sL[rB] + sL[64 + rB];
+    if (rA < w.rows) store_lse(p, w, mb, rA, tA > 0.f ? sM[rA] + log2f(tA) : -INFINITY);
+    if (rB < w.rows) store_lse(p, w, mb, rB, tB > 0.f ? sM[rB] + log2f(tB) : -INFINITY);
+  }
 }
 
 // |x| of 8 bf16 (one 16-byte piece) as a float maximum.
