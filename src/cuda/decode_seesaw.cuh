@@ -776,6 +776,19 @@ __device__ __forceinline__ void copy_staged_rows(const uint8_t *st, uint8_t *dst
   }
 }
 
+// A warpgroup's partial row sums (thread parts, quad-reduced here) into
+// sL[wg][row]; the caller synchronises before reading both warpgroups'.
+__device__ __forceinline__ void publish_row_sums(float *sL, float lsA, float lsB, int wg, int rA, int rB, bool lead) {
+  lsA += __shfl_xor_sync(0xffffffffu, lsA, 1);
+  lsA += __shfl_xor_sync(0xffffffffu, lsA, 2);
+  lsB += __shfl_xor_sync(0xffffffffu, lsB, 1);
+  lsB += __shfl_xor_sync(0xffffffffu, lsB, 2);
+  if (lead) {
+    sL[wg * 64 + rA] = lsA;
+    sL[wg * 64 + rB] = lsB;
+  }
+}
+
 // Epilogue of one request: l = both warpgroups' partial sums; m is the final
 // running max in shared memory.
 //
@@ -796,14 +809,7 @@ __device__ __forceinline__ void epilogue(const mla_decode_params &p, const ReqWo
                                          uint32_t offStage = kOffQ) {
   float *sL = reinterpret_cast<float *>(smem + offL);
   const float *sM = reinterpret_cast<const float *>(smem + offM);
-  lsA += __shfl_xor_sync(0xffffffffu, lsA, 1);
-  lsA += __shfl_xor_sync(0xffffffffu, lsA, 2);
-  lsB += __shfl_xor_sync(0xffffffffu, lsB, 1);
-  lsB += __shfl_xor_sync(0xffffffffu, lsB, 2);
-  if (lead) {
-    sL[wg * 64 + rA] = lsA;
-    sL[wg * 64 + rB] = lsB;
-  }
+  publish_row_sums(sL, lsA, lsB, wg, rA, rB, lead);
   __syncthreads();
   const float tA = sL[rA] + sL[64 + rA], tB = sL[rB] + sL[64 + rB];
   const float iA = tA > 0.f ? osc / tA : 0.f, iB = tB > 0.f ? osc / tB : 0.f;

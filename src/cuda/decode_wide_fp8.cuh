@@ -178,44 +178,9 @@ __device__ __forceinline__ void load8_group(const mla_decode_params &p, const CU
   }
 }
 
-// S = Q K^T of one tile (18 wgmma m64n64k32: the rope's two k-steps, then
-// the warpgroup's own latent half, then the other), and while they run this
-// warpgroup's half of the tile's V^T (its own half was waited for first).
-template <int WG>
-__device__ __forceinline__ void qk8_tile(float (&s)[32], uint32_t sq, uint32_t kb, uint32_t bars, uint32_t par,
-                                         uint32_t vt, int nvalid, int wi, int lane) {
-  const uint64_t dq = desc_sw128(sq, 16, 1024), dk = desc_sw128(kb, 16, 1024);
-#pragma unroll
-  for (int i = 0; i < 32; i++) s[i] = 0.f;
-  mbar_wait(bars + 16, par);
-  wgmma_fence();
-#pragma unroll
-  for (int k = 2; k < 4; k++) {
-    const uint32_t off = (4 * kChunk + 32 * k) >> 4;
-    wgmma_m64n64k32_ss_e4m3(s, dq + off, dk + off, 1);
-  }
-#pragma unroll
-  for (int h = 0; h < 2; h++) {
-    const int g = WG == 0 ? h : 1 - h;
-    mbar_wait(bars + 8 * g, par);
-    wgmma_fence();
-#pragma unroll
-    for (int c = 2 * g; c < 2 * g + 2; c++)
-#pragma unroll
-      for (int k = 0; k < 4; k++) {
-        const uint32_t off = (c * kChunk + 32 * k) >> 4;
-        wgmma_m64n64k32_ss_e4m3(s, dq + off, dk + off, 1);
-      }
-  }
-  wgmma_commit();
-  transpose_v(kb, vt, WG, nvalid, wi, lane);
-  fence_proxy_async();
-  wgmma_wait<0>();
-  reg_fence(s);
-}
-
-// The Q.K^T of qk8_tile issued (no transposes, no wait): the caller loads
-// fragments under it, then waits (wgmma_wait<0>, reg_fence(s)).
+// The Q.K^T of one tile issued (18 wgmma m64n64k32: the rope's two k-steps,
+// then the warpgroup's own latent half, then the other), not waited for: the
+// caller works under it, then waits (wgmma_wait<0>, reg_fence(s)).
 __device__ __forceinline__ void qk8_tile_nt_issue(float (&s)[32], uint32_t sq, uint32_t kb, uint32_t bars,
                                                   uint32_t par, int wg) {
   const uint64_t dq = desc_sw128(sq, 16, 1024), dk = desc_sw128(kb, 16, 1024);
@@ -242,6 +207,19 @@ __device__ __forceinline__ void qk8_tile_nt_issue(float (&s)[32], uint32_t sq, u
       }
   }
   wgmma_commit();
+}
+
+// S = Q K^T of one tile (18 wgmma m64n64k32: the rope's two k-steps, then
+// the warpgroup's own latent half, then the other), and while they run this
+// warpgroup's half of the tile's V^T (its own half was waited for first).
+template <int WG>
+__device__ __forceinline__ void qk8_tile(float (&s)[32], uint32_t sq, uint32_t kb, uint32_t bars, uint32_t par,
+                                         uint32_t vt, int nvalid, int wi, int lane) {
+  qk8_tile_nt_issue(s, sq, kb, bars, par, WG);
+  transpose_v(kb, vt, WG, nvalid, wi, lane);
+  fence_proxy_async();
+  wgmma_wait<0>();
+  reg_fence(s);
 }
 
 // O[:, 256 half ..] += P V with P from registers / from a P tile; V^T of the
@@ -406,14 +384,7 @@ __device__ __forceinline__ void epilogue_ot(const mla_decode_params &p, const Re
                                             uint32_t offStage) {
   float *sL = reinterpret_cast<float *>(smem + offL);
   const float *sM = reinterpret_cast<const float *>(smem + offM);
-  lsA += __shfl_xor_sync(0xffffffffu, lsA, 1);
-  lsA += __shfl_xor_sync(0xffffffffu, lsA, 2);
-  lsB += __shfl_xor_sync(0xffffffffu, lsB, 1);
-  lsB += __shfl_xor_sync(0xffffffffu, lsB, 2);
-  if (lead) {
-    sL[wg * 64 + rA] = lsA;
-    sL[wg * 64 + rB] = lsB;
-  }
+  publish_row_sums(sL, lsA, lsB, wg, rA, rB, lead);
   __syncthreads();
   const int g = lane >> 2, c = lane & 3, tid = threadIdx.x;
   float inv[16];
