@@ -224,12 +224,17 @@ struct BufCursor {
   ReqWork w;
 };
 
+// kStep: the cursor visits tiles t = first, first + kStep, ... of each request
+// (2: a buffer of the two-buffer kernels, tiles of its parity; 1: every tile
+// of the part in order, the three-buffer fp8 math kernel's).
+template <int kStep = 2>
 __device__ __forceinline__ void cursor_settle(const mla_decode_params &p, const int *meta, int mb, BufCursor &c) {
+  static_assert(kStep == 1 || kStep == 2, "a tile step of 1 or 2");
   const int er = meta[SCHED_END_REQ];
   while (c.req <= er && c.t >= c.w.n_tiles) {
-    const int buf = c.t & 1;
+    const int first = c.t & (kStep - 1);
     c.req++;
-    c.t = buf;
+    c.t = first;
     if (c.req <= er) c.w = req_work(p, meta, c.req, mb);
   }
 }
@@ -241,9 +246,10 @@ __device__ __forceinline__ BufCursor cursor_first(const mla_decode_params &p, co
   cursor_settle(p, meta, mb, c);
   return c;
 }
+template <int kStep = 2>
 __device__ __forceinline__ void cursor_next(const mla_decode_params &p, const int *meta, int mb, BufCursor &c) {
-  c.t += 2;
-  cursor_settle(p, meta, mb, c);
+  c.t += kStep;
+  cursor_settle<kStep>(p, meta, mb, c);
 }
 
 // Where a refill reads from; the page id is fetched when the pair starts, so
@@ -789,6 +795,39 @@ __device__ __forceinline__ void publish_row_sums(float *sL, float lsA, float lsB
   }
 }
 
+// The m-block's rows to `out` (bf16 / f16) or, for a split piece, o_accum
+// (fp32) through the staging area st (64 rows x 1 KB, staged_off):
+// stage16() writes this thread's 16-bit values, stage32() its fp32 values of
+// its warpgroup's half (called in warpgroup `half` for each half in turn);
+// the rows are then copied out in whole 16-byte units. All 256 threads.
+template <class Stage16, class Stage32>
+__device__ __forceinline__ void write_rows_staged(const mla_decode_params &p, const ReqWork &w, int mb, uint8_t *st,
+                                                  int wg, Stage16 stage16, Stage32 stage32) {
+  const int tid = threadIdx.x;
+  if (!w.is_split) {
+    stage16();
+    __syncthreads();
+    uint16_t *dst = p.out + ((size_t)w.q0 * p.num_heads + mb * 64) * 512;
+    copy_staged_rows(st, reinterpret_cast<uint8_t *>(dst), w.rows, 1024, tid);
+  } else {
+    // [rows, 512] fp32: one warpgroup's 256 columns (1 KB a row) at a time
+    float *dst = p.o_accum + ((size_t)w.split_idx * mla_decode_rows(&p) + mb * 64) * 512;
+#pragma unroll 1
+    for (int half = 0; half < 2; half++) {
+      if (half) __syncthreads();  // the first half is copied out
+      if (wg == half) stage32();
+      __syncthreads();
+      copy_staged_rows(st, reinterpret_cast<uint8_t *>(dst + 256 * half), w.rows, 2048, tid);
+    }
+  }
+}
+// lse of this thread's rows rA / rB (tA / tB: their full row sums); warpgroup 0's quad leaders.
+__device__ __forceinline__ void store_row_lses(const mla_decode_params &p, const ReqWork &w, int mb, const float *sM,
+                                               int rA, int rB, float tA, float tB) {
+  if (rA < w.rows) store_lse(p, w, mb, rA, tA > 0.f ? sM[rA] + log2f(tA) : -INFINITY);
+  if (rB < w.rows) store_lse(p, w, mb, rB, tB > 0.f ? sM[rB] + log2f(tB) : -INFINITY);
+}
+
 // Epilogue of one request: l = both warpgroups' partial sums; m is the final
 // running max in shared memory.
 //
@@ -814,28 +853,20 @@ __device__ __forceinline__ void epilogue(const mla_decode_params &p, const ReqWo
   const float tA = sL[rA] + sL[64 + rA], tB = sL[rB] + sL[64 + rB];
   const float iA = tA > 0.f ? osc / tA : 0.f, iB = tB > 0.f ? osc / tB : 0.f;
   uint8_t *st = smem + offStage;
-  const int tid = threadIdx.x;
   // (o[i], o[i + 1]): row rowB ? rB : rA, columns 256 wg + 8 (i / 4) + cq, + 1
-  if (!w.is_split) {
-    // [rows, 512] bf16 / f16: each warpgroup stages its 256 columns (units 32 wg ..)
+  write_rows_staged(
+      p, w, mb, st, wg,
+      [&] {  // bf16 / f16: each warpgroup stages its 256 columns (units 32 wg ..)
 #pragma unroll
-    for (int i = 0; i < 128; i += 2) {
-      const bool rowB = (i >> 1) & 1;
-      const int r = rowB ? rB : rA;
-      const float f = rowB ? iB : iA;
-      *reinterpret_cast<uint32_t *>(st + staged_off(r, 32 * wg + (i >> 2)) + 2 * cq) =
-          pack2<kF16>(o[i] * f, o[i + 1] * f);
-    }
-    __syncthreads();
-    uint16_t *dst = p.out + ((size_t)w.q0 * p.num_heads + mb * 64) * 512;
-    copy_staged_rows(st, reinterpret_cast<uint8_t *>(dst), w.rows, 1024, tid);
-  } else {
-    // [rows, 512] fp32: one warpgroup's 256 columns (1 KB a row) at a time
-    float *dst = p.o_accum + ((size_t)w.split_idx * mla_decode_rows(&p) + mb * 64) * 512;
-#pragma unroll 1
-    for (int half = 0; half < 2; half++) {
-      if (half) __syncthreads();  // the first half is copied out
-      if (wg == half) {
+        for (int i = 0; i < 128; i += 2) {
+          const bool rowB = (i >> 1) & 1;
+          const int r = rowB ? rB : rA;
+          const float f = rowB ? iB : iA;
+          *reinterpret_cast<uint32_t *>(st + staged_off(r, 32 * wg + (i >> 2)) + 2 * cq) =
+              pack2<kF16>(o[i] * f, o[i + 1] * f);
+        }
+      },
+      [&] {  // fp32: this warpgroup's 256 columns
 #pragma unroll
         for (int i = 0; i < 128; i += 2) {
           const bool rowB = (i >> 1) & 1;
@@ -844,15 +875,8 @@ __device__ __forceinline__ void epilogue(const mla_decode_params &p, const ReqWo
           *reinterpret_cast<float2 *>(st + staged_off(r, 2 * (i >> 2) + (cq >> 2)) + 4 * (cq & 3)) =
               make_float2(o[i] * f, o[i + 1] * f);
         }
-      }
-      __syncthreads();
-      copy_staged_rows(st, reinterpret_cast<uint8_t *>(dst + 256 * half), w.rows, 2048, tid);
-    }
-  }
-  if (wg == 0 && lead) {
-    if (rA < w.rows) store_lse(p, w, mb, rA, tA > 0.f ? sM[rA] + log2f(tA) : -INFINITY);
-    if (rB < w.rows) store_lse(p, w, mb, rB, tB > 0.f ? sM[rB] + log2f(tB) : -INFINITY);
-  }
+      });
+  if (wg == 0 && lead) store_row_lses(p, w, mb, sM, rA, rB, tA, tB);
 }
 
 }  // namespace seesaw

@@ -934,18 +934,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   // la: the part's tile 3 ahead of the pair's first (the refill of that tile's buffer)
-  BufCursor la;
-  la.req = meta[SCHED_BEGIN_REQ];
-  la.t = 0;
-  la.w = req_work(p, meta, la.req, mb);
-  cur3_settle(p, meta, mb, la);
+  BufCursor la = cursor_first(p, meta, mb, 0);
   for (int b = 0; b < 3; b++) {
     if (tid == 0) {
       const TileSrc s0 = tile_src<LOAD_FP8_TMA>(p, er, la, 0);
       if (s0.valid)
         for (int g = 0; g < 3; g++) load8_group(p, map, s0, kbb + L::kBuf * b, barb + 24 * b + 8 * g, g);
     }
-    cur3_next(p, meta, mb, la);
+    cursor_next<1>(p, meta, mb, la);
   }
   uint32_t gt = 0;     // the pair's first tile in the part's order
   uint32_t pairs = 0;  // pairs done (P1 tile parity)
@@ -977,7 +973,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t sPb = sb + L::kOffPb + (pairs & 1) * kChunk;
       float *sS0p = sS0 + 64 * (pairs & 1), *sS1p = sS1 + 64 * (pairs & 1);  // this pair's factors
       BufCursor la1 = la;  // the refill of the pair's second tile's buffer
-      cur3_next(p, meta, mb, la1);
+      cursor_next<1>(p, meta, mb, la1);
       TileSrc ld0, ld1;
       ld0.valid = ld1.valid = 0;
       if (issuer) {
@@ -1098,7 +1094,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       gt += has1 ? 2 : 1;
       la = la1;
-      if (has1) cur3_next(p, meta, mb, la);
+      if (has1) cursor_next<1>(p, meta, mb, la);
     }
     epilogue_ot(p, w, mb, smem, o, lsA, lsB, wg, wi, lane, rA, rB, lead, p.kv_scale, L::kOffL, L::kOffM, L::kOffStage);
   }
@@ -2445,17 +2441,15 @@ bool env_flag(const char *name);
 // kernel before it, for the A/B of docs/decode-kernel.md §12.
 cudaError_t launch_wide8(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
   static const bool old_kernel = env_flag("MLA_DECODE_W8_OLD");
-  if (!old_kernel) {
-    static uint64_t smem_t;
-    DEV_CUDA_OK(set_smem_once(decode_wide8t_kernel, (int)W8T::kSmem, &smem_t));
-    dim3 grid(p->num_sm_parts, mla_decode_m_blocks(p));
+  static uint64_t smem_set, smem_old;
+  const dim3 grid(p->num_sm_parts, mla_decode_m_blocks(p));
+  if (old_kernel) {
+    DEV_CUDA_OK(set_smem_once(decode_wide8_kernel, (int)W8::kSmem, &smem_old));
+    decode_wide8_kernel<<<grid, kThreads, W8::kSmem, stream>>>(*p, map);
+  } else {
+    DEV_CUDA_OK(set_smem_once(decode_wide8t_kernel, (int)W8T::kSmem, &smem_set));
     decode_wide8t_kernel<<<grid, kThreads, W8T::kSmem, stream>>>(*p, map);
-    return cudaGetLastError();
   }
-  static uint64_t smem_set;
-  DEV_CUDA_OK(set_smem_once(decode_wide8_kernel, (int)W8::kSmem, &smem_set));
-  dim3 grid(p->num_sm_parts, mla_decode_m_blocks(p));
-  decode_wide8_kernel<<<grid, kThreads, W8::kSmem, stream>>>(*p, map);
   return cudaGetLastError();
 }
 

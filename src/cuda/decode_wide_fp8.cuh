@@ -266,22 +266,6 @@ struct W8T {
   static_assert(kOffBar % 8 == 0, "mbarrier alignment");
 };
 
-// The part's tiles in order (request by request, t = 0, 1, ...): the three
-// K buffers' cursor (tile g goes to buffer g % 3).
-__device__ __forceinline__ void cur3_settle(const mla_decode_params &p, const int *meta, int mb, BufCursor &c) {
-  const int er = meta[SCHED_END_REQ];
-  while (c.req <= er && c.t >= c.w.n_tiles) {
-    c.req++;
-    c.t = 0;
-    if (c.req <= er) c.w = req_work(p, meta, c.req, mb);
-  }
-}
-__device__ __forceinline__ void cur3_next(const mla_decode_params &p, const int *meta, int mb, BufCursor &c) {
-  c.t++;
-  cur3_settle(p, meta, mb, c);
-}
-
-
 // O^T[64 x 64] (+)= A[64 x 32] (registers) * B[32 x 64] (smem desc, K-major), e4m3.
 __device__ __forceinline__ void wgmma_m64n64k32_rs_e4m3(float (&d)[32], const uint32_t (&a)[4], uint64_t db) {
   asm volatile(
@@ -386,7 +370,7 @@ __device__ __forceinline__ void epilogue_ot(const mla_decode_params &p, const Re
   const float *sM = reinterpret_cast<const float *>(smem + offM);
   publish_row_sums(sL, lsA, lsB, wg, rA, rB, lead);
   __syncthreads();
-  const int g = lane >> 2, c = lane & 3, tid = threadIdx.x;
+  const int g = lane >> 2, c = lane & 3;
   float inv[16];
 #pragma unroll
   for (int j = 0; j < 8; j++)
@@ -397,48 +381,31 @@ __device__ __forceinline__ void epilogue_ot(const mla_decode_params &p, const Re
       inv[2 * j + e] = t > 0.f ? osc / t : 0.f;
     }
   uint8_t *st = smem + offStage;
-  if (!w.is_split) {
+  // element (mt, 4 j + 2 h + e): row 8 j + 2c + e, dim 64 mt + 16 wi + 2g + h of this warpgroup's 256
+  auto each = [&](auto put) {
 #pragma unroll
     for (int mt = 0; mt < 4; mt++)
 #pragma unroll
       for (int j = 0; j < 8; j++)
 #pragma unroll
         for (int e = 0; e < 2; e++) {
-          const int n = 8 * j + 2 * c + e, d = 256 * wg + 64 * mt + 16 * wi + 2 * g;
           const float f = inv[2 * j + e];
-          *reinterpret_cast<uint32_t *>(st + staged_off(n, d >> 3) + 2 * (d & 7)) =
-              pack2<false>(o[mt][4 * j + e] * f, o[mt][4 * j + 2 + e] * f);
+          put(8 * j + 2 * c + e, 64 * mt + 16 * wi + 2 * g, o[mt][4 * j + e] * f, o[mt][4 * j + 2 + e] * f);
         }
-    __syncthreads();
-    uint16_t *dst = p.out + ((size_t)w.q0 * p.num_heads + mb * 64) * 512;
-    copy_staged_rows(st, reinterpret_cast<uint8_t *>(dst), w.rows, 1024, tid);
-  } else {
-    float *dst = p.o_accum + ((size_t)w.split_idx * mla_decode_rows(&p) + mb * 64) * 512;
-#pragma unroll 1
-    for (int half = 0; half < 2; half++) {
-      if (half) __syncthreads();  // the first half is copied out
-      if (wg == half) {
-#pragma unroll
-        for (int mt = 0; mt < 4; mt++)
-#pragma unroll
-          for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-              const int n = 8 * j + 2 * c + e, d = 64 * mt + 16 * wi + 2 * g;  // dim within the half
-              const float f = inv[2 * j + e];
-              *reinterpret_cast<float2 *>(st + staged_off(n, d >> 2) + 4 * (d & 3)) =
-                  make_float2(o[mt][4 * j + e] * f, o[mt][4 * j + 2 + e] * f);
-            }
-      }
-      __syncthreads();
-      copy_staged_rows(st, reinterpret_cast<uint8_t *>(dst + 256 * half), w.rows, 2048, tid);
-    }
-  }
-  if (wg == 0 && lead) {
-    const float tA = sL[rA] + sL[64 + rA], tB = sL[rB] + sL[64 + rB];
-    if (rA < w.rows) store_lse(p, w, mb, rA, tA > 0.f ? sM[rA] + log2f(tA) : -INFINITY);
-    if (rB < w.rows) store_lse(p, w, mb, rB, tB > 0.f ? sM[rB] + log2f(tB) : -INFINITY);
-  }
+  };
+  write_rows_staged(
+      p, w, mb, st, wg,
+      [&] {  // bf16 rows, both warpgroups' halves
+        each([&](int n, int d, float x, float y) {
+          *reinterpret_cast<uint32_t *>(st + staged_off(n, (256 * wg + d) >> 3) + 2 * (d & 7)) = pack2<false>(x, y);
+        });
+      },
+      [&] {  // fp32, this warpgroup's half
+        each([&](int n, int d, float x, float y) {
+          *reinterpret_cast<float2 *>(st + staged_off(n, d >> 2) + 4 * (d & 3)) = make_float2(x, y);
+        });
+      });
+  if (wg == 0 && lead) store_row_lses(p, w, mb, sM, rA, rB, sL[rA] + sL[64 + rA], sL[rB] + sL[64 + rB]);
 }
 
 // |x| of 8 bf16 (one 16-byte piece) as a float maximum.
