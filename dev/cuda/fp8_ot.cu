@@ -36,6 +36,8 @@
 #include <math.h>
 #include <vector>
 
+#include "fp8_host.h"  // e4m3_to_float, CK
+
 #include "decode_wide_fp8.cuh"  // transpose_v, pv8_ss, store geometry (and decode_common.cuh)
 
 namespace {
@@ -203,22 +205,7 @@ __global__ void __launch_bounds__(256, 1) ot_time(int tiles, long long *cycles, 
   if (acc == 12345.f) sink[tid] = acc;
 }
 
-float e4m3_to_float(uint8_t b) {
-  const int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
-  float v;
-  if (e == 0) v = ldexpf((float)m, -9);
-  else v = ldexpf(1.f + m / 8.f, e - 7);
-  return s ? -v : v;
-}
 
-#define CK(x)                                                                                  \
-  do {                                                                                         \
-    cudaError_t e_ = (x);                                                                      \
-    if (e_ != cudaSuccess) {                                                                   \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));       \
-      return 1;                                                                                \
-    }                                                                                          \
-  } while (0)
 
 uint8_t rand_e4m3(bool nonneg) {
   for (;;) {

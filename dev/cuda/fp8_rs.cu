@@ -35,6 +35,8 @@
 #include <math.h>
 #include <vector>
 
+#include "fp8_host.h"  // e4m3_to_float, CK
+
 #include "decode_common.cuh"
 #include "decode_fp8_rs.cuh"  // rs_k_pair, rs_vt_pair, wgmma_rs_m64n16k16_h
 
@@ -423,13 +425,6 @@ __global__ void __launch_bounds__(128 * NWG, 1) rs_time(int tiles, long long *cy
   if (acc == 12345.f) sink[tid] = acc;
 }
 
-float e4m3_to_float(uint8_t b) {
-  const int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
-  float v;
-  if (e == 0) v = ldexpf((float)m, -9);
-  else v = ldexpf(1.f + m / 8.f, e - 7);
-  return s ? -v : v;
-}
 float h2f(uint16_t h) {
   const int s = h >> 15, e = (h >> 10) & 31, m = h & 1023;
   float v = e == 0 ? ldexpf((float)m, -24) : ldexpf(1.f + m / 1024.f, e - 15);
@@ -437,14 +432,6 @@ float h2f(uint16_t h) {
 }
 uint16_t f2h(float f) { return __half_as_ushort(__float2half_rn(f)); }
 
-#define CK(x)                                                                                  \
-  do {                                                                                         \
-    cudaError_t e_ = (x);                                                                      \
-    if (e_ != cudaSuccess) {                                                                   \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));       \
-      return 1;                                                                                \
-    }                                                                                          \
-  } while (0)
 
 int run_check() {
   srand(7);
