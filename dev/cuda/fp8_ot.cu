@@ -38,7 +38,7 @@
 
 #include "fp8_host.h"  // e4m3_to_float, CK
 
-#include "decode_wide_fp8.cuh"  // transpose_v, pv8_ss, store geometry (and decode_common.cuh)
+#include "fp8_ot_base.cuh"  // transpose_v, pv8_rs, pv8_ss (and decode_wide_fp8.cuh, decode_common.cuh)
 
 namespace {
 

@@ -838,21 +838,20 @@ __device__ __forceinline__ void store_row_lses(const mla_decode_params &p, const
 // bytes apiece), a request boundary at H = 128 spent 11-25 us in these stores;
 // staged, ~5 (docs/decode-kernel.md §6, session 11).
 template <bool kF16>
-// osc: the output's factor (the fp8 math kernel's cache scale); offL / offM:
-// where the layout keeps the row sums and the running max; offStage: 64 KB
-// free once both warpgroups are past their last Q.K^T and P.V (the caller's
-// next use of it comes after a __syncthreads).
+// osc: the output's factor (the cache scale when the tiles are raw per-tensor
+// fp8). The rows are staged over Q (kOffQ), free once both warpgroups are
+// past their last Q.K^T (the caller's next use of it comes after a
+// __syncthreads).
 __device__ __forceinline__ void epilogue(const mla_decode_params &p, const ReqWork &w, int mb, uint8_t *smem,
                                          const float (&o)[128], float lsA, float lsB, int wg, int rA, int rB, int cq,
-                                         bool lead, float osc = 1.f, uint32_t offL = kOffL, uint32_t offM = kOffM,
-                                         uint32_t offStage = kOffQ) {
-  float *sL = reinterpret_cast<float *>(smem + offL);
-  const float *sM = reinterpret_cast<const float *>(smem + offM);
+                                         bool lead, float osc) {
+  float *sL = reinterpret_cast<float *>(smem + kOffL);
+  const float *sM = reinterpret_cast<const float *>(smem + kOffM);
   publish_row_sums(sL, lsA, lsB, wg, rA, rB, lead);
   __syncthreads();
   const float tA = sL[rA] + sL[64 + rA], tB = sL[rB] + sL[64 + rB];
   const float iA = tA > 0.f ? osc / tA : 0.f, iB = tB > 0.f ? osc / tB : 0.f;
-  uint8_t *st = smem + offStage;
+  uint8_t *st = smem + kOffQ;
   // (o[i], o[i + 1]): row rowB ? rB : rA, columns 256 wg + 8 (i / 4) + cq, + 1
   write_rows_staged(
       p, w, mb, st, wg,

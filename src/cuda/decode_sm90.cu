@@ -700,201 +700,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // ---------------------------------------------------------------------------
-// Wide fp8 math kernel (MLA_FLAG_FP8_MATH, per-tensor e4m3 cache, page size
-// >= 8): the seesaw above on fp8 tensor cores (decode_wide_fp8.cuh). Since
-// session 27 only with MLA_DECODE_W8_OLD=1 (the A/B baseline of
-// decode_wide8t_kernel below, which replaced it).
-// ---------------------------------------------------------------------------
-__global__ void __launch_bounds__(kThreads, 1)
-    decode_wide8_kernel(const mla_decode_params p, const __grid_constant__ KvMaps kv_maps) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using L = W8;
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t *smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
-  const uint32_t sb = smem_u32(smem);
-  pdl_trigger();
-  const int part = blockIdx.x, mb = blockIdx.y;
-  const int *meta = p.sched_meta + part * SCHED_INTS;
-  if (meta[SCHED_NUM_REQS] == 0) return;
-  const int tid = threadIdx.x, wg = tid >> 7, t128 = tid & 127, wi = (tid >> 5) & 3, lane = tid & 31;
-  const int rA = 16 * wi + (lane >> 2), rB = rA + 8;
-  const int cq = 2 * (lane & 3);
-  const bool lead = (lane & 3) == 0;
-  float *sM = reinterpret_cast<float *>(smem + L::kOffM);
-  float *sS0 = reinterpret_cast<float *>(smem + L::kOffS0);
-  float *sS1 = reinterpret_cast<float *>(smem + L::kOffS1);
-  const int *lim = reinterpret_cast<const int *>(smem + L::kOffLim);
-  const uint32_t bars0 = sb + L::kOffBar, bars1 = bars0 + 3 * 8;  // [latent 0-255, 256-511, rope]
-  const uint32_t kb0 = sb + L::kOffB0, kb1 = sb + L::kOffB1, vt0 = sb + L::kOffV0, vt1 = sb + L::kOffV1;
-  const CUtensorMap *map = &kv_maps.m[2];  // the swizzled byte view
-  const int er = meta[SCHED_END_REQ];
-  const bool issuer = t128 == 0;
-
-  if (tid == 0) {
-    for (int i = 0; i < 6; i++) mbar_init(bars0 + 8 * i, 1);
-    fence_mbar_init();
-  }
-  __syncthreads();
-
-  BufCursor cur0 = cursor_first(p, meta, mb, 0), cur1 = cursor_first(p, meta, mb, 1);
-  if (tid == 0) {
-    const TileSrc s0 = tile_src<LOAD_FP8_TMA>(p, er, cur0, 0), s1 = tile_src<LOAD_FP8_TMA>(p, er, cur1, 0);
-    for (int g = 0; g < 3; g++) {
-      if (s0.valid) load8_group(p, map, s0, kb0, bars0 + 8 * g, g);
-      if (s1.valid) load8_group(p, map, s1, kb1, bars1 + 8 * g, g);
-    }
-  }
-  uint32_t use0 = 0, use1 = 0;  // loads consumed per buffer (barrier parity)
-  uint32_t pairs = 0;           // pairs done (P tile roles)
-
-  for (int req = meta[SCHED_BEGIN_REQ]; req <= er; req++) {
-    const ReqWork w = req_work(p, meta, req, mb);
-    if (w.rows == 0) continue;
-    __syncthreads();  // the last request is done with Q, sM and the row arrays
-    const float sl2 = p.scale * kLog2e * p.kv_scale * load_q8<L>(p, w, mb, sb + L::kOffQ, smem, tid);
-    __syncthreads();
-    const int limA = lim[rA], limB = lim[rB], lim0 = lim[0];  // row 0 has the lowest limit
-
-    float o[128];
-#pragma unroll
-    for (int i = 0; i < 128; i++) o[i] = 0.f;
-    float lsA = 0.f, lsB = 0.f;  // this warpgroup's partial row sums of P' (thread part)
-
-    for (int t0 = 0; t0 < w.n_tiles; t0 += 2, pairs++) {
-      const bool has1 = t0 + 1 < w.n_tiles;
-      const int kt0 = w.kstart + 64 * t0, kt1 = kt0 + 64;
-      const int nv0 = min(64, w.kend_blk - kt0), nv1 = has1 ? min(64, w.kend_blk - kt1) : 0;
-      const bool full0 = kt0 + 64 <= lim0, full1 = kt1 + 64 <= lim0;
-      const uint32_t par0 = use0 & 1, par1 = use1 & 1;
-      const uint32_t sPa = sb + L::kOffP + (pairs & 1) * kChunk, sPb = sb + L::kOffP + ((pairs & 1) ^ 1) * kChunk;
-      BufCursor nx0 = cur0, nx1 = cur1;
-      cursor_next(p, meta, mb, nx0);
-      if (has1) cursor_next(p, meta, mb, nx1);
-      TileSrc ld0, ld1;
-      ld0.valid = ld1.valid = 0;
-      if (issuer) {
-        ld0 = tile_src<LOAD_FP8_TMA>(p, er, nx0, 0);
-        if (has1) ld1 = tile_src<LOAD_FP8_TMA>(p, er, nx1, 0);
-      }
-      float s[32];
-      uint32_t pa[2][4];
-      if (wg == 0) {
-        // ---------------- WG0: tile T0 in B0 ----------------
-        qk8_tile<0>(s, sb + L::kOffQ, kb0, bars0, par0, vt0, nv0, wi, lane);
-        named_bar_sync(BAR_WG0, 128);  // V0_L^T written by all four warps; their Q.K^T reads of B0 retired
-        if (ld0.valid) {  // B0's rope and latent 0-255 are read by nothing else in this pair
-          load8_group(p, map, ld0, kb0, bars0 + 16, 2);
-          load8_group(p, map, ld0, kb0, bars0, 0);
-        }
-        float mxA, mxB;
-        row_max(s, full0, kt0, limA, limB, cq, mxA, mxB);
-        const float mpA = sM[rA], mpB = sM[rB];
-        const float m0A = lazy_max8(mpA, mxA * sl2), m0B = lazy_max8(mpB, mxB * sl2);
-        const float s0A = lazy_scale(mpA, m0A), s0B = lazy_scale(mpB, m0B);
-        float sumA, sumB;
-        exp_rows(s, sl2, m0A, m0B, sumA, sumB);
-        pack_p8(pa, s, 1.f, 1.f);
-        store_p8(sPa, pa, wi, lane);
-        fence_proxy_async();
-        __syncwarp();
-        publish_rows(sM, sS0, rA, rB, m0A, m0B, s0A, s0B, lead);
-        named_bar_arrive(BAR_A, kThreads);
-        rescale_acc(o, lsA, lsB, s0A, s0B, sumA, sumB);
-        pv8_rs(o, pa, vt0, 0);  // O_L = s0 O_L + P0 V0_L
-        if (has1) {  // V1_L^T from B1 latent 0-255 while it runs
-          mbar_wait(bars1, par1);
-          transpose_v(kb1, vt1, 0, nv1, wi, lane);
-          fence_proxy_async();
-          named_bar_sync(BAR_WG0, 128);
-        }
-        // WG1's P1 / s1; rows whose max moved get P0' = s1 P0 re-stored.
-        named_bar_sync(BAR_P1, kThreads);
-        const float s1A = sS1[rA], s1B = sS1[rB];
-        const bool mv = s1A != 1.f || s1B != 1.f;
-        if (__any_sync(0xffffffffu, mv)) {
-          uint32_t pb[2][4];
-          pack_p8(pb, s, s1A, s1B);
-          store_p8(sPa, pb, wi, lane);
-          fence_proxy_async();
-        }
-        named_bar_arrive(BAR_P0, kThreads);
-        const bool drain = wg_any(mv, BAR_RED0);  // warpgroup-uniform
-        lsA *= s1A;
-        lsB *= s1B;
-        if (has1) {
-          if (drain) {
-            wgmma_wait<0>();
-            reg_fence(o);
-            keep_alive8(pa);
-            rescale_o(o, s1A, s1B);
-          }
-          pv8_ss(o, sPb, vt1, 0);  // O_L += P1 V1_L
-          // B1 latent 0-255: WG1's Q.K^T retired before BAR_P1, our transpose before BAR_WG0
-          if (ld1.valid) load8_group(p, map, ld1, kb1, bars1, 0);
-        }
-        wgmma_wait<0>();
-        reg_fence(o);
-        keep_alive8(pa);
-      } else {
-        // ---------------- WG1: tile T1 in B1 ----------------
-        float mxA = -INFINITY, mxB = -INFINITY;
-        if (has1) {
-          qk8_tile<1>(s, sb + L::kOffQ, kb1, bars1, par1, vt1, nv1, wi, lane);
-          named_bar_sync(BAR_WG1, 128);
-          if (ld1.valid) {  // B1's rope and latent 256-511: nothing else reads them in this pair
-            load8_group(p, map, ld1, kb1, bars1 + 16, 2);
-            load8_group(p, map, ld1, kb1, bars1 + 8, 1);
-          }
-          row_max(s, full1, kt1, limA, limB, cq, mxA, mxB);
-        }
-        named_bar_sync(BAR_A, kThreads);
-        const float m0A = sM[rA], m0B = sM[rB];
-        const float s0A = sS0[rA], s0B = sS0[rB];
-        const float m1A = lazy_max8(m0A, mxA * sl2), m1B = lazy_max8(m0B, mxB * sl2);
-        const float s1A = lazy_scale(m0A, m1A), s1B = lazy_scale(m0B, m1B);
-        float sumA = 0.f, sumB = 0.f;
-        if (has1) {
-          exp_rows(s, sl2, m1A, m1B, sumA, sumB);
-          pack_p8(pa, s, 1.f, 1.f);
-          store_p8(sPb, pa, wi, lane);
-          fence_proxy_async();
-        }
-        __syncwarp();
-        publish_rows(sM, sS1, rA, rB, m1A, m1B, s1A, s1B, lead);
-        named_bar_arrive(BAR_P1, kThreads);
-        const float fA = s0A * s1A, fB = s0B * s1B;
-        rescale_acc(o, lsA, lsB, fA, fB, sumA, sumB);
-        if (has1) pv8_rs(o, pa, vt1, 1);  // O_R += P1 V1_R, left in flight
-        // V0_R^T from B0 latent 256-511 meanwhile (WG0's Q.K^T on B0 retired before BAR_A)
-        mbar_wait(bars0 + 8, par0);
-        transpose_v(kb0, vt0, 1, nv0, wi, lane);
-        fence_proxy_async();
-        named_bar_sync(BAR_WG1, 128);
-        if (ld0.valid) load8_group(p, map, ld0, kb0, bars0 + 8, 1);
-        named_bar_sync(BAR_P0, kThreads);
-        pv8_ss(o, sPa, vt0, 1);  // O_R += P0' V0_R
-        wgmma_wait<0>();
-        reg_fence(o);
-        if (has1) keep_alive8(pa);
-      }
-      use0++;
-      if (has1) use1++;
-      cur0 = nx0;
-      if (has1) cur1 = nx1;
-    }
-    // (V^T of both buffers: 64 KB, free after the request's last P.V; staged
-    // stores: 520 -> 482 us at b=128 s_k 8192 in spite of 76 bytes of spill)
-    epilogue<false>(p, w, mb, smem, o, lsA, lsB, wg, rA, rB, cq, lead, p.kv_scale, L::kOffL, L::kOffM, L::kOffV0);
-  }
-#endif
-}
-
-// ---------------------------------------------------------------------------
-// The fp8 math kernel in the O^T form (session 27; docs/decode-kernel.md §12;
-// the default, the kernel above stays behind MLA_DECODE_W8_OLD): the same
-// seesaw, but O^T = V^T P^T with the V^T fragments loaded from the raw K tile
-// into registers (vt_frags) and P from shared memory, so no V^T buffers and
-// no transposes. That frees room for a third K buffer: tile g of the part
+// The fp8 math kernel (MLA_FLAG_FP8_MATH, per-tensor e4m3 cache, page size
+// >= 8; decode_wide_fp8.cuh, docs/decode-kernel.md §12), in the O^T form
+// since session 27: the wide kernel's seesaw on fp8 tensor cores computing
+// O^T = V^T P^T, the V^T fragments loaded from the raw K tile into registers
+// (vt_frags) and P read from shared memory, so no V^T buffers and no
+// transposes. That frees room for a third K buffer: tile g of the part
 // lives in buffer g % 3, and each buffer's refill (tile g + 3) is issued as
 // soon as its tile's Q.K^T and fragment loads are done, ~a pair earlier than
 // with two buffers. P0 (WG0's own), P1 (two by pair parity) and P0' = s1 P0
@@ -2434,22 +2245,14 @@ cudaError_t launch_wide(const mla_decode_params *p, const KvMaps &map, cudaStrea
   return cudaGetLastError();
 }
 
-bool env_flag(const char *name);
-// The fp8 math kernel: the O^T form with three K buffers (decode_wide8t_kernel,
-// 3-7 % faster at b = 128, H = 128: bench/RESULTS.md session 27 run 7);
-// MLA_DECODE_W8_OLD=1 (development switch, read once) runs the transposing
-// kernel before it, for the A/B of docs/decode-kernel.md §12.
+// The fp8 math kernel: the O^T form with three K buffers (decode_wide8t_kernel;
+// the transposing kernel it replaced, 3-7 % slower at b = 128, H = 128, is
+// dev/cuda/variants/s28-wide8-transposing.patch).
 cudaError_t launch_wide8(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
-  static const bool old_kernel = env_flag("MLA_DECODE_W8_OLD");
-  static uint64_t smem_set, smem_old;
+  static uint64_t smem_set;
   const dim3 grid(p->num_sm_parts, mla_decode_m_blocks(p));
-  if (old_kernel) {
-    DEV_CUDA_OK(set_smem_once(decode_wide8_kernel, (int)W8::kSmem, &smem_old));
-    decode_wide8_kernel<<<grid, kThreads, W8::kSmem, stream>>>(*p, map);
-  } else {
-    DEV_CUDA_OK(set_smem_once(decode_wide8t_kernel, (int)W8T::kSmem, &smem_set));
-    decode_wide8t_kernel<<<grid, kThreads, W8T::kSmem, stream>>>(*p, map);
-  }
+  DEV_CUDA_OK(set_smem_once(decode_wide8t_kernel, (int)W8T::kSmem, &smem_set));
+  decode_wide8t_kernel<<<grid, kThreads, W8T::kSmem, stream>>>(*p, map);
   return cudaGetLastError();
 }
 

@@ -11,45 +11,23 @@
 //  - P' = 2^(s - m + 4) <= 2^8 (the running max moves lazily by > 4) is
 //    rounded to e4m3; the row sums are the fp32 P'. Storing m - 4 as the
 //    running max keeps lse = m + log2(l) exact.
-//  - P.V needs V K-major (keys contiguous per dim): each warpgroup writes
-//    V^T of its 256 output dims of both tiles of a pair into a 32 KB buffer
-//    per tile (ldmatrix.trans, two byte permutes, stmatrix; transpose_v),
-//    the first one while its own Q.K^T runs. Keys inside each 16-key block
-//    are permuted the way the S accumulator holds them, so P's A fragments
-//    are packed straight from S (pack_p8).
-//  - The schedule is the wide kernel's seesaw (decode_sm90.cu, ladder v9);
-//    a K buffer is refilled as soon as its Q.K^T and its two transposes are
-//    done (not after the P.V, as V now lives in the V^T buffers).
-//  - Since session 27 the library runs the O^T form below instead (W8T,
-//    vt_frags, epilogue_ot): V^T as register A fragments, no V^T buffers,
-//    three K buffers; the transposing kernel stays as its A/B baseline.
+//  - P.V runs in the O^T form: O^T = V^T P^T, with V^T loaded straight from
+//    the raw K tile into registers as the A operand (ldmatrix.trans and
+//    byte permutes: vt_frags) and P as the K-major B operand from shared
+//    memory. Keys inside each 16-key block are permuted the way the S
+//    accumulator holds them, so P's tiles are packed straight from S
+//    (pack_p8). No V^T buffers; three K buffers (W8T).
+//  - The schedule is the wide kernel's seesaw (decode_sm90.cu, ladder v9).
+//  - The transposing kernel this replaced (V^T written to shared memory per
+//    tile, two K buffers; session 7 to 27) is
+//    dev/cuda/variants/s28-wide8-transposing.patch; dev/cuda/fp8_ot_base.cuh
+//    keeps its P.V building blocks for the fp8_ot timing.
 #pragma once
 
 #include "decode_seesaw.cuh"
 #include "decode_wgmma_fp8.cuh"
 
 namespace seesaw {
-
-// Shared memory of the fp8 math kernel (offsets from a 1024-aligned base).
-struct W8 {
-  static constexpr uint32_t kOffQ = 0;                     // Q e4m3: chunks 0-3 latent (128 dims each), 4 rope (bytes 64..127)
-  static constexpr uint32_t kOffB0 = 5 * kChunk;           // raw tile: chunks 0-3 latent, 4 = row bytes 448..575
-  static constexpr uint32_t kOffB1 = kOffB0 + 5 * kChunk;
-  static constexpr uint32_t kOffV0 = kOffB1 + 5 * kChunk;  // V^T of B0's tile: 256 rows x 128 B (dims d and 256 + d)
-  static constexpr uint32_t kOffV1 = kOffV0 + 4 * kChunk;  // V^T of B1's tile
-  static constexpr uint32_t kOffP = kOffV1 + 4 * kChunk;   // two P tiles, 64 rows x 128 B (bytes 0..63 used)
-  static constexpr uint32_t kOffM = kOffP + 2 * kChunk;    // float[64] running max - 4 (log2 units)
-  static constexpr uint32_t kOffS0 = kOffM + 256;          // float[64]
-  static constexpr uint32_t kOffS1 = kOffS0 + 256;         // float[64]
-  static constexpr uint32_t kOffL = kOffS1 + 256;          // float[2][64]
-  static constexpr uint32_t kOffLim = kOffL + 512;         // int[64]
-  static constexpr uint32_t kOffRed = kOffLim + 256;       // float[8]: |q| maxima per warp
-  static constexpr uint32_t kOffBar = kOffRed + 32;        // 6 mbarriers: [buf][latent 0-255, 256-511, rope]
-  static constexpr uint32_t kSmem = kOffBar + 6 * 8 + 1024;  // + alignment slack
-  static_assert(kOffBar % 8 == 0, "mbarrier alignment");
-  static_assert(kOffP - kOffV0 == 65536, "the epilogue stages 64 rows x 1 KB over V^T");
-  static_assert(kSmem <= 232448, "over the opt-in shared memory of sm_90");
-};
 
 // Lazy max of the fp8 kernel: P' <= 2^(kPOff8 + kLazy8) = 256 < 448 (e4m3 max).
 constexpr float kLazy8 = 4.f, kPOff8 = 4.f;
@@ -76,11 +54,11 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
 }
 
 // P' (64 rows x 64 keys in the S accumulator layout) times f (row A / B) ->
-// the two k32 A fragments of P.V. Fragment kk, register j: row rA (j even)
+// two k32 fragments of e4m3 (store_p8 writes them as a P tile). Fragment kk, register j: row rA (j even)
 // or rB (j odd), logical k 4q..4q+3 (j < 2) or 16 + 4q.. (j >= 2) of the
 // step, i.e. keys 32 kk + 16 (j >> 1) + {2q, 2q + 1, 8 + 2q, 9 + 2q}: what
-// the thread holds of S, so no data moves; transpose_v lays V^T out in the
-// same key order.
+// the thread holds of S, so no data moves; vt_frags loads V^T in the same
+// key order.
 __device__ __forceinline__ void pack_p8(uint32_t (&pa)[2][4], const float (&s)[32], float fA, float fB) {
 #pragma unroll
   for (int kk = 0; kk < 2; kk++)
@@ -92,7 +70,7 @@ __device__ __forceinline__ void pack_p8(uint32_t (&pa)[2][4], const float (&s)[3
     }
 }
 // The fragments into one swizzled P tile (64 rows x 64 keys of e4m3 in bytes
-// 0..63 of 128-byte rows) for the other warpgroup's SS P.V: per k32 step one
+// 0..63 of 128-byte rows), the K-major B operand of O^T += V^T P^T: per k32 step one
 // stmatrix.x4 (4-byte words of a row = two b16; the same geometry as
 // store_p's k16 steps of bf16).
 __device__ __forceinline__ void store_p8(uint32_t sP, const uint32_t (&pa)[2][4], int wi, int lane) {
@@ -101,60 +79,6 @@ __device__ __forceinline__ void store_p8(uint32_t sP, const uint32_t (&pa)[2][4]
 #pragma unroll
   for (int kk = 0; kk < 2; kk++)
     stsm_x4(sP + sw128_off(r, 16 * kk + 8 * (mat >> 1)), pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3]);
-}
-__device__ __forceinline__ void keep_alive8(const uint32_t (&pa)[2][4]) {
-#pragma unroll
-  for (int k = 0; k < 2; k++)
-#pragma unroll
-    for (int j = 0; j < 4; j++) asm volatile("" ::"r"(pa[k][j]) : "memory");
-}
-
-// V^T of one half (256 output dims) of a raw tile at kb: its latent chunks
-// 2 half, 2 half + 1 (64 key rows x 128 B, swizzled as TMA lands them) ->
-// vt, 256 rows (dim - 256 half) x 128 B, swizzled, the half's 64 keys in
-// bytes 64 half .. 64 half + 63 (the other warpgroup writes the other half
-// of each row). Inside each 16-key block, position 4q + e holds key
-// 8 (e >> 1) + 2q + (e & 1) (pack_p8's order). Keys >= nvalid become 0
-// (past the piece: NaN possible, and P = 0 there would not cancel it).
-// Warp wi does keys 16 wi .. 16 wi + 15; per 32 dims: one ldmatrix.trans of
-// four 8x8 b16 matrices (keys +0-7 / +8-15 x dims +0-15 / +16-31), which
-// gives lane (c = lane / 4, q = lane % 4) keys {2q, 2q + 1} x dims
-// {2c, 2c + 1} per matrix; two byte permutes per matrix pair make dims 2c
-// and 2c + 1 four keys each; one stmatrix writes them, each matrix taking
-// even dims from lanes < 16 and odd ones from the others so that its 8 rows
-// fall in 8 different 16-byte bank groups (no conflicts on either side).
-// The caller fences (generic -> async proxy) and syncs the warpgroup.
-__device__ __forceinline__ void transpose_v(uint32_t kb, uint32_t vt, int half, int nvalid, int wi, int lane) {
-  const int m = lane >> 3, i = lane & 7, q = lane & 3;
-  const int key = 16 * wi + 8 * (m & 1) + i;  // the ldmatrix row this lane addresses
-  uint32_t keep = 0xffffffffu;
-  if (nvalid < 64) {
-    const int k0 = 16 * wi + 2 * q;
-    keep = (k0 < nvalid ? 0xffu : 0u) | (k0 + 1 < nvalid ? 0xff00u : 0u) | (k0 + 8 < nvalid ? 0xff0000u : 0u) |
-           (k0 + 9 < nvalid ? 0xff000000u : 0u);
-  }
-  const bool lo = lane < 16;
-  const uint32_t selA = lo ? 0x6420u : 0x7531u, selB = lo ? 0x7531u : 0x6420u;  // even / odd dims of a pair
-  const int drel = 16 * (m >> 1) + 2 * i + (((m & 1) ^ (i >= 4 ? 1 : 0)) ? 1 : 0);  // the stmatrix row (dim) it addresses
-  const uint32_t unit = 4 * half + wi;
-  // Per chunk the four loads first, then the four stores: a load-permute-
-  // store chain per 32 dims would wait out the ldmatrix latency eight times.
-#pragma unroll
-  for (int c = 0; c < 2; c++) {
-    uint32_t r[4][4];
-#pragma unroll
-    for (int g = 0; g < 4; g++)
-      ldsm_x4_trans(kb + (2 * half + c) * kChunk + key * 128 + (((2 * g + (m >> 1)) ^ (key & 7)) << 4), r[g]);
-#pragma unroll
-    for (int g = 0; g < 4; g++) {
-      // (even dims for matrix 0 / 2 from lanes < 16, odd ones from the rest:
-      // the selector itself differs per lane, no select needed)
-      const uint32_t w0 = __byte_perm(r[g][0], r[g][1], selA) & keep, w1 = __byte_perm(r[g][0], r[g][1], selB) & keep;
-      const uint32_t w2 = __byte_perm(r[g][2], r[g][3], selA) & keep, w3 = __byte_perm(r[g][2], r[g][3], selB) & keep;
-      const int n = 128 * c + 32 * g + drel;
-      stsm_x4(vt + (n >> 3) * 1024 + (n & 7) * 128 + ((unit ^ (uint32_t)(n & 7)) << 4), w0, w1, w2, w3);
-    }
-  }
 }
 
 // TMA refill of one group of a raw tile: g 0 = latent 0-255 (chunks 0, 1),
@@ -209,36 +133,6 @@ __device__ __forceinline__ void qk8_tile_nt_issue(float (&s)[32], uint32_t sq, u
   wgmma_commit();
 }
 
-// S = Q K^T of one tile (18 wgmma m64n64k32: the rope's two k-steps, then
-// the warpgroup's own latent half, then the other), and while they run this
-// warpgroup's half of the tile's V^T (its own half was waited for first).
-template <int WG>
-__device__ __forceinline__ void qk8_tile(float (&s)[32], uint32_t sq, uint32_t kb, uint32_t bars, uint32_t par,
-                                         uint32_t vt, int nvalid, int wi, int lane) {
-  qk8_tile_nt_issue(s, sq, kb, bars, par, WG);
-  transpose_v(kb, vt, WG, nvalid, wi, lane);
-  fence_proxy_async();
-  wgmma_wait<0>();
-  reg_fence(s);
-}
-
-// O[:, 256 half ..] += P V with P from registers / from a P tile; V^T of the
-// tile at vt (this half's keys at bytes 64 half of each row).
-__device__ __forceinline__ void pv8_rs(float (&o)[128], const uint32_t (&pa)[2][4], uint32_t vt, int half) {
-  const uint64_t dv = desc_sw128(vt + 64 * half, 16, 1024);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < 2; kk++) wgmma_m64n256k32_rs_e4m3(o, pa[kk], dv + ((32 * kk) >> 4), 1);
-  wgmma_commit();
-}
-__device__ __forceinline__ void pv8_ss(float (&o)[128], uint32_t sP, uint32_t vt, int half) {
-  const uint64_t dp = desc_sw128(sP, 16, 1024), dv = desc_sw128(vt + 64 * half, 16, 1024);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < 2; kk++) wgmma_m64n256k32_ss_e4m3(o, dp + ((32 * kk) >> 4), dv + ((32 * kk) >> 4), 1);
-  wgmma_commit();
-}
-
 // ---- the O^T form (decode_wide8t_kernel; docs/decode-kernel.md §4, §12) ----
 // O^T[256 x 64] += V^T P^T per warpgroup: V^T from registers as the A operand
 // of wgmma m64n64k32 (four m-tiles of 64 dims), P the K-major B from shared
@@ -246,7 +140,7 @@ __device__ __forceinline__ void pv8_ss(float (&o)[128], uint32_t sP, uint32_t vt
 // fragments are loaded; the 64 KB they took hold a third K buffer, and the
 // epilogue stages its rows over Q and the P tiles (free at a request's end).
 struct W8T {
-  static constexpr uint32_t kOffQ = 0;                        // as W8 (5 chunks)
+  static constexpr uint32_t kOffQ = 0;                        // Q e4m3: chunks 0-3 latent (128 dims each), 4 rope (bytes 64..127)
   static constexpr uint32_t kOffPa = 5 * kChunk;              // P0 (WG0's own P.V)
   static constexpr uint32_t kOffPb = kOffPa + kChunk;         // P1, two by pair parity (both warpgroups read it)
   static constexpr uint32_t kOffPc = kOffPb + 2 * kChunk;     // P0' = s1 P0 (WG1's P0' V0_R)
