@@ -314,7 +314,9 @@ typedef struct mla_plan_limits {
 /* Split-KV schedule (FlashMLA's rule as baseline): KV is cut into 64-token
  * blocks; each request costs ceil(kv/64) + MLA_SCHED_FIXED_OVERHEAD blocks;
  * the total is spread over num_sm_parts = max(1, num_sm / ceil(q_per_req*H/64))
- * parts of payload ceil(total/parts) + overhead blocks each. Part p covers the
+ * parts, walked greedily in request order with a payload of q + overhead
+ * blocks per part: q the smallest that fits, or FlashMLA's ceil(total/parts)
+ * when the smaller q would cut the batch into more pieces. Part p covers the
  * token range [begin_req:begin_tok, end_req:end_tok) (end exclusive; a part may
  * span several requests). Request i is cut into num_splits[i+1]-num_splits[i]
  * pieces, piece k's partial state index being num_splits[i] + k. A request

@@ -309,7 +309,8 @@ static void draft_steps(int P, int H, int num_steps) {
 
 /* The device schedule (a parallel rebuild of the host's greedy walk) equals
  * mla_split_schedule on many random length mixes: short, long, zero-length,
- * uniform, batch sizes 1..600, part counts 1..132. Synthetic req_to_token
+ * uniform, batch sizes 1..600, part counts 1..132 (q below FlashMLA's, or
+ * kept at it for the pieces: src/plan/step_build.h). Synthetic req_to_token
  * (pages cycle through a small cache): only the lengths matter here. */
 static void schedule_equality(int cases) {
   const int P = 64, maxbs = 600, maxkv = 20000, pages = 64;
@@ -326,13 +327,19 @@ static void schedule_equality(int cases) {
   int32_t *gm = malloc(sizeof(int32_t) * 132 * MLA_SCHED_META_INTS), *gn = malloc(sizeof(int32_t) * (maxbs + 1));
   int bad = 0, first_bad = -1;
   for (int c = 0; c < cases; c++) {
-    const int bs = c % 7 == 0 ? tu_randint(&rng, 100, maxbs) : tu_randint(&rng, 1, 48);
-    const int kind = c % 4;
+    /* kind 4: uniform batches over all 132 SMs, where the schedule's q is
+     * often below FlashMLA's (b = 64 x 4096, 64 x 1024) or kept at it because
+     * a smaller one would cut more pieces (b = 96 x 1024) */
+    static const int ubs[6] = {16, 32, 48, 64, 96, 128}, ukv[4] = {1024, 2048, 4096, 8192};
+    const int kind = c % 5;
+    const int bs = kind == 4 ? ubs[tu_randint(&rng, 0, 5)]
+                   : c % 7 == 0 ? tu_randint(&rng, 100, maxbs) : tu_randint(&rng, 1, 48);
+    const int ukvc = ukv[tu_randint(&rng, 0, 3)];
     for (int i = 0; i < bs; i++)
       seq[i] = kind == 0 ? tu_randint(&rng, 0, 100)
                : kind == 1 ? tu_randint(&rng, 0, maxkv)
                : kind == 2 ? (tu_randint(&rng, 0, 2) == 0 ? 0 : tu_randint(&rng, 1, 5000))
-                           : 4096;
+               : kind == 3 ? 4096 : ukvc;
     mla_step_desc d;
     memset(&d, 0, sizeof d);
     d.mode = MLA_MODE_DECODE;
@@ -340,7 +347,7 @@ static void schedule_equality(int cases) {
     d.max_kv_len = maxkv;
     d.num_heads = tu_randint(&rng, 0, 1) ? 16 : 128;
     d.page_size = P;
-    d.num_sm = tu_randint(&rng, 1, 132);
+    d.num_sm = kind == 4 ? 132 : tu_randint(&rng, 1, 132);
     size_t wsb = 0;
     TU_STATUS(mla_step_workspace_size(gpu, &d, &wsb), MLA_OK);
     void *ws = tu_dev_alloc(wsb);

@@ -20,6 +20,33 @@
 #define OVH 5  /* MLA_SCHED_FIXED_OVERHEAD */
 
 /* ---- split schedule properties --------------------------------------------- */
+/* Whether the batch fits in `parts` parts of budget q + OVH, by a count of its
+ * own: a part holds whole requests while their blocks + OVH fit, then cuts
+ * the next one if more than OVH is left. *pieces: the (part, request) pairs. */
+static int greedy_fits(const int32_t *kv, int bs, int parts, int64_t q, int64_t *pieces) {
+  int req = 0;
+  int64_t left = bs > 0 ? (kv[0] + BLK - 1) / BLK : 0; /* blocks of `req` not yet placed */
+  *pieces = 0;
+  for (int p = 0; p < parts && req < bs; p++) {
+    int64_t room = q + OVH;
+    for (;;) {
+      if (room >= left + OVH) {
+        room -= left + OVH;
+        ++*pieces;
+        if (++req == bs) break;
+        left = (kv[req] + BLK - 1) / BLK;
+      } else {
+        if (room > OVH) {
+          left -= room - OVH;
+          ++*pieces;
+        }
+        break;
+      }
+    }
+  }
+  return req == bs;
+}
+
 /* Checks sched_meta / num_splits against the rules written in mla.h; on a
  * violation writes a reason to `why` and returns 0. */
 static int sched_ok(const int32_t *kv, int bs, int parts, const int32_t *meta, const int32_t *nsp,
@@ -35,13 +62,30 @@ static int sched_ok(const int32_t *kv, int bs, int parts, const int32_t *meta, c
     off[i + 1] = off[i] + nb;
   }
   unsigned char *marks = calloc((size_t)off[bs] + 1, 1);
-  const int64_t payload = (total + parts - 1) / parts + OVH;
   int cur_req = 0, cur_tok = 0, last_work = -1;
 #define BAD(...)                    \
   do {                              \
     snprintf(why, wn, __VA_ARGS__); \
     goto out;                       \
   } while (0)
+  /* The budget: the smallest q whose greedy walk fits (an independent linear
+   * scan, up to FlashMLA's ceil(total / parts), which always fits), unless it
+   * cuts the batch into more pieces than FlashMLA's q. Every q from the
+   * smallest on must fit too, or bisecting for it (as the library does) could
+   * miss it. */
+  const int64_t q_flash = (total + parts - 1) / parts;
+  int64_t q_min = q_flash, pc_min = 0, pc_flash = 0, pc;
+  for (int64_t q = 1; q < q_flash; q++)
+    if (greedy_fits(kv, bs, parts, q, &pc)) {
+      q_min = q;
+      break;
+    }
+  for (int64_t q = q_min; q <= q_flash; q++)
+    if (!greedy_fits(kv, bs, parts, q, &pc)) BAD("q %lld fits but %lld does not", (long long)q_min, (long long)q);
+  greedy_fits(kv, bs, parts, q_min, &pc_min);
+  greedy_fits(kv, bs, parts, q_flash, &pc_flash);
+  const int64_t q_use = pc_min > pc_flash ? q_flash : q_min;
+  const int64_t payload = q_use + OVH;
   for (int p = 0; p < parts; p++) {
     const int32_t *m = meta + (size_t)p * MLA_SCHED_META_INTS;
     if (m[6] != 0 || m[7] != 0) BAD("part %d: reserved entries %d %d", p, m[6], m[7]);
@@ -158,6 +202,25 @@ static void test_schedule_alone(tu_rng *r) {
   TU_CHECK(mla_split_schedule(&one, 1, 4, meta, nsp) == 0 && nsp[1] == 1 && meta[5] == 1 &&
                meta[8 + 5] == 0,
            "single short request: splits %d, parts %d %d", nsp[1], meta[5], meta[8 + 5]);
+  /* 64 requests of 64 blocks over 132 parts: FlashMLA's payload (ceil(4416 /
+   * 132) = 34 blocks + 5) cuts each into 34 + 30 blocks; the smallest budget
+   * that fits cuts them into 32 + 32. */
+  {
+    int32_t kv64[64], meta64[132 * 8], nsp64[65];
+    for (int i = 0; i < 64; i++) kv64[i] = 4096;
+    int most = 0, used = 0;
+    TU_CHECK(mla_split_schedule(kv64, 64, 132, meta64, nsp64) == 0, "b=64 schedule");
+    for (int p = 0; p < 132; p++) {
+      const int32_t *m = meta64 + 8 * p;
+      if (m[MLA_SCHED_NUM_REQS] == 0) continue;
+      used++;
+      const int blocks = (m[MLA_SCHED_END_TOK] - m[MLA_SCHED_BEGIN_TOK]) / BLK; /* one request per part here */
+      if (m[MLA_SCHED_NUM_REQS] == 1 && blocks > most) most = blocks;
+      if (m[MLA_SCHED_NUM_REQS] != 1) most = 1 << 30;
+    }
+    TU_CHECK(used == 128 && most == 32 && nsp64[64] == 128, "b=64 s_k=4096: %d parts used, largest %d blocks, %d pieces",
+             used, most, nsp64[64]);
+  }
   /* Many parts over one long request: every part but the first continues it. */
   int32_t longk = 64 * 1000;
   int32_t meta2[8 * 10], nsp2[2];

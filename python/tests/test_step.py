@@ -60,7 +60,7 @@ def _expected_block_table(w, rows, kv, width):
 @pytest.mark.parametrize("mode,ndt", [("decode", 0), ("target_verify", 3), ("draft_extend", 2)])
 def test_step_equals_plan_and_reference(ctx, rng, mode, ndt, page_size):
     H = 4
-    # Request 0 longer than a part's share (Q = ceil(total cost / parts)), so it is always cut.
+    # Request 0 longer than any part's share (at most ceil(total cost / parts) + overhead), so it is always cut.
     lens = [1200] + [int(n) for n in rng.integers(ndt + 2, 120, size=8)]
     w = World(ctx, rng, lens, page_size=page_size, max_reqs=12, max_context=1216)
     mc = w.rt.max_context

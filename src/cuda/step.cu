@@ -89,7 +89,7 @@ __device__ int locate(const int64_t *C, int bs, int64_t s) {
 // The split schedule of src/plan/step_build.h (the greedy walk mla_plan_build
 // runs on the host), rebuilt in parallel. On the cost line (request i at
 // [C_i, C_{i+1}), c_i = ceil(kv_i/64) + OV) a part that starts at request
-// r's beginning has budget Q + OV (Q = ceil(total / parts)) and one that
+// r's beginning has budget Q + OV (Q: the walk's q, below) and one that
 // starts at a cut has Q, so from a beginning at C_r the walk visits
 // y_j = C_r + OV + j*Q (j = 1, 2, ...): each y_j is a cut until one lands
 // within the first OV units of a request t (y_j in [C_t, min(C_t + OV,
@@ -99,11 +99,83 @@ __device__ int locate(const int64_t *C, int bs, int64_t s) {
 //   2. one thread follows nb from request 0 (one hop per run, not per part);
 //   3. per part and per request (in parallel): its range and piece counts
 //      from the run it belongs to.
+// Q is the host's (mla_sb_sched_q): the smallest that fits, by the same
+// bisection, each trial answered by steps 1 and a count of the parts on the
+// chain from request 0 by pointer jumping (log2(bs) parallel rounds instead
+// of step 2's walk, one hop per run); then FlashMLA's q if the smaller one
+// cuts the batch into more pieces (bs + parts - runs on the chain, both
+// counted by one jumping pass).
 // tests/test_cuda_step.c checks the result equal to the host walk.
 constexpr int OV = MLA_SCHED_FIXED_OVERHEAD;
 
 __device__ int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 __device__ int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
+
+// Step 1 at Q: for every request r, the request where the run from C_r
+// closes (nb[r], bs: it runs to the end) and after how many parts (steps[r]).
+// All threads; the caller syncs after.
+__device__ void runs_at(const int64_t *C, int bs, int64_t total, int64_t Q, int32_t *nb, int32_t *steps) {
+  for (int r = threadIdx.x; r < bs; r += blockDim.x) {
+    const int64_t base = C[r] + OV;
+    const int64_t j_end = ceil_div(total - base, Q) > 1 ? ceil_div(total - base, Q) : 1;
+    int32_t land = bs;
+    int64_t jl = j_end;
+    for (int64_t j = 1; j < j_end; j++) {
+      const int64_t y = base + j * Q;
+      const int q = locate(C, bs, y);
+      const int64_t hi = C[q] + OV < C[q + 1] - 1 ? C[q] + OV : C[q + 1] - 1;
+      if (y <= hi) {  // within q's first units: the run closes at q's beginning
+        land = q;
+        jl = j;
+        break;
+      }
+      // Skip the y_j still inside q's blocks (all cuts) in one go.
+      const int64_t jn = ceil_div(C[q + 1] - base, Q) - 1;
+      if (jn > j) j = jn;
+    }
+    nb[r] = land;
+    steps[r] = (int32_t)jl;
+  }
+}
+
+// Parts on the chain of runs from request 0 (what step 2's walk adds up), by
+// pointer jumping: after round k, nx[i] is the run 2^k hops after i and ct[i]
+// the parts of those hops. Overwrites nb / steps (and the spare pair nx2 /
+// ct2, [bs] each). All threads, uniform result.
+__device__ int64_t chain_parts(int bs, int32_t *nb, int32_t *steps, int32_t *nx2, int32_t *ct2, int64_t *out) {
+  int32_t *nx = nb, *ct = steps;
+  __syncthreads();  // step 1's nb / steps are complete
+  for (int span = 1; span < bs; span <<= 1) {
+    for (int i = threadIdx.x; i < bs; i += blockDim.x) {
+      const int j = nx[i];
+      nx2[i] = j < bs ? nx[j] : bs;
+      ct2[i] = ct[i] + (j < bs ? ct[j] : 0);
+    }
+    __syncthreads();
+    int32_t *t0 = nx, *t1 = ct;
+    nx = nx2;
+    ct = ct2;
+    nx2 = t0;
+    ct2 = t1;
+  }
+  if (threadIdx.x == 0) *out = ct[0];
+  __syncthreads();
+  const int64_t r = *out;
+  __syncthreads();  // *out read by all before a later call rewrites it
+  return r;
+}
+
+// Pieces of the schedule at Q (a Q that fits): bs + parts - runs, both sums
+// from one jumping pass over steps with the hop count packed above bit 16
+// (parts <= num_parts < 2^16 and runs <= bs < 2^15 on the chain from 0).
+__device__ int64_t chain_pieces(const int64_t *C, int bs, int64_t total, int64_t Q, int32_t *nb, int32_t *steps,
+                                int32_t *nx2, int32_t *ct2, int64_t *out) {
+  runs_at(C, bs, total, Q, nb, steps);
+  __syncthreads();
+  for (int r = threadIdx.x; r < bs; r += blockDim.x) steps[r] += 1 << 16;
+  const int64_t v = chain_parts(bs, nb, steps, nx2, ct2, out);
+  return bs + (v & 0xFFFF) - (v >> 16);
+}
 
 __global__ void __launch_bounds__(kSchedThreads)
     step_schedule_kernel(const mla_step_geom g, int32_t *__restrict__ qo_indptr, int32_t *__restrict__ kv_lens,
@@ -115,7 +187,10 @@ __global__ void __launch_bounds__(kSchedThreads)
   int32_t *chain_b = steps + bs;                 // [chain_cap]: boundary requests of the runs
   const int chain_cap = (bs < parts ? bs : parts) + 2;
   int32_t *chain_p = chain_b + chain_cap;        // [chain_cap]: first part of each run
+  int32_t *nx2 = chain_p + chain_cap;            // [bs]: pointer jumping's spare pair
+  int32_t *ct2 = nx2 + bs;                       // [bs]
   __shared__ int64_t sums64[32];
+  __shared__ int64_t trial_parts;
   __shared__ int32_t sums32[32];
   __shared__ int chain_len;
 
@@ -147,30 +222,28 @@ __global__ void __launch_bounds__(kSchedThreads)
   }
   if (t == 0) C[bs] = total;
   __syncthreads();
-  const int64_t Q = mla_sb_cdiv(total, parts);  // >= 1: total >= OV * bs
+  // Q: bisection between ceil(blocks / parts) and FlashMLA's ceil(total /
+  // parts) (>= 1: total >= OV * bs), as mla_sb_sched_q on the host.
+  int64_t Q;
+  {
+    const int64_t q_flash = mla_sb_cdiv(total, parts), blocks = total - (int64_t)OV * bs;
+    int64_t lo = mla_sb_cdiv(blocks, parts), hi = q_flash;
+    if (lo < 1) lo = 1;
+    if (lo > hi) lo = hi;
+    while (lo < hi) {  // block-uniform
+      const int64_t mid = lo + (hi - lo) / 2;
+      runs_at(C, bs, total, mid, nb, steps);
+      if (chain_parts(bs, nb, steps, nx2, ct2, &trial_parts) <= parts) hi = mid;
+      else lo = mid + 1;
+    }
+    Q = hi;
+    if (Q < q_flash && chain_pieces(C, bs, total, Q, nb, steps, nx2, ct2, &trial_parts) >
+                           chain_pieces(C, bs, total, q_flash, nb, steps, nx2, ct2, &trial_parts))
+      Q = q_flash;
+  }
 
   // 1. the run from each request's beginning
-  for (int r = t; r < bs; r += nt) {
-    const int64_t base = C[r] + OV;
-    const int64_t j_end = ceil_div(total - base, Q) > 1 ? ceil_div(total - base, Q) : 1;
-    int32_t land = bs;
-    int64_t jl = j_end;
-    for (int64_t j = 1; j < j_end; j++) {
-      const int64_t y = base + j * Q;
-      const int q = locate(C, bs, y);
-      const int64_t hi = C[q] + OV < C[q + 1] - 1 ? C[q] + OV : C[q + 1] - 1;
-      if (y <= hi) {  // within q's first units: the run closes at q's beginning
-        land = q;
-        jl = j;
-        break;
-      }
-      // Skip the y_j still inside q's blocks (all cuts) in one go.
-      const int64_t jn = ceil_div(C[q + 1] - base, Q) - 1;
-      if (jn > j) j = jn;
-    }
-    nb[r] = land;
-    steps[r] = (int32_t)jl;
-  }
+  runs_at(C, bs, total, Q, nb, steps);
   __syncthreads();
 
   // 2. follow the runs from request 0
@@ -262,7 +335,7 @@ __global__ void __launch_bounds__(kSchedThreads)
 
 size_t schedule_smem(const mla_step_geom *g) {
   const size_t bs = (size_t)g->batch_size, cap = (bs < (size_t)g->num_parts ? bs : (size_t)g->num_parts) + 2;
-  return sizeof(int64_t) * (bs + 1) + sizeof(int32_t) * (2 * bs + 2 * cap);
+  return sizeof(int64_t) * (bs + 1) + sizeof(int32_t) * (4 * bs + 2 * cap);
 }
 
 // The schedule kernel's dynamic shared memory opt-in, per device: raised
@@ -296,6 +369,7 @@ extern "C" int mla_cuda_step_build(const mla_step_geom *g, const int32_t *req_to
                                    void *stream_) {
   cudaStream_t stream = (cudaStream_t)stream_;
   if (g->batch_size < 1 || g->batch_size > MLA_CUDA_STEP_MAX_BS) return (int)cudaErrorInvalidValue;
+  if (g->num_parts < 1 || g->num_parts >= 1 << 16) return (int)cudaErrorInvalidValue;  // chain_pieces packs counts
   if (g->varlen && !extend_lens) return (int)cudaErrorInvalidValue;
   step_rows_kernel<<<g->batch_size, kRowThreads, 0, stream>>>(*g, req_to_token, req_ids, seq_lens, extend_lens,
                                                              qo_indptr, kv_lens, block_table, bad);

@@ -23,8 +23,10 @@ int mla_sched_num_parts(int num_sm, int max_q_len, int num_heads);
 
 /* Split-KV schedule over kv_lens [bs] into num_parts parts (FlashMLA's rule):
  * 64-token blocks, MLA_SCHED_FIXED_OVERHEAD blocks of cost per piece,
- * payload = ceil(total / parts) + overhead per part, requests walked in order
- * and filled greedily.
+ * requests walked in order and filled greedily up to a payload of q + overhead
+ * per part, q the smallest that fits the batch in num_parts parts unless that
+ * cuts it into more pieces than FlashMLA's q = ceil(total / parts) does
+ * (then FlashMLA's; src/plan/step_build.h).
  *
  * Writes sched_meta [num_parts, MLA_SCHED_META_INTS] and num_splits [bs+1].
  * A part with work covers [begin_req:begin_tok, end_req:end_tok) and has

@@ -18,69 +18,116 @@
 static inline MLA_SB_HD int64_t mla_sb_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /* Split-KV schedule (the rule documented at MLA_SCHED_BLOCK in mla.h).
- * Returns 0, or -1 when the parts did not cover the batch (cannot happen for
- * bs >= 1: every part takes at least one block of payload). */
-static inline MLA_SB_HD int mla_split_schedule_body(const int32_t *kv_lens /* [bs] */, int bs,
-                                                    int num_parts,
-                                                    int32_t *sched_meta /* [parts, 8] */,
-                                                    int32_t *num_splits /* [bs+1] */) {
+ *
+ * The greedy walk at part budget q + OV (cost units: 64-token blocks, OV per
+ * piece): each part takes requests in order while they fit whole and cuts the
+ * one that does not. Returns 0 when the batch fits in num_parts parts, else
+ * -1. Writes sched_meta [num_parts, 8] and num_splits [bs+1] only when both
+ * are non-NULL (NULL: a trial walk that only answers whether q fits). */
+static inline MLA_SB_HD int mla_sb_walk(const int32_t *kv_lens /* [bs] */, int bs, int num_parts, int64_t q,
+                                        int32_t *sched_meta /* [parts, 8] or NULL */,
+                                        int32_t *num_splits /* [bs+1] or NULL */, int64_t *pieces /* or NULL */) {
   const int64_t ov = MLA_SCHED_FIXED_OVERHEAD;
-  int64_t total = 0;
-  for (int i = 0; i < bs; i++) total += mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK) + ov;
-  const int64_t payload = mla_sb_cdiv(total, num_parts) + ov;
-
+  const int64_t payload = q + ov;
+  const int out = sched_meta != 0 && num_splits != 0;
   int req = 0;       /* request the walk is in */
   int64_t blk = 0;   /* first block of `req` not yet given to a part */
   int32_t piece = 0; /* pieces of `req` already given out */
   int32_t cum = 0;   /* pieces of the finished requests */
-  num_splits[0] = 0;
+  if (out) num_splits[0] = 0;
   for (int p = 0; p < num_parts; p++) {
-    int32_t *m = sched_meta + (int64_t)p * MLA_SCHED_META_INTS;
+    int32_t m[MLA_SCHED_META_INTS];
     for (int j = 0; j < MLA_SCHED_META_INTS; j++) m[j] = 0;
     if (req >= bs) {
+      if (!out) break;
       m[MLA_SCHED_BEGIN_REQ] = bs;
       m[MLA_SCHED_END_REQ] = bs;
-      continue;
-    }
-    m[MLA_SCHED_BEGIN_REQ] = req;
-    m[MLA_SCHED_BEGIN_TOK] = (int32_t)(blk * MLA_SCHED_BLOCK);
-    m[MLA_SCHED_BEGIN_SPLIT] = piece;
-    int64_t remain = payload;
-    while (req < bs) {
-      int64_t rest = mla_sb_cdiv(kv_lens[req], MLA_SCHED_BLOCK) - blk;
-      if (remain >= rest + ov) {
-        /* The rest of this request fits: it is finished here. */
-        cum += piece + 1;
-        num_splits[req + 1] = cum;
-        remain -= rest + ov;
-        req++;
-        blk = 0;
-        piece = 0;
-      } else {
-        /* Cut it: take what the budget allows (rest > remain - ov here, so
-         * the cut is strictly inside the request) and close the part. */
-        if (remain > ov) {
-          blk += remain - ov;
-          piece++;
+    } else {
+      m[MLA_SCHED_BEGIN_REQ] = req;
+      m[MLA_SCHED_BEGIN_TOK] = (int32_t)(blk * MLA_SCHED_BLOCK);
+      m[MLA_SCHED_BEGIN_SPLIT] = piece;
+      int64_t remain = payload;
+      while (req < bs) {
+        int64_t rest = mla_sb_cdiv(kv_lens[req], MLA_SCHED_BLOCK) - blk;
+        if (remain >= rest + ov) {
+          /* The rest of this request fits: it is finished here. */
+          cum += piece + 1;
+          if (out) num_splits[req + 1] = cum;
+          remain -= rest + ov;
+          req++;
+          blk = 0;
+          piece = 0;
+        } else {
+          /* Cut it: take what the budget allows (rest > remain - ov here, so
+           * the cut is strictly inside the request) and close the part. */
+          if (remain > ov) {
+            blk += remain - ov;
+            piece++;
+          }
+          break;
         }
-        break;
       }
+      int32_t end_req, end_tok;
+      if (blk > 0) { /* ended inside `req` */
+        end_req = req;
+        int64_t t = blk * MLA_SCHED_BLOCK;
+        end_tok = (int32_t)(t < kv_lens[req] ? t : kv_lens[req]);
+      } else { /* ended at a request boundary */
+        end_req = req - 1;
+        end_tok = end_req >= 0 ? kv_lens[end_req] : 0;
+      }
+      if (end_req < m[MLA_SCHED_BEGIN_REQ]) return -1; /* a part took nothing */
+      m[MLA_SCHED_END_REQ] = end_req;
+      m[MLA_SCHED_END_TOK] = end_tok;
+      m[MLA_SCHED_NUM_REQS] = end_req - m[MLA_SCHED_BEGIN_REQ] + 1;
     }
-    int32_t end_req, end_tok;
-    if (blk > 0) { /* ended inside `req` */
-      end_req = req;
-      int64_t t = blk * MLA_SCHED_BLOCK;
-      end_tok = (int32_t)(t < kv_lens[req] ? t : kv_lens[req]);
-    } else { /* ended at a request boundary */
-      end_req = req - 1;
-      end_tok = end_req >= 0 ? kv_lens[end_req] : 0;
-    }
-    if (end_req < m[MLA_SCHED_BEGIN_REQ]) return -1; /* a part took nothing */
-    m[MLA_SCHED_END_REQ] = end_req;
-    m[MLA_SCHED_END_TOK] = end_tok;
-    m[MLA_SCHED_NUM_REQS] = end_req - m[MLA_SCHED_BEGIN_REQ] + 1;
+    if (out)
+      for (int j = 0; j < MLA_SCHED_META_INTS; j++) sched_meta[(int64_t)p * MLA_SCHED_META_INTS + j] = m[j];
   }
+  if (pieces) *pieces = cum;
   return req < bs ? -1 : 0;
+}
+
+/* The schedule's q: the smallest that fits, found by bisection between a
+ * bound no q below can beat (every part covers at most q blocks: q >=
+ * ceil(blocks / parts)) and FlashMLA's q = ceil(total / parts), which always
+ * fits; FlashMLA's q itself when the smaller one cuts the batch into more
+ * pieces (more partial states to write and combine, which the cost model does
+ * not count: e.g. b = 96 requests of 16 blocks over 132 parts would all be
+ * cut in two to save one block a part). FlashMLA's q alone can leave parts
+ * well under the budget: b = 64 requests of 64 blocks over 132 parts get
+ * pieces of 34 + 30 blocks at q = 34, of 32 + 32 at q = 32 (docs/decode-
+ * kernel.md §7). The device scheduler (src/cuda/step.cu) makes the same
+ * choice from the same trial answers. Returns q. */
+static inline MLA_SB_HD int64_t mla_sb_sched_q(const int32_t *kv_lens /* [bs] */, int bs, int num_parts) {
+  int64_t blocks = 0;
+  for (int i = 0; i < bs; i++) blocks += mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK);
+  const int64_t total = blocks + (int64_t)MLA_SCHED_FIXED_OVERHEAD * bs;
+  const int64_t q_flash = mla_sb_cdiv(total, num_parts);
+  int64_t lo = mla_sb_cdiv(blocks, num_parts), hi = q_flash;
+  if (lo < 1) lo = 1;
+  if (lo > hi) lo = hi;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (mla_sb_walk(kv_lens, bs, num_parts, mid, 0, 0, 0) == 0) hi = mid;
+    else lo = mid + 1;
+  }
+  if (hi < q_flash) {
+    int64_t pieces_min = 0, pieces_flash = 0;
+    mla_sb_walk(kv_lens, bs, num_parts, hi, 0, 0, &pieces_min);
+    mla_sb_walk(kv_lens, bs, num_parts, q_flash, 0, 0, &pieces_flash);
+    if (pieces_min > pieces_flash) hi = q_flash;
+  }
+  return hi;
+}
+
+/* Returns 0, or -1 when the parts did not cover the batch (cannot happen for
+ * valid inputs). */
+static inline MLA_SB_HD int mla_split_schedule_body(const int32_t *kv_lens /* [bs] */, int bs,
+                                                    int num_parts,
+                                                    int32_t *sched_meta /* [parts, 8] */,
+                                                    int32_t *num_splits /* [bs+1] */) {
+  return mla_sb_walk(kv_lens, bs, num_parts, mla_sb_sched_q(kv_lens, bs, num_parts), sched_meta, num_splits, 0);
 }
 
 /* Fixed shape of a step, resolved from mla_step_desc and the cache.
