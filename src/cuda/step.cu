@@ -100,11 +100,10 @@ __device__ int locate(const int64_t *C, int bs, int64_t s) {
 //   3. per part and per request (in parallel): its range and piece counts
 //      from the run it belongs to.
 // Q is the host's (mla_sb_sched_q): the smallest that fits, by the same
-// bisection, each trial answered by steps 1 and a count of the parts on the
-// chain from request 0 by pointer jumping (log2(bs) parallel rounds instead
-// of step 2's walk, one hop per run); then FlashMLA's q if the smaller one
-// cuts the batch into more pieces (bs + parts - runs on the chain, both
-// counted by one jumping pass).
+// bisection, each trial answered by step 1 and a count of the parts and runs
+// on the chain from request 0 by pointer jumping (log2(bs) parallel rounds
+// instead of step 2's walk, one hop per run); then FlashMLA's q if the
+// smaller one cuts the batch into more pieces (bs + parts - runs).
 // tests/test_cuda_step.c checks the result equal to the host walk.
 constexpr int OV = MLA_SCHED_FIXED_OVERHEAD;
 
@@ -113,68 +112,76 @@ __device__ int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
 
 // Step 1 at Q: for every request r, the request where the run from C_r
 // closes (nb[r], bs: it runs to the end) and after how many parts (steps[r]).
+// The visits y_j are followed request by request (y = the first one at or
+// past the request's beginning): one step per request where cuts are dense
+// (parts no longer than requests), a binary search to the request holding y
+// where they are sparse, and a division only to cross a request holding many
+// cuts. (Locating every y_j with a binary search and a 64-bit division made
+// each trial of the bisection cost ~5 us at b = 128, s_k = 8192.)
 // All threads; the caller syncs after.
 __device__ void runs_at(const int64_t *C, int bs, int64_t total, int64_t Q, int32_t *nb, int32_t *steps) {
   for (int r = threadIdx.x; r < bs; r += blockDim.x) {
     const int64_t base = C[r] + OV;
-    const int64_t j_end = ceil_div(total - base, Q) > 1 ? ceil_div(total - base, Q) : 1;
+    int64_t y = base + Q;  // y_1
     int32_t land = bs;
-    int64_t jl = j_end;
-    for (int64_t j = 1; j < j_end; j++) {
-      const int64_t y = base + j * Q;
-      const int q = locate(C, bs, y);
-      const int64_t hi = C[q] + OV < C[q + 1] - 1 ? C[q] + OV : C[q + 1] - 1;
-      if (y <= hi) {  // within q's first units: the run closes at q's beginning
+    int q = r + 1;
+    while (q < bs) {
+      const int64_t cq = C[q], cn = C[q + 1];
+      if (y >= cn) {  // no visit in q: on to the request that holds y
+        q = locate(C, bs, y);
+        continue;
+      }
+      if (y < cq) {  // the first visit at or past q's beginning
+        const int64_t gap = cq - y;
+        y += gap <= 2 * Q ? (gap <= Q ? Q : 2 * Q) : ceil_div(gap, Q) * Q;
+      }
+      if (y <= (cq + OV < cn - 1 ? cq + OV : cn - 1)) {  // within q's first units: the run closes at q's beginning
         land = q;
-        jl = j;
         break;
       }
-      // Skip the y_j still inside q's blocks (all cuts) in one go.
-      const int64_t jn = ceil_div(C[q + 1] - base, Q) - 1;
-      if (jn > j) j = jn;
+      q++;
     }
     nb[r] = land;
-    steps[r] = (int32_t)jl;
+    steps[r] = (int32_t)(land < bs ? (y - base) / Q : (ceil_div(total - base, Q) > 1 ? ceil_div(total - base, Q) : 1));
   }
 }
 
-// Parts on the chain of runs from request 0 (what step 2's walk adds up), by
-// pointer jumping: after round k, nx[i] is the run 2^k hops after i and ct[i]
-// the parts of those hops. Overwrites nb / steps (and the spare pair nx2 /
-// ct2, [bs] each). All threads, uniform result.
-__device__ int64_t chain_parts(int bs, int32_t *nb, int32_t *steps, int32_t *nx2, int32_t *ct2, int64_t *out) {
-  int32_t *nx = nb, *ct = steps;
+// Parts and runs on the chain from request 0 (what step 2's walk follows), by
+// pointer jumping over step 1's nb / steps: after round k, nx[i] is the run
+// 2^k hops after i and ct[i] the parts and hops on the way, packed as parts
+// << 14 | hops. On the chain from 0 the parts stay < 2^17 (at most num_parts
+// + 6 bs for any Q >= ceil(blocks / parts), num_parts < 2^16) and the hops
+// <= bs < 2^14; off it the sums may wrap (unsigned, never read). Overwrites
+// nb / steps and the spare pair nx2 / ct2 ([bs] each). All threads.
+struct ChainCount {
+  int64_t parts, runs;
+};
+__device__ ChainCount chain_count(int bs, int32_t *nb, int32_t *steps, int32_t *nx2, int32_t *ct2,
+                                  uint32_t *out) {
+  int32_t *nx = nb;
+  uint32_t *ct = reinterpret_cast<uint32_t *>(steps), *cs = reinterpret_cast<uint32_t *>(ct2);
   __syncthreads();  // step 1's nb / steps are complete
+  for (int i = threadIdx.x; i < bs; i += blockDim.x) ct[i] = ct[i] << 14 | 1u;
+  __syncthreads();
   for (int span = 1; span < bs; span <<= 1) {
     for (int i = threadIdx.x; i < bs; i += blockDim.x) {
       const int j = nx[i];
       nx2[i] = j < bs ? nx[j] : bs;
-      ct2[i] = ct[i] + (j < bs ? ct[j] : 0);
+      cs[i] = ct[i] + (j < bs ? ct[j] : 0u);
     }
     __syncthreads();
-    int32_t *t0 = nx, *t1 = ct;
+    int32_t *t0 = nx;
+    uint32_t *t1 = ct;
     nx = nx2;
-    ct = ct2;
+    ct = cs;
     nx2 = t0;
-    ct2 = t1;
+    cs = t1;
   }
   if (threadIdx.x == 0) *out = ct[0];
   __syncthreads();
-  const int64_t r = *out;
+  const uint32_t v = *out;
   __syncthreads();  // *out read by all before a later call rewrites it
-  return r;
-}
-
-// Pieces of the schedule at Q (a Q that fits): bs + parts - runs, both sums
-// from one jumping pass over steps with the hop count packed above bit 16
-// (parts <= num_parts < 2^16 and runs <= bs < 2^15 on the chain from 0).
-__device__ int64_t chain_pieces(const int64_t *C, int bs, int64_t total, int64_t Q, int32_t *nb, int32_t *steps,
-                                int32_t *nx2, int32_t *ct2, int64_t *out) {
-  runs_at(C, bs, total, Q, nb, steps);
-  __syncthreads();
-  for (int r = threadIdx.x; r < bs; r += blockDim.x) steps[r] += 1 << 16;
-  const int64_t v = chain_parts(bs, nb, steps, nx2, ct2, out);
-  return bs + (v & 0xFFFF) - (v >> 16);
+  return ChainCount{(int64_t)(v >> 14), (int64_t)(v & 0x3FFFu)};
 }
 
 __global__ void __launch_bounds__(kSchedThreads)
@@ -190,7 +197,7 @@ __global__ void __launch_bounds__(kSchedThreads)
   int32_t *nx2 = chain_p + chain_cap;            // [bs]: pointer jumping's spare pair
   int32_t *ct2 = nx2 + bs;                       // [bs]
   __shared__ int64_t sums64[32];
-  __shared__ int64_t trial_parts;
+  __shared__ uint32_t trial_count;
   __shared__ int32_t sums32[32];
   __shared__ int chain_len;
 
@@ -223,23 +230,31 @@ __global__ void __launch_bounds__(kSchedThreads)
   if (t == 0) C[bs] = total;
   __syncthreads();
   // Q: bisection between ceil(blocks / parts) and FlashMLA's ceil(total /
-  // parts) (>= 1: total >= OV * bs), as mla_sb_sched_q on the host.
+  // parts) (>= 1: total >= OV * bs), then FlashMLA's if the smallest that
+  // fits cuts more pieces (bs + parts - runs), as mla_sb_sched_q on the host.
   int64_t Q;
   {
     const int64_t q_flash = mla_sb_cdiv(total, parts), blocks = total - (int64_t)OV * bs;
-    int64_t lo = mla_sb_cdiv(blocks, parts), hi = q_flash;
+    int64_t lo = mla_sb_cdiv(blocks, parts), hi = q_flash, pieces_hi = 0;
     if (lo < 1) lo = 1;
     if (lo > hi) lo = hi;
     while (lo < hi) {  // block-uniform
       const int64_t mid = lo + (hi - lo) / 2;
       runs_at(C, bs, total, mid, nb, steps);
-      if (chain_parts(bs, nb, steps, nx2, ct2, &trial_parts) <= parts) hi = mid;
-      else lo = mid + 1;
+      const ChainCount c = chain_count(bs, nb, steps, nx2, ct2, &trial_count);
+      if (c.parts <= parts) {
+        hi = mid;
+        pieces_hi = bs + c.parts - c.runs;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    if (hi < q_flash) {  // (hi was a trial that fit)
+      runs_at(C, bs, total, q_flash, nb, steps);
+      const ChainCount c = chain_count(bs, nb, steps, nx2, ct2, &trial_count);
+      if (pieces_hi > bs + c.parts - c.runs) hi = q_flash;
     }
     Q = hi;
-    if (Q < q_flash && chain_pieces(C, bs, total, Q, nb, steps, nx2, ct2, &trial_parts) >
-                           chain_pieces(C, bs, total, q_flash, nb, steps, nx2, ct2, &trial_parts))
-      Q = q_flash;
   }
 
   // 1. the run from each request's beginning
@@ -369,7 +384,7 @@ extern "C" int mla_cuda_step_build(const mla_step_geom *g, const int32_t *req_to
                                    void *stream_) {
   cudaStream_t stream = (cudaStream_t)stream_;
   if (g->batch_size < 1 || g->batch_size > MLA_CUDA_STEP_MAX_BS) return (int)cudaErrorInvalidValue;
-  if (g->num_parts < 1 || g->num_parts >= 1 << 16) return (int)cudaErrorInvalidValue;  // chain_pieces packs counts
+  if (g->num_parts < 1 || g->num_parts >= 1 << 16) return (int)cudaErrorInvalidValue;  // chain_count packs counts
   if (g->varlen && !extend_lens) return (int)cudaErrorInvalidValue;
   step_rows_kernel<<<g->batch_size, kRowThreads, 0, stream>>>(*g, req_to_token, req_ids, seq_lens, extend_lens,
                                                              qo_indptr, kv_lens, block_table, bad);
