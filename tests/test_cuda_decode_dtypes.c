@@ -141,14 +141,12 @@ static const char *dt_name(mla_dtype t) {
 
 /* Whether this case runs a per-tensor fp8 cache with exact e4m3 operands
  * (src/cuda/decode_sm90.cu route_of): the ring and ring32 routes (page >= 8,
- * query tokens x heads <= 32; MLA_DECODE_LEGACY=1 routes those to the narrow
- * kernels, which round to bf16) and the wide kernel (> 32 rows, any page size:
- * decode_seesaw.cuh lm_raw). The narrow kernels (<= 32 rows, page < 8) round. */
+ * query tokens x heads <= 32) and the wide kernel (> 32 rows, any page size:
+ * decode_seesaw.cuh lm_raw). The narrow kernels (<= 32 rows, page < 8) round
+ * to bf16. */
 static int exact_fp8(const world *w) {
-  const char *legacy = getenv("MLA_DECODE_LEGACY");
   const int rows = q_len_of(w) * w->d.H;
-  const int lg = legacy && legacy[0] && legacy[0] != '0';
-  return w->d.kv == MLA_DTYPE_FP8_E4M3 && (rows > 32 || (w->d.P >= 8 && !lg));
+  return w->d.kv == MLA_DTYPE_FP8_E4M3 && (rows > 32 || w->d.P >= 8);
 }
 
 static void case_str(const world *w, char *buf, size_t n) {
@@ -603,29 +601,29 @@ static void route_checks(void) {
     int H, q, P;
     mla_dtype kv;
     int flag;
-    const char *want, *alt; /* alt: the other acceptable answer (MLA_DECODE_LEGACY: no ring) */
+    const char *want;
   } c[] = {
-      {64, 1, 64, MLA_DTYPE_FP8_E4M3, 1, "wide-fp8math", NULL},
-      {128, 1, 16, MLA_DTYPE_FP8_E4M3, 1, "wide-fp8math", NULL},
-      {64, 2, 16, MLA_DTYPE_FP8_E4M3, 1, "wide-fp8math", NULL},
-      {128, 4, 64, MLA_DTYPE_FP8_E4M3, 1, "wide-fp8math", NULL},
-      {3, 16, 64, MLA_DTYPE_FP8_E4M3, 1, "wide-fp8math", NULL},
-      {33, 1, 8, MLA_DTYPE_FP8_E4M3, 1, "wide-fp8math", NULL},
-      {128, 1, 64, MLA_DTYPE_FP8_E4M3, 0, "wide", NULL},          /* no flag */
-      {16, 1, 64, MLA_DTYPE_FP8_E4M3, 1, "ring", "narrow16"},     /* <= 16 rows: a no-op */
-      {16, 2, 64, MLA_DTYPE_FP8_E4M3, 1, "ring32", "narrow32"},   /* 32 rows: not > 32 */
-      {16, 2, 64, MLA_DTYPE_FP8_E4M3, 0, "ring32", "narrow32"},   /* 17-32 rows, per-tensor fp8 */
-      {3, 8, 16, MLA_DTYPE_FP8_E4M3, 0, "ring32", "narrow32"},
-      {16, 2, 64, MLA_DTYPE_FP8_E4M3_BLOCK, 0, "narrow32", NULL}, /* block-scaled: no 32-row ring */
-      {16, 2, 64, MLA_DTYPE_BF16, 0, "narrow32", NULL},
-      {16, 2, 4, MLA_DTYPE_FP8_E4M3, 0, "narrow32", NULL},        /* page < 8 (cp.async) */
-      {128, 1, 4, MLA_DTYPE_FP8_E4M3, 1, "wide", NULL},           /* page < 8 (cp.async) */
-      {128, 1, 64, MLA_DTYPE_BF16, 1, "wide", NULL},              /* bf16 cache */
-      {128, 2, 16, MLA_DTYPE_FP8_E4M3_BLOCK, 1, "wide", NULL},    /* block-scaled fp8 */
+      {64, 1, 64, MLA_DTYPE_FP8_E4M3, 1, "wide-fp8math"},
+      {128, 1, 16, MLA_DTYPE_FP8_E4M3, 1, "wide-fp8math"},
+      {64, 2, 16, MLA_DTYPE_FP8_E4M3, 1, "wide-fp8math"},
+      {128, 4, 64, MLA_DTYPE_FP8_E4M3, 1, "wide-fp8math"},
+      {3, 16, 64, MLA_DTYPE_FP8_E4M3, 1, "wide-fp8math"},
+      {33, 1, 8, MLA_DTYPE_FP8_E4M3, 1, "wide-fp8math"},
+      {128, 1, 64, MLA_DTYPE_FP8_E4M3, 0, "wide"},           /* no flag */
+      {16, 1, 64, MLA_DTYPE_FP8_E4M3, 1, "ring"},            /* <= 16 rows: a no-op */
+      {16, 2, 64, MLA_DTYPE_FP8_E4M3, 1, "ring32"},          /* 32 rows: not > 32 */
+      {16, 2, 64, MLA_DTYPE_FP8_E4M3, 0, "ring32"},          /* 17-32 rows, per-tensor fp8 */
+      {3, 8, 16, MLA_DTYPE_FP8_E4M3, 0, "ring32"},
+      {16, 2, 64, MLA_DTYPE_FP8_E4M3_BLOCK, 0, "narrow32"},  /* block-scaled: no 32-row ring */
+      {16, 2, 64, MLA_DTYPE_BF16, 0, "narrow32"},
+      {16, 2, 4, MLA_DTYPE_FP8_E4M3, 0, "narrow32"},         /* page < 8 (cp.async) */
+      {128, 1, 4, MLA_DTYPE_FP8_E4M3, 1, "wide"},            /* page < 8 (cp.async) */
+      {128, 1, 64, MLA_DTYPE_BF16, 1, "wide"},               /* bf16 cache */
+      {128, 2, 16, MLA_DTYPE_FP8_E4M3_BLOCK, 1, "wide"},     /* block-scaled fp8 */
   };
   for (size_t i = 0; i < sizeof c / sizeof c[0]; i++) {
     const char *r = route_of(4, c[i].H, c[i].q, c[i].P, c[i].kv, c[i].flag);
-    TU_CHECK(strcmp(r, c[i].want) == 0 || (c[i].alt && strcmp(r, c[i].alt) == 0),
+    TU_CHECK(strcmp(r, c[i].want) == 0,
              "route of H=%d q=%d P=%d kv=%s flag=%d: %s, expected %s", c[i].H, c[i].q, c[i].P, dt_name(c[i].kv),
              c[i].flag, r, c[i].want);
   }

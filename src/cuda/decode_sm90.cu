@@ -121,100 +121,14 @@ cudaError_t make_kv_tmap_latent4(const mla_decode_params *p, CUtensorMap *map) {
 }
 
 // ---------------------------------------------------------------------------
-// Split-KV combine: one warp per (request, row); requests cut into one piece
-// are skipped (the split kernel wrote them). Launched as a programmatic
-// dependent of the split kernel, only when the schedule has >= 2 parts.
+// Split-KV combine: requests cut into one piece are skipped (the split kernel
+// wrote them); launched only when the schedule has >= 2 parts.
 // ---------------------------------------------------------------------------
-
-// The part holding the first piece of request req: the first part whose last
-// request is >= req (END_REQ never decreases over the parts; the empty parts
-// at the end carry END_REQ = batch_size).
-static __device__ __forceinline__ int first_part_of(const mla_decode_params &p, int req) {
-  int lo = 0, hi = p.num_sm_parts - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (p.sched_meta[mid * SCHED_INTS + SCHED_END_REQ] >= req) hi = mid;
-    else lo = mid + 1;
-  }
-  return lo;
-}
-
-// Slot of piece j of request req, whose first piece is in part p0: piece j
-// is computed by part p0 + j, where req is the first request except maybe
-// in p0.
-static __device__ __forceinline__ int piece_slot(const mla_decode_params &p, int p0, int req, int j) {
-  return mla_decode_partial_slot(p0 + j, j > 0 || p.sched_meta[p0 * SCHED_INTS + SCHED_BEGIN_REQ] == req);
-}
 static constexpr int kCombineWarps = 8;
 
-template <bool kF16>
-__global__ void __launch_bounds__(kCombineWarps * 32)
-    decode_combine_kernel(const mla_decode_params p) {  // kF16: f16 output
-  // Launched as a programmatic dependent (v6+): wait until the split kernel
-  // has completed and its partials are visible (never read them before).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-  const int req = blockIdx.x;
-  const int pieces = p.num_splits[req + 1] - p.num_splits[req];
-  if (pieces <= 1) return;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int rg = blockIdx.y * kCombineWarps + warp;
-  const int q0 = p.qo_indptr[req], qlen = p.qo_indptr[req + 1] - q0;
-  const int H = p.num_heads;
-  if (rg >= qlen * H) return;
-  const int R = mla_decode_rows(&p);
-  const int p0 = first_part_of(p, req);
-
-  // Global lse over the pieces (natural log); empty pieces carry -inf.
-  float mx = -INFINITY;
-  for (int j = lane; j < pieces; j += 32)
-    mx = fmaxf(mx, p.lse_accum[(size_t)piece_slot(p, p0, req, j) * R + rg]);
-#pragma unroll
-  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  float sum = 0.f;
-  if (mx != -INFINITY)
-    for (int j = lane; j < pieces; j += 32)
-      sum += __expf(p.lse_accum[(size_t)piece_slot(p, p0, req, j) * R + rg] - mx);
-#pragma unroll
-  for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  const float lse = mx == -INFINITY ? -INFINITY : mx + logf(sum);
-
-  // Each lane owns 16 columns: 4 float4 at lane*4 + 128*c (coalesced).
-  float acc[16];
-#pragma unroll
-  for (int i = 0; i < 16; i++) acc[i] = 0.f;
-  if (mx != -INFINITY) {
-    for (int j = 0; j < pieces; j++) {
-      const size_t slot = (size_t)piece_slot(p, p0, req, j);
-      const float l = p.lse_accum[slot * R + rg];
-      if (l == -INFINITY) continue;  // an empty piece's o is 0 but never weigh it
-      const float wgt = __expf(l - lse);
-      const float4 *src = reinterpret_cast<const float4 *>(p.o_accum + (slot * R + rg) * 512);
-#pragma unroll
-      for (int c = 0; c < 4; c++) {
-        float4 v = src[lane + 32 * c];
-        acc[4 * c + 0] += wgt * v.x;
-        acc[4 * c + 1] += wgt * v.y;
-        acc[4 * c + 2] += wgt * v.z;
-        acc[4 * c + 3] += wgt * v.w;
-      }
-    }
-  }
-  const int t = rg / H, h = rg % H;
-  uint16_t *dst = p.out + ((size_t)(q0 + t) * H + h) * 512;
-#pragma unroll
-  for (int c = 0; c < 4; c++) {
-    uint2 v;
-    v.x = pack2<kF16>(acc[4 * c + 0], acc[4 * c + 1]);
-    v.y = pack2<kF16>(acc[4 * c + 2], acc[4 * c + 3]);
-    *reinterpret_cast<uint2 *>(dst + 4 * (lane + 32 * c)) = v;
-  }
-  if (lane == 0 && p.lse) p.lse[(size_t)(q0 + t) * H + h] = p.lse_base2 ? lse * kLog2e : lse;
-}
-
-// v11 combines. The v6 kernel above costs ~7 us at b = 64 and ~33 us at b = 1
-// (128 pieces) although it moves little data: every warp runs a chain of
+// The v11 combines. The v6 kernel before them (one warp per (request, row))
+// cost ~7 us at b = 64 and ~33 us at b = 1 (128 pieces) although it moved
+// little data: every warp runs a chain of
 // dependent loads (a 7-step binary search for the request's first part, the
 // lse passes, then one piece after another). Both kernels below find the
 // first part in one parallel step, keep the pieces' lse in registers, and
@@ -425,20 +339,17 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   }
 }
 
-bool legacy_decode();
-
 // The combine after the split kernel before it in the stream. With >= 4
 // parts per request (many pieces each) the row kernel, launched plainly: its
 // blocks (8 KB of shared memory) cannot sit beside a split block, and as a
 // programmatic dependent it measured 2 us slower at b = 1 (29.3 vs 27.5 us,
 // s_k = 32768; b = 4 the same: bench/RESULTS.md session 10, run 4). Else one
 // warp per row as a programmatic dependent: the launch overlaps the split
-// kernel's tail (it triggers early; MLA_DECODE_LEGACY=1: the v6 kernel).
+// kernel's tail (it triggers early).
 cudaError_t combine_launch(const mla_decode_params *p, cudaStream_t stream) {
   const int rows = mla_decode_rows(p);
   if (p->batch_size == 0 || p->num_sm_parts < 2) return cudaSuccess;  // one part cuts nothing
-  const bool legacy = legacy_decode();
-  const bool by_row = p->num_sm_parts >= 4 * p->batch_size && rows <= 65535 && !legacy;
+  const bool by_row = p->num_sm_parts >= 4 * p->batch_size && rows <= 65535;
   if (!by_row && (rows + kCombineWarps - 1) / kCombineWarps > 65535) return cudaErrorInvalidConfiguration;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = by_row ? dim3(p->batch_size, rows, 4) : dim3(p->batch_size, (rows + kCombineWarps - 1) / kCombineWarps);
@@ -453,9 +364,6 @@ cudaError_t combine_launch(const mla_decode_params *p, cudaStream_t stream) {
   if (by_row)
     return p->act_dtype == MLA_DTYPE_F16 ? cudaLaunchKernelEx(&cfg, decode_combine_row_kernel<true>, *p)
                                          : cudaLaunchKernelEx(&cfg, decode_combine_row_kernel<false>, *p);
-  if (legacy)
-    return p->act_dtype == MLA_DTYPE_F16 ? cudaLaunchKernelEx(&cfg, decode_combine_kernel<true>, *p)
-                                         : cudaLaunchKernelEx(&cfg, decode_combine_kernel<false>, *p);
   return p->act_dtype == MLA_DTYPE_F16 ? cudaLaunchKernelEx(&cfg, decode_combine_warp_kernel<true>, *p)
                                        : cudaLaunchKernelEx(&cfg, decode_combine_warp_kernel<false>, *p);
 }
@@ -1436,9 +1344,7 @@ static_assert(kRing3ProdRegs + 3 * kRing3ConsRegs <= 512 && kRing3ConsRegs % 8 =
               "the register file: a lane's share is 512");
 // The per-tensor fp8 ring runs three consumer warpgroups: with the producer
 // issuing from five lanes (ring_produce) 1.20x faster than two at b = 128,
-// H = 16 (bench/RESULTS.md session 18); MLA_DECODE_RING2=1 (environment,
-// read once; A/B runs and the GPU test) runs two.
-bool ring2_decode();
+// H = 16 (bench/RESULTS.md session 18).
 
 // The block-scaled fp8 cache (bf16 operands): the ring region holds the two
 // consumer warpgroups' own tiles (slots 0-8 and 9-17, each dequantized by its
@@ -2325,29 +2231,14 @@ cudaError_t launch_ring_wgs(const mla_decode_params *p, const KvMaps &map, cudaS
   return cudaGetLastError();
 }
 
-// Development switch (environment, read once): MLA_DECODE_LEGACY=1 runs the
-// v10 narrow kernel instead of the ring kernel and the per-warp combine for
-// every batch (the A/B comparison of docs/decode-kernel.md §3.3).
-bool env_flag(const char *name) {
-  const char *v = getenv(name);
-  return v && v[0] && v[0] != '0';
-}
-bool legacy_decode() {
-  static const bool on = env_flag("MLA_DECODE_LEGACY");
-  return on;
-}
-bool ring2_decode() {
-  static const bool on = env_flag("MLA_DECODE_RING2");
-  return on;
-}
-
-// Three consumer warpgroups for the per-tensor fp8 cache (RingLayT and
-// ring2_decode say why), two otherwise.
+// Three consumer warpgroups for the per-tensor fp8 cache (RingLayT says
+// why), two otherwise. (The two-warpgroup fp8 ring and the v10 narrow kernel
+// for every batch were development switches until session 28:
+// dev/cuda/variants/s28-decode-legacy-ring2.patch.)
 template <int LM, bool kF16>
 cudaError_t launch_ring(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
-  if constexpr (LM == LOAD_FP8_TMA)
-    if (!ring2_decode()) return launch_ring_wgs<LM, kF16, 3>(p, map, stream);
-  return launch_ring_wgs<LM, kF16, 2>(p, map, stream);
+  if constexpr (LM == LOAD_FP8_TMA) return launch_ring_wgs<LM, kF16, 3>(p, map, stream);
+  else return launch_ring_wgs<LM, kF16, 2>(p, map, stream);
 }
 
 
@@ -2355,16 +2246,15 @@ cudaError_t launch_ring(const mla_decode_params *p, const KvMaps &map, cudaStrea
 // launch_mode and mla_cuda_decode_route. fp8 math: MLA_FLAG_FP8_MATH over a
 // per-tensor fp8 cache through TMA (page size >= 8), m-blocks wider than the
 // narrow kernels take. Ring: <= 16 rows of any cache through TMA (page size
-// >= 8: the TMA load modes) unless MLA_DECODE_LEGACY; the 32-row ring for
-// 17-32 rows of a per-tensor fp8 cache, likewise. Then narrow for <= 16 /
-// <= 32 rows, wide above.
+// >= 8: the TMA load modes); the 32-row ring for 17-32 rows of a per-tensor
+// fp8 cache, likewise. Then narrow for <= 16 / <= 32 rows, wide above.
 enum DecodeRoute { ROUTE_WIDE8, ROUTE_RING, ROUTE_RING32, ROUTE_NARROW16, ROUTE_NARROW32, ROUTE_WIDE };
 DecodeRoute route_of(const mla_decode_params *p) {
   const int rows = mla_decode_rows(p);
   const bool fp8 = p->kv_dtype == MLA_DTYPE_FP8_E4M3, tma = p->page_size >= 8;
   if (p->fp8_math && fp8 && tma && rows > 32) return ROUTE_WIDE8;
-  if (tma && rows <= 16 && !legacy_decode()) return ROUTE_RING;
-  if (fp8 && tma && rows <= 32 && !legacy_decode()) return ROUTE_RING32;
+  if (tma && rows <= 16) return ROUTE_RING;
+  if (fp8 && tma && rows <= 32) return ROUTE_RING32;
   return rows <= 16 ? ROUTE_NARROW16 : rows <= 32 ? ROUTE_NARROW32 : ROUTE_WIDE;
 }
 
