@@ -153,6 +153,8 @@ __device__ void runs_at(const int64_t *C, int bs, int64_t total, int64_t Q, int3
 // + 6 bs for any Q >= ceil(blocks / parts), num_parts < 2^16) and the hops
 // <= bs < 2^14; off it the sums may wrap (unsigned, never read). Overwrites
 // nb / steps and the spare pair nx2 / ct2 ([bs] each). All threads.
+static_assert(6 * MLA_CUDA_STEP_MAX_BS + (1 << 16) < (1 << 17) && MLA_CUDA_STEP_MAX_BS < (1 << 14),
+              "chain_count's packing: parts < 2^17, runs < 2^14");
 struct ChainCount {
   int64_t parts, runs;
 };
