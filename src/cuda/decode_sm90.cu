@@ -131,23 +131,28 @@ static constexpr int kCombineWarps = 8;
 // little data: every warp runs a chain of
 // dependent loads (a 7-step binary search for the request's first part, the
 // lse passes, then one piece after another). Both kernels below find the
-// first part in one parallel step, keep the pieces' lse in registers, and
-// keep several pieces' loads in flight:
+// first part in one parallel step and keep several pieces' loads in flight:
 //  - few pieces per request (combine_warp): one warp per (request, row) as
-//    in v6, pieces two at a time;
+//    in v6, pieces two at a time, the first two loaded with the lse;
 //  - many pieces (combine_row: small batches over long contexts; at b = 1
 //    the schedule cuts the request into ~128 pieces): one block per
 //    (request, row, quarter of the 512 columns), its 8 warps splitting the
-//    pieces, eight pieces' loads in flight per warp, the warps' partial sums
-//    added through shared memory.
-constexpr int kCombineChunk = 1024;  // piece weights staged in shared memory per round (row kernel)
+//    pieces, sixteen pieces' lse and rows in flight per warp, the warps'
+//    partial sums added through shared memory.
 
 // First part holding a piece of request req (the parts' END_REQ never
-// decrease), by all threads of the block in one step; the caller syncs.
-__device__ __forceinline__ void find_first_part(const mla_decode_params &p, int req, int *sp0) {
+// decrease) and whether req is that part's first request, by all threads of
+// the block in one round trip: every thread reads its parts' END_REQ,
+// their predecessors' and their BEGIN_REQ together. The caller syncs.
+__device__ __forceinline__ void find_first_part_begin(const mla_decode_params &p, int req, int *sp0, int *sfirst) {
   for (int i = threadIdx.x; i < p.num_sm_parts; i += blockDim.x) {
     const int e = p.sched_meta[i * SCHED_INTS + SCHED_END_REQ];
-    if (e >= req && (i == 0 || p.sched_meta[(i - 1) * SCHED_INTS + SCHED_END_REQ] < req)) *sp0 = i;
+    const int e_prev = i > 0 ? p.sched_meta[(i - 1) * SCHED_INTS + SCHED_END_REQ] : -1;
+    const int b = p.sched_meta[i * SCHED_INTS + SCHED_BEGIN_REQ];
+    if (e >= req && e_prev < req) {
+      *sp0 = i;
+      *sfirst = b == req;
+    }
   }
 }
 
@@ -160,11 +165,11 @@ __global__ void __launch_bounds__(kCombineWarps * 32, 4)
   // The metadata (inputs of the split kernel, complete before it started)
   // is read before the wait: resident blocks do that during the split
   // kernel; only the partial states wait for its completion.
-  __shared__ int sp0;
+  __shared__ int sp0, sfirst;
   const int req = blockIdx.x;
   const int pieces = p.num_splits[req + 1] - p.num_splits[req];
   if (pieces <= 1) return;
-  find_first_part(p, req, &sp0);
+  find_first_part_begin(p, req, &sp0, &sfirst);
   __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rg = blockIdx.y * kCombineWarps + warp;
@@ -173,15 +178,27 @@ __global__ void __launch_bounds__(kCombineWarps * 32, 4)
   if (rg >= qlen * H) return;
   const int R = mla_decode_rows(&p);
   const int p0 = sp0;
-  const bool first_req = p.sched_meta[p0 * SCHED_INTS + SCHED_BEGIN_REQ] == req;
+  const bool first_req = sfirst;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
   auto lse_of = [&](int j) {
     return p.lse_accum[(size_t)mla_decode_partial_slot(p0 + j, j > 0 || first_req) * R + rg];
   };
-  // lane j keeps piece j's lse (pieces >= 32 are read again where needed)
+  auto row_of = [&](int j) {
+    return reinterpret_cast<const float4 *>(
+        p.o_accum + ((size_t)mla_decode_partial_slot(p0 + j, j > 0 || first_req) * R + rg) * 512);
+  };
+  // One round trip for the common case (two pieces): lane j loads piece j's
+  // lse (pieces >= 32 are read again where needed) while every lane loads
+  // its columns of the first two pieces' rows. An empty piece's row may hold
+  // anything (NaN included): it is loaded but never weighed.
   const float myl = lane < pieces ? lse_of(lane) : -INFINITY;
+  float4 v[2][4];
+#pragma unroll
+  for (int u = 0; u < 2; u++)
+#pragma unroll
+    for (int c = 0; c < 4; c++) v[u][c] = row_of(u)[lane + 32 * c];  // (pieces >= 2 here)
   float mx = myl;
   for (int j = lane + 32; j < pieces; j += 32) mx = fmaxf(mx, lse_of(j));
 #pragma unroll
@@ -202,27 +219,26 @@ __global__ void __launch_bounds__(kCombineWarps * 32, 4)
   if (mx != -INFINITY) {
     for (int j = 0; j < pieces; j += 2) {
       float wt[2];
-      float4 v[2][4];
 #pragma unroll
       for (int u = 0; u < 2; u++) {
         const int jj = j + u;  // warp-uniform
         float l = -INFINITY;
         if (jj < pieces) l = jj < 32 ? __shfl_sync(0xffffffffu, myl, jj) : lse_of(jj);
         wt[u] = l == -INFINITY ? 0.f : __expf(l - lse);  // an empty piece is never weighed
-        const float4 *src = reinterpret_cast<const float4 *>(
-            p.o_accum + ((size_t)mla_decode_partial_slot(p0 + jj, jj > 0 || first_req) * R + rg) * 512);
+        if (j > 0)
 #pragma unroll
-        for (int c = 0; c < 4; c++) v[u][c] = wt[u] != 0.f ? src[lane + 32 * c] : make_float4(0.f, 0.f, 0.f, 0.f);
+          for (int c = 0; c < 4; c++) v[u][c] = wt[u] != 0.f ? row_of(jj)[lane + 32 * c] : make_float4(0.f, 0.f, 0.f, 0.f);
       }
 #pragma unroll
       for (int u = 0; u < 2; u++)
+        if (wt[u] != 0.f)
 #pragma unroll
-        for (int c = 0; c < 4; c++) {
-          acc[c].x += wt[u] * v[u][c].x;
-          acc[c].y += wt[u] * v[u][c].y;
-          acc[c].z += wt[u] * v[u][c].z;
-          acc[c].w += wt[u] * v[u][c].w;
-        }
+          for (int c = 0; c < 4; c++) {
+            acc[c].x += wt[u] * v[u][c].x;
+            acc[c].y += wt[u] * v[u][c].y;
+            acc[c].z += wt[u] * v[u][c].z;
+            acc[c].w += wt[u] * v[u][c].w;
+          }
     }
   }
   const int t = rg / H, h = rg % H;
@@ -237,105 +253,102 @@ __global__ void __launch_bounds__(kCombineWarps * 32, 4)
   if (lane == 0 && p.lse) p.lse[(size_t)(q0 + t) * H + h] = p.lse_base2 ? lse * kLog2e : lse;
 }
 
-__device__ __forceinline__ float block_reduce(float v, bool is_max, float *sred) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-#pragma unroll
-  for (int o = 16; o; o >>= 1) {
-    const float u = __shfl_xor_sync(0xffffffffu, v, o);
-    v = is_max ? fmaxf(v, u) : v + u;
-  }
-  __syncthreads();  // sred free (an earlier reduction's readers are done)
-  if (lane == 0) sred[warp] = v;
-  __syncthreads();
-  v = sred[0];
-#pragma unroll
-  for (int i = 1; i < kCombineWarps; i++) v = is_max ? fmaxf(v, sred[i]) : v + sred[i];
-  return v;
-}
-
 template <bool kF16>
 __global__ void __launch_bounds__(kCombineWarps * 32)
     decode_combine_row_kernel(const mla_decode_params p) {  // kF16: f16 output
-  // metadata before the wait, as in combine_warp
-  __shared__ float4 sacc[kCombineWarps][32];  // each warp's partial quarter row (128 floats)
-  __shared__ float sw[kCombineChunk];         // piece weights exp(lse_j - lse), 0 for empty pieces
-  __shared__ float sred[kCombineWarps];
-  __shared__ int sp0;
+  // Two round trips to global memory: the metadata (request bounds and the
+  // first part, read together), then every piece's lse and this block's
+  // columns of its row at once, warp w taking pieces w, w + 8, ... 16 at a
+  // time with an online maximum (one round for up to 128 pieces). Before
+  // session 28 the lse and the rows were separate rounds, and the first
+  // part's BEGIN_REQ one more (bench/RESULTS.md session 28, run 4).
+  constexpr int kU = 16;  // pieces a warp loads per round
+  __shared__ float4 sacc[kCombineWarps][32];  // each warp's sum of weighted rows (quarter row, 128 floats)
+  __shared__ float swm[kCombineWarps], sws[kCombineWarps];  // each warp's maximum lse and weight sum
+  __shared__ int sp0, sfirst;
   const int req = blockIdx.x, rg = blockIdx.y, qt = blockIdx.z;  // qt: columns 128 qt .. 128 qt + 127
-  const int pieces = p.num_splits[req + 1] - p.num_splits[req];
-  if (pieces <= 1) return;
+  const int n0 = p.num_splits[req], n1 = p.num_splits[req + 1];
   const int q0 = p.qo_indptr[req], qlen = p.qo_indptr[req + 1] - q0;
-  const int H = p.num_heads;
-  if (rg >= qlen * H) return;  // (block-uniform, like the return above)
-  find_first_part(p, req, &sp0);
+  find_first_part_begin(p, req, &sp0, &sfirst);
+  const int pieces = n1 - n0, H = p.num_heads;
+  if (pieces <= 1 || rg >= qlen * H) return;  // block-uniform, before any barrier
   const int R = mla_decode_rows(&p);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  constexpr int kT = kCombineWarps * 32;
   __syncthreads();
   const int p0 = sp0;
-  const bool first_req = p.sched_meta[p0 * SCHED_INTS + SCHED_BEGIN_REQ] == req;
-  auto slot_of = [&](int j) { return (size_t)mla_decode_partial_slot(p0 + j, j > 0 || first_req); };
+  const bool first_req = sfirst;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-
-  // thread j keeps piece j's lse (pieces >= kT are read again where needed)
-  const float myl = tid < pieces ? p.lse_accum[slot_of(tid) * R + rg] : -INFINITY;
-  float mx = myl;
-  for (int j = tid + kT; j < pieces; j += kT) mx = fmaxf(mx, p.lse_accum[slot_of(j) * R + rg]);
-  mx = block_reduce(mx, true, sred);
-  float sum = 0.f;
-  if (mx != -INFINITY) {
-    sum = myl == -INFINITY ? 0.f : __expf(myl - mx);
-    for (int j = tid + kT; j < pieces; j += kT) sum += __expf(p.lse_accum[slot_of(j) * R + rg] - mx);
-  }
-  sum = block_reduce(sum, false, sred);
-  const float lse = mx == -INFINITY ? -INFINITY : mx + logf(sum);
-
+  float m = -INFINITY, ws = 0.f;  // warp-uniform: every lane reads the same lse values
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (mx != -INFINITY) {
-    for (int base = 0; base < pieces; base += kCombineChunk) {
-      const int n = min(kCombineChunk, pieces - base);
-      __syncthreads();  // the last round's weights are read
-      for (int j = tid; j < n; j += kT) {
-        const float l = base + j == tid ? myl : p.lse_accum[slot_of(base + j) * R + rg];
-        sw[j] = l == -INFINITY ? 0.f : __expf(l - lse);  // an empty piece is never weighed
-      }
-      __syncthreads();
-      for (int j = warp; j < n; j += 8 * kCombineWarps) {
-        float wt[8];
-        float4 v[8];
+  for (int base = warp; base < pieces; base += kU * kCombineWarps) {
+    float l[kU];
+    float4 v[kU];
 #pragma unroll
-        for (int u = 0; u < 8; u++) {
-          const int jj = j + u * kCombineWarps;
-          wt[u] = jj < n ? sw[jj] : 0.f;
-          const float4 *src = reinterpret_cast<const float4 *>(p.o_accum + (slot_of(base + jj) * R + rg) * 512);
-          v[u] = wt[u] != 0.f ? src[32 * qt + lane] : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-#pragma unroll
-        for (int u = 0; u < 8; u++) {
-          acc.x += wt[u] * v[u].x;
-          acc.y += wt[u] * v[u].y;
-          acc.z += wt[u] * v[u].z;
-          acc.w += wt[u] * v[u].w;
-        }
+    for (int u = 0; u < kU; u++) {
+      const int j = base + u * kCombineWarps;
+      l[u] = -INFINITY;
+      v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (j < pieces) {  // an empty piece's row may hold anything: loaded, never weighed
+        const size_t slot = (size_t)mla_decode_partial_slot(p0 + j, j > 0 || first_req);
+        l[u] = p.lse_accum[slot * R + rg];
+        v[u] = reinterpret_cast<const float4 *>(p.o_accum + (slot * R + rg) * 512)[32 * qt + lane];
       }
     }
+    float cm = m;
+#pragma unroll
+    for (int u = 0; u < kU; u++) cm = fmaxf(cm, l[u]);
+    if (cm == -INFINITY) continue;  // nothing weighed yet
+    if (m != -INFINITY && cm != m) {
+      const float f = __expf(m - cm);
+      ws *= f;
+      acc.x *= f;
+      acc.y *= f;
+      acc.z *= f;
+      acc.w *= f;
+    }
+    m = cm;
+#pragma unroll
+    for (int u = 0; u < kU; u++)
+      if (l[u] != -INFINITY) {
+        const float w = __expf(l[u] - m);
+        ws += w;
+        acc.x += w * v[u].x;
+        acc.y += w * v[u].y;
+        acc.z += w * v[u].z;
+        acc.w += w * v[u].w;
+      }
   }
   sacc[warp][lane] = acc;
+  if (lane == 0) {
+    swm[warp] = m;
+    sws[warp] = ws;
+  }
   __syncthreads();
   if (tid < 64) {  // columns 128 qt + 2 tid, + 1
-    const float *sf = reinterpret_cast<const float *>(sacc);
-    float x = 0.f, y = 0.f;
+    float M = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kCombineWarps; w++) {
-      x += sf[w * 128 + 2 * tid];
-      y += sf[w * 128 + 2 * tid + 1];
-    }
+    for (int w = 0; w < kCombineWarps; w++) M = fmaxf(M, swm[w]);
+    const float *sf = reinterpret_cast<const float *>(sacc);
+    float S = 0.f, x = 0.f, y = 0.f;
+    if (M != -INFINITY)
+#pragma unroll
+      for (int w = 0; w < kCombineWarps; w++)
+        if (swm[w] != -INFINITY) {
+          const float f = __expf(swm[w] - M);
+          S += f * sws[w];
+          x += f * sf[w * 128 + 2 * tid];
+          y += f * sf[w * 128 + 2 * tid + 1];
+        }
+    const float inv = S > 0.f ? 1.f / S : 0.f;  // all pieces empty: o = 0, lse = -inf
     const int t = rg / H, h = rg % H;
     uint16_t *dst = p.out + ((size_t)(q0 + t) * H + h) * 512 + 128 * qt;
-    *reinterpret_cast<uint32_t *>(dst + 2 * tid) = pack2<kF16>(x, y);
-    if (tid == 0 && qt == 0 && p.lse) p.lse[(size_t)(q0 + t) * H + h] = p.lse_base2 ? lse * kLog2e : lse;
+    *reinterpret_cast<uint32_t *>(dst + 2 * tid) = pack2<kF16>(x * inv, y * inv);
+    if (tid == 0 && qt == 0 && p.lse) {
+      const float lse = M == -INFINITY ? -INFINITY : M + logf(S);
+      p.lse[(size_t)(q0 + t) * H + h] = p.lse_base2 ? lse * kLog2e : lse;
+    }
   }
 }
 
