@@ -620,6 +620,42 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+// Development timeline of the fp8 math kernel (compile with -DMLA_DEV_TIMELINE;
+// never in a library build): thread 0 of each warpgroup of CTA (0, 0) stamps
+// %clock64 at kTl8Ph points of each of its first kTl8Pairs pairs (W8_TL(k),
+// the points named where launch_wide8 prints them), and slot 9 records which
+// of its tile's three groups had landed when the pair began.
+#ifdef MLA_DEV_TIMELINE
+constexpr int kTl8Pairs = 64, kTl8Ph = 10;
+__device__ long long g_tl8[2][kTl8Pairs][kTl8Ph];
+static __device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+#define W8_TL(k) \
+  do { \
+    if (tl_on && pairs < (uint32_t)kTl8Pairs) g_tl8[wg][pairs][k] = clock64(); \
+  } while (0)
+#define W8_TL_LANDED(bars, par) \
+  do { \
+    if (tl_on && pairs < (uint32_t)kTl8Pairs) \
+      g_tl8[wg][pairs][9] = (mbar_test((bars), (par)) ? 1 : 0) | (mbar_test((bars) + 8, (par)) ? 2 : 0) | \
+                            (mbar_test((bars) + 16, (par)) ? 4 : 0); \
+  } while (0)
+#else
+#define W8_TL(k) \
+  do { \
+  } while (0)
+#define W8_TL_LANDED(bars, par) \
+  do { \
+  } while (0)
+#endif
+
 // ---------------------------------------------------------------------------
 // The fp8 math kernel (MLA_FLAG_FP8_MATH, per-tensor e4m3 cache, page size
 // >= 8; decode_wide_fp8.cuh, docs/decode-kernel.md §12), in the O^T form
@@ -658,6 +694,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const CUtensorMap *map = &kv_maps.m[2];  // the swizzled byte view
   const int er = meta[SCHED_END_REQ];
   const bool issuer = t128 == 0;
+#ifdef MLA_DEV_TIMELINE
+  const bool tl_on = blockIdx.x == 0 && blockIdx.y == 0 && t128 == 0;
+#endif
 
   if (tid == 0) {
     for (int i = 0; i < 9; i++) mbar_init(barb + 8 * i, 1);
@@ -717,11 +756,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint32_t va[4][2][4];
       if (wg == 0) {
         // ---------------- WG0: tile T0 in B0 ----------------
+        W8_TL(0);
+        W8_TL_LANDED(bars0, par0);
         qk8_tile_nt_issue(s, sb + L::kOffQ, kb0, bars0, par0, 0);
         vt_frags(kb0, 0, nv0, wi, lane, va);  // V0_L^T, under the Q.K^T
         wgmma_wait<0>();
         reg_fence(s);
         named_bar_sync(BAR_WG0, 128);  // the four warps' Q.K^T and fragment reads of B0 retired
+        W8_TL(1);
         if (ld0.valid) {  // B0's rope and latent 0-255 are read by nothing else in this pair
           load8_group(p, map, ld0, kb0, bars0 + 16, 2);
           load8_group(p, map, ld0, kb0, bars0, 0);
@@ -738,6 +780,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         fence_proxy_async();
         publish_rows(sM, sS0p, rA, rB, m0A, m0B, s0A, s0B, lead);
         named_bar_arrive(BAR_A, kThreads);
+        W8_TL(2);
         // every row's s0 (the vote is a warpgroup barrier: the four warps' s0 are written; this
         // parity's are not rewritten before WG1's BAR_P1 of the next pair)
         if (wg_any(s0A != 1.f || s0B != 1.f, BAR_RED0)) rescale_ot(o, sS0p, nullptr, lane);
@@ -747,12 +790,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_wait<0>();     // (while WG1 computes its softmax) its fragment registers are free again
         reg_fence2(o);
         keep_alive_a(va);
+        W8_TL(3);
         if (has1) {  // V1_L^T before the hand-off
           mbar_wait(bars1, par1);  // B1 latent 0-255
+          W8_TL(4);
           vt_frags(kb1, 0, nv1, wi, lane, va);
         }
+        W8_TL(5);
         // WG1's P1 / s1; P0' = s1 P0 for WG1's P0' V0_R.
         named_bar_sync(BAR_P1, kThreads);
+        W8_TL(6);
         const float s1A = sS1p[rA], s1B = sS1p[rB];
         {
           uint32_t pb[2][4];
@@ -762,6 +809,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         const bool drain = wg_any(s1A != 1.f || s1B != 1.f, BAR_RED0);  // (also: the four warps' P0' written)
         named_bar_arrive(BAR_P0, kThreads);
+        W8_TL(7);
         lsA *= s1A;
         lsB *= s1B;
         if (drain) rescale_ot(o, sS1p, nullptr, lane);
@@ -774,15 +822,19 @@ __global__ void __launch_bounds__(kThreads, 1)
           reg_fence2(o);
           keep_alive_a(va);
         }
+        W8_TL(8);
       } else {
         // ---------------- WG1: tile T1 in B1 ----------------
         float mxA = -INFINITY, mxB = -INFINITY;
+        W8_TL(0);
         if (has1) {
+          W8_TL_LANDED(bars1, par1);
           qk8_tile_nt_issue(s, sb + L::kOffQ, kb1, bars1, par1, 1);
           vt_frags(kb1, 1, nv1, wi, lane, va);  // V1_R^T, under the Q.K^T
           wgmma_wait<0>();
           reg_fence(s);
           named_bar_sync(BAR_WG1, 128);
+          W8_TL(1);
           if (ld1.valid) {  // B1's rope and latent 256-511: nothing else reads them in this pair
             load8_group(p, map, ld1, kb1, bars1 + 16, 2);
             load8_group(p, map, ld1, kb1, bars1 + 8, 1);
@@ -790,6 +842,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           row_max(s, full1, kt1, limA, limB, cq, mxA, mxB);
         }
         named_bar_sync(BAR_A, kThreads);
+        W8_TL(2);
         const float m0A = sM[rA], m0B = sM[rB];
         const float s0A = sS0p[rA], s0B = sS0p[rB];
         const float m1A = lazy_max8(m0A, mxA * sl2), m1B = lazy_max8(m0B, mxB * sl2);
@@ -803,6 +856,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         publish_rows(sM, sS1p, rA, rB, m1A, m1B, s1A, s1B, lead);
         named_bar_arrive(BAR_P1, kThreads);
+        W8_TL(3);
         const float fA = s0A * s1A, fB = s0B * s1B;
         // every row's s0 s1 (this parity's stay until WG0's BAR_A two pairs on)
         if (wg_any(fA != 1.f || fB != 1.f, BAR_RED1)) rescale_ot(o, sS0p, sS1p, lane);
@@ -814,15 +868,20 @@ __global__ void __launch_bounds__(kThreads, 1)
           reg_fence2(o);
           keep_alive_a(va);
         }
+        W8_TL(4);
         mbar_wait(bars0 + 8, par0);  // B0 latent 256-511 (WG0's Q.K^T on B0 retired before BAR_A)
+        W8_TL(5);
         vt_frags(kb0, 1, nv0, wi, lane, va);
         named_bar_sync(BAR_WG1, 128);
         if (ld0.valid) load8_group(p, map, ld0, kb0, bars0 + 8, 1);
+        W8_TL(6);
         named_bar_sync(BAR_P0, kThreads);
+        W8_TL(7);
         pv8_ot(o, va, sPc);  // O^T_R += V0_R^T P0'^T
         wgmma_wait<0>();
         reg_fence2(o);
         keep_alive_a(va);
+        W8_TL(8);
       }
       gt += has1 ? 2 : 1;
       la = la1;
@@ -2172,6 +2231,37 @@ cudaError_t launch_wide8(const mla_decode_params *p, const KvMaps &map, cudaStre
   const dim3 grid(p->num_sm_parts, mla_decode_m_blocks(p));
   DEV_CUDA_OK(set_smem_once(decode_wide8t_kernel, (int)W8T::kSmem, &smem_set));
   decode_wide8t_kernel<<<grid, kThreads, W8T::kSmem, stream>>>(*p, map);
+#ifdef MLA_DEV_TIMELINE
+  {  // dev only: mean cycles between the stamps of the MLA_DEV_TIMELINE_AT-th launch (default 5); syncs
+    static int calls = 0;
+    const char *at = getenv("MLA_DEV_TIMELINE_AT");
+    if (++calls == (at ? atoi(at) : 5)) {
+      static long long h[2][kTl8Pairs][kTl8Ph];
+      cudaStreamSynchronize(stream);
+      cudaMemcpyFromSymbol(h, g_tl8, sizeof(h));
+      static const char *names[2][9] = {
+          {"start", "qk+frags", "softmax>A", "pv V0_L", "B1 lat-L wait", "frags V1_L", "wait P1", "P0'>P0", "pv V1_L"},
+          {"start", "qk+frags", "wait A", "softmax>P1", "pv V1_R", "B0 lat-R wait", "frags V0_R", "wait P0", "pv V0_R"}};
+      for (int wgi = 0; wgi < 2; wgi++) {
+        double sum[kTl8Ph] = {0}, per = 0;
+        int n = 0, notl[3] = {0, 0, 0};
+        for (int i = 4; i + 1 < kTl8Pairs; i++) {
+          if (h[wgi][i][0] == 0 || h[wgi][i + 1][0] == 0 || h[wgi][i][8] == 0) continue;
+          for (int k = 1; k < 9; k++)
+            if (h[wgi][i][k]) sum[k] += (double)(h[wgi][i][k] - h[wgi][i][k - 1] > 0 && h[wgi][i][k - 1] ? h[wgi][i][k] - h[wgi][i][k - 1] : 0);
+          per += (double)(h[wgi][i + 1][0] - h[wgi][i][0]);
+          for (int g = 0; g < 3; g++) notl[g] += !((h[wgi][i][9] >> g) & 1);
+          n++;
+        }
+        fprintf(stderr, "tl8 wg%d, mean of %d pairs (cycles since the previous stamp):", wgi, n);
+        for (int k = 1; k < 9; k++) fprintf(stderr, " %s %.0f,", names[wgi][k], n ? sum[k] / n : 0.);
+        fprintf(stderr, " period %.0f; not landed at start: lat-L %d, lat-R %d, rope %d of %d\n", n ? per / n : 0.,
+                notl[0], notl[1], notl[2], n);
+      }
+      fprintf(stderr, "tl8 wg1 start - wg0 start, pair 10: %lld\n", h[1][10][0] - h[0][10][0]);
+    }
+  }
+#endif
   return cudaGetLastError();
 }
 
