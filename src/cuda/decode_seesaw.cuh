@@ -44,6 +44,7 @@ constexpr int BAR_RED0 = 6;  // WG0-wide vote
 constexpr int BAR_RED1 = 7;  // WG1-wide vote
 constexpr int BAR_CV0 = 8;   // WG0 only: its converted fp8 tile is in shared memory
 constexpr int BAR_CV1 = 9;   // WG1 only
+constexpr int BAR_QK = 11;   // WG0 -> WG1: WG0's Q.K^T retired (fp8 math: the two Q.K^T in turn)
 
 // How an instantiation fills its K buffers (template parameter LM).
 //  TMA_BIG / TMA_SMALL: 16-bit cache, page size >= 64 / 8..32 (TMA boxes).

@@ -763,6 +763,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_wait<0>();
         reg_fence(s);
         named_bar_sync(BAR_WG0, 128);  // the four warps' Q.K^T and fragment reads of B0 retired
+        if (has1) named_bar_arrive(BAR_QK, kThreads);  // WG1's Q.K^T may start
         W8_TL(1);
         if (ld0.valid) {  // B0's rope and latent 0-255 are read by nothing else in this pair
           load8_group(p, map, ld0, kb0, bars0 + 16, 2);
@@ -829,6 +830,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         W8_TL(0);
         if (has1) {
           W8_TL_LANDED(bars1, par1);
+          // The two Q.K^T in turn: each reads 4 KB of shared memory per
+          // 32-cycle wgmma, all of its bandwidth, so together they took
+          // ~1780 cycles where WG0's alone takes ~1220, and WG0's softmax,
+          // the next link of the pair's chain, started only then: 0.2-0.9 %
+          // faster (bench/RESULTS.md session 28, runs 6-7).
+          named_bar_sync(BAR_QK, kThreads);
           qk8_tile_nt_issue(s, sb + L::kOffQ, kb1, bars1, par1, 1);
           vt_frags(kb1, 1, nv1, wi, lane, va);  // V1_R^T, under the Q.K^T
           wgmma_wait<0>();
