@@ -77,13 +77,21 @@ static __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t byt
 static __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
+// One probe of a phase: try_wait may suspend the thread for a system-dependent
+// time before it answers; test_wait answers at once (the dev timelines).
+#define MLA_MBAR_PROBE(op, ok, bar, parity)                                                                 \
+  asm volatile("{\n.reg .pred p;\nmbarrier." op ".parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n" \
+               : "=r"(ok)                                                                                    \
+               : "r"(bar), "r"(parity)                                                                       \
+               : "memory")
 static __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
   uint32_t ok;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok)
-      : "r"(bar), "r"(parity)
-      : "memory");
+  MLA_MBAR_PROBE("try_wait", ok, bar, parity);
+  return ok != 0;
+}
+static __device__ __forceinline__ bool mbar_test_wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  MLA_MBAR_PROBE("test_wait", ok, bar, parity);
   return ok != 0;
 }
 // A phase or byte-count bug hangs; the watchdog turns the hang into a

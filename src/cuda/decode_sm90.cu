@@ -626,17 +626,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 // the points named where launch_wide8 prints them), and slot 9 records which
 // of its tile's three groups had landed when the pair began.
 #ifdef MLA_DEV_TIMELINE
+// Whether this launch (counted in *calls per launcher) is the one to print.
+static bool dev_timeline_due(int *calls) {
+  const char *at = getenv("MLA_DEV_TIMELINE_AT");
+  return ++*calls == (at ? atoi(at) : 5);
+}
 constexpr int kTl8Pairs = 64, kTl8Ph = 10;
 __device__ long long g_tl8[2][kTl8Pairs][kTl8Ph];
-static __device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return ok != 0;
-}
 #define W8_TL(k) \
   do { \
     if (tl_on && pairs < (uint32_t)kTl8Pairs) g_tl8[wg][pairs][k] = clock64(); \
@@ -644,8 +640,8 @@ static __device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t parity) 
 #define W8_TL_LANDED(bars, par) \
   do { \
     if (tl_on && pairs < (uint32_t)kTl8Pairs) \
-      g_tl8[wg][pairs][9] = (mbar_test((bars), (par)) ? 1 : 0) | (mbar_test((bars) + 8, (par)) ? 2 : 0) | \
-                            (mbar_test((bars) + 16, (par)) ? 4 : 0); \
+      g_tl8[wg][pairs][9] = (mbar_test_wait((bars), (par)) ? 1 : 0) | (mbar_test_wait((bars) + 8, (par)) ? 2 : 0) | \
+                            (mbar_test_wait((bars) + 16, (par)) ? 4 : 0); \
   } while (0)
 #else
 #define W8_TL(k) \
@@ -2241,8 +2237,7 @@ cudaError_t launch_wide8(const mla_decode_params *p, const KvMaps &map, cudaStre
 #ifdef MLA_DEV_TIMELINE
   {  // dev only: mean cycles between the stamps of the MLA_DEV_TIMELINE_AT-th launch (default 5); syncs
     static int calls = 0;
-    const char *at = getenv("MLA_DEV_TIMELINE_AT");
-    if (++calls == (at ? atoi(at) : 5)) {
+    if (dev_timeline_due(&calls)) {
       static long long h[2][kTl8Pairs][kTl8Ph];
       cudaStreamSynchronize(stream);
       cudaMemcpyFromSymbol(h, g_tl8, sizeof(h));
@@ -2296,8 +2291,7 @@ cudaError_t launch_ring_wgs(const mla_decode_params *p, const KvMaps &map, cudaS
 #ifdef MLA_DEV_TIMELINE
   {  // dev only: print the stamps of the MLA_DEV_TIMELINE_AT-th launch (default 5); syncs
     static int calls = 0;
-    const char *at = getenv("MLA_DEV_TIMELINE_AT");
-    if (++calls == (at ? atoi(at) : 5)) {
+    if (dev_timeline_due(&calls)) {
       static long long h[3][kTlTiles][kTlPh];
       cudaStreamSynchronize(stream);
       cudaMemcpyFromSymbol(h, g_tl, sizeof(h));
