@@ -95,15 +95,9 @@ __device__ __forceinline__ void pv_ot(float (&o)[4][32], uint32_t vb, uint32_t s
   for (int mt = 0; mt < 4; mt++)
 #pragma unroll
     for (int kk = 0; kk < 2; kk++) vt_frag<kPerm>(vb, mt, kk, wi, lane, a[mt][kk]);
-  wgmma_fence();
-#pragma unroll
-  for (int mt = 0; mt < 4; mt++)
-#pragma unroll
-    for (int kk = 0; kk < 2; kk++) wgmma_m64n64k32_rs_e4m3(o[mt], a[mt][kk], desc_sw128(sP + 32 * kk, 16, 1024));
-  wgmma_commit();
+  pv8_ot(o, a, sP);  // the library kernel's wgmmas (decode_wide_fp8.cuh)
   wgmma_wait<0>();
-#pragma unroll
-  for (int mt = 0; mt < 4; mt++) reg_fence(o[mt]);
+  reg_fence2(o);
 }
 
 // ---- check: one warpgroup, one tile ----------------------------------------

@@ -717,7 +717,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const ReqWork w = req_work(p, meta, req, mb);
     if (w.rows == 0) continue;
     __syncthreads();  // the last request is done with Q, sM and the row arrays
-    const float sl2 = p.scale * kLog2e * p.kv_scale * load_q8<L>(p, w, mb, sb + L::kOffQ, smem, tid);
+    const float sl2 = p.scale * kLog2e * p.kv_scale * load_q8(p, w, mb, sb + L::kOffQ, smem, tid);
     __syncthreads();
     const int limA = lim[rA], limB = lim[rB], lim0 = lim[0];  // row 0 has the lowest limit
 
@@ -890,7 +890,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       la = la1;
       if (has1) cursor_next<1>(p, meta, mb, la);
     }
-    epilogue_ot(p, w, mb, smem, o, lsA, lsB, wg, wi, lane, rA, rB, lead, p.kv_scale, L::kOffL, L::kOffM, L::kOffStage);
+    epilogue_ot(p, w, mb, smem, o, lsA, lsB, wg, wi, lane, rA, rB, lead, p.kv_scale);
   }
 #endif
 }

@@ -258,10 +258,9 @@ __device__ __forceinline__ void rescale_ot(float (&o)[4][32], const float *f0, c
 // is two adjacent dims, stored together.
 __device__ __forceinline__ void epilogue_ot(const mla_decode_params &p, const ReqWork &w, int mb, uint8_t *smem,
                                             const float (&o)[4][32], float lsA, float lsB, int wg, int wi, int lane,
-                                            int rA, int rB, bool lead, float osc, uint32_t offL, uint32_t offM,
-                                            uint32_t offStage) {
-  float *sL = reinterpret_cast<float *>(smem + offL);
-  const float *sM = reinterpret_cast<const float *>(smem + offM);
+                                            int rA, int rB, bool lead, float osc) {
+  float *sL = reinterpret_cast<float *>(smem + W8T::kOffL);
+  const float *sM = reinterpret_cast<const float *>(smem + W8T::kOffM);
   publish_row_sums(sL, lsA, lsB, wg, rA, rB, lead);
   __syncthreads();
   const int g = lane >> 2, c = lane & 3;
@@ -274,7 +273,7 @@ __device__ __forceinline__ void epilogue_ot(const mla_decode_params &p, const Re
       const float t = sL[n] + sL[64 + n];
       inv[2 * j + e] = t > 0.f ? osc / t : 0.f;
     }
-  uint8_t *st = smem + offStage;
+  uint8_t *st = smem + W8T::kOffStage;
   // element (mt, 4 j + 2 h + e): row 8 j + 2c + e, dim 64 mt + 16 wi + 2g + h of this warpgroup's 256
   auto each = [&](auto put) {
 #pragma unroll
@@ -319,7 +318,6 @@ __device__ __forceinline__ float absmax8_bf16(uint4 v) {
 // thread loads its 18 pieces at once (one round trip to L2; a loop of
 // dependent loads, read twice, took ~15 % of the kernel's stall samples),
 // keeps them in registers over the block reduction, then converts them.
-template <class L>
 __device__ __forceinline__ float load_q8(const mla_decode_params &p, const ReqWork &w, int mb, uint32_t sq,
                                          uint8_t *smem, int tid) {
   constexpr int kPer = 64 * 72 / kThreads;  // 16-byte pieces per thread (64 rows x 72)
@@ -343,10 +341,10 @@ __device__ __forceinline__ float load_q8(const mla_decode_params &p, const ReqWo
   for (int i = 0; i < kPer; i++) mx = fmaxf(mx, absmax8_bf16(v[i]));
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  float *red = reinterpret_cast<float *>(smem + L::kOffRed);
+  float *red = reinterpret_cast<float *>(smem + W8T::kOffRed);
   if ((tid & 31) == 0) red[tid >> 5] = mx;
-  int *lim = reinterpret_cast<int *>(smem + L::kOffLim);
-  float *sM = reinterpret_cast<float *>(smem + L::kOffM);
+  int *lim = reinterpret_cast<int *>(smem + W8T::kOffLim);
+  float *sM = reinterpret_cast<float *>(smem + W8T::kOffM);
   if (tid < 64) {
     lim[tid] = tid < w.rows ? row_limit(p, w, mb, tid) : 0;  // padding rows see no key
     sM[tid] = -INFINITY;
