@@ -79,7 +79,9 @@ __host__ __device__ constexpr bool lm_raw(int lm) { return lm == LOAD_FP8 || lm 
 // block-scaled only: [1] the 16 scale bytes of a row, [2] the bf16 rope as
 // 128 swizzled bytes.
 struct KvMaps {
-  CUtensorMap m[4];  // [3]: per-tensor fp8, page size >= 64: a tile's latent as one 4-D box (decode_sm90.cu)
+  // [3]: page size >= 64, a 4-D map of 128-byte chunks (make_kv_tmap_chunked in decode_sm90.cu): per-tensor
+  // fp8 a tile's latent, 16-bit caches a latent half
+  CUtensorMap m[4];
 };
 
 __device__ __forceinline__ void named_bar_arrive(int id, int n) {
@@ -435,6 +437,11 @@ __device__ __forceinline__ void load_group(const mla_decode_params &p, const CUt
     }
   } else if constexpr (LM == LOAD_TMA_BIG) {
     mbar_expect_tx(bar, (uint32_t)(c1 - c0) * kChunk);
+    if (((c1 - c0) & 3) == 0) {  // latent halves as 4-D boxes (maps[3]: {128 B, rows, chunk, page}): 1 issue, not 4
+      for (int cc = c0; cc < c1; cc += 4)
+        tma_load_4d(kbuf + cc * kChunk, maps + 3, bar, 0, s.row0, cc, s.page, false, 0);
+      return;
+    }
     for (int cc = c0; cc < c1; cc++) tma_load_3d(kbuf + cc * kChunk, map, bar, 64 * cc, s.row0, s.page);
   } else {
     const int P = p.page_size, lp = __ffs(P) - 1;

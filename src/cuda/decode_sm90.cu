@@ -94,28 +94,36 @@ cudaError_t make_kv_tmap_bytes(const mla_decode_params *p, CUtensorMap *map, int
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// The per-tensor fp8 latent as {128 bytes, rows, 4 chunks of 128 bytes,
-// pages} (the chunk stride below the row's: the driver takes any order),
-// box {128, 64, 4, 1}, 128B-swizzled: one TMA instruction fills a tile's
-// four latent ring slots ([chunk][row][128 B]: four contiguous 1024-aligned
-// 8 KB slots) in the layout four row-view boxes give them. Page size >= 64.
-// The TMA unit takes ~290 cycles a box beside the ring's busy consumers, so
-// 2 boxes a tile instead of 5: 1.2-2.2 % faster at b = 128, H = 16
-// (bench/RESULTS.md session 18, run 5).
-// Where it applies: the one test the host (which map to encode), the
-// producer (which loads to issue) and the consumers (which barriers to wait
-// for) share; kv_dtype per-tensor fp8 is the caller's part.
+// A cache row's first 128 * chunks bytes as {128 bytes, rows, chunks of 128
+// bytes, pages} (the chunk stride below the row's: the driver takes any
+// order), box {128, 64, box_chunks, 1}, 128B-swizzled: one TMA instruction
+// fills box_chunks contiguous 1024-aligned 8 KB slots ([chunk][row][128 B])
+// in the layout as many row-view boxes give them. Page size >= 64. A box
+// costs its issuing thread ~200-300 cycles beside busy warpgroups whatever
+// its size (bench/RESULTS.md sessions 18 and 29), so fewer, larger boxes:
+//  - per-tensor fp8 ring (KvMaps [3], chunks 4, box 4): a tile's four latent
+//    slots, 2 boxes a tile instead of 5: 1.2-2.2 % faster at b = 128, H = 16
+//    (session 18, run 5);
+//  - 16-bit wide / narrow kernels (KvMaps [3], chunks 8, box 4): a latent
+//    half, 2 boxes instead of 8 (bench/RESULTS.md session 30, run 1).
+// (The fp8 math kernel's latent pairs as 2-chunk boxes issued faster but
+// landed later and ran ~1 % slower: session 30, run 1.)
+// ring_latent4: where the fp8 ring's applies: the one test the host (which
+// map to encode), the producer (which loads to issue) and the consumers
+// (which barriers to wait for) share; kv_dtype per-tensor fp8 is the
+// caller's part.
 static __host__ __device__ __forceinline__ bool ring_latent4(int page_size) { return page_size >= 64; }
-cudaError_t make_kv_tmap_latent4(const mla_decode_params *p, CUtensorMap *map) {
+cudaError_t make_kv_tmap_chunked(const mla_decode_params *p, CUtensorMap *map, int chunks, int box_chunks,
+                                 CUtensorMapL2promotion promo) {
   memset(map, 0, sizeof(*map));
   EncodeTiledFn fn = encode_fn();
   if (!fn) return cudaErrorNotSupported;
-  cuuint64_t dims[4] = {128, (cuuint64_t)p->page_size, 4, (cuuint64_t)p->num_pages};
+  cuuint64_t dims[4] = {128, (cuuint64_t)p->page_size, (cuuint64_t)chunks, (cuuint64_t)p->num_pages};
   cuuint64_t strides[3] = {(cuuint64_t)p->row_bytes, 128, (cuuint64_t)p->row_bytes * p->page_size};
-  cuuint32_t box[4] = {128, 64, 4, 1};
+  cuuint32_t box[4] = {128, 64, (cuuint32_t)box_chunks, 1};
   cuuint32_t one[4] = {1, 1, 1, 1};
   CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void *>(p->kv), dims, strides, box, one,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
@@ -412,6 +420,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // 2^e), the cache scale and 2^-e in the scores' factor, the cache scale in
   // the output's. kF16 stays the activations' type (the output's).
   constexpr bool kRaw = lm_raw(LM), kOp = kF16 || kRaw;
+  // Each buffer's rope chunk (read by its Q.K^T only) is refilled under the
+  // warpgroup's register-operand P.V at page >= 64 (a TMA issue costs its
+  // thread ~200-300 cycles beside busy warpgroups: 1-2 % faster, bench/RESULTS.md
+  // session 29), right after the Q.K^T in the other modes (moved, they spill more).
+  constexpr bool kRopeLate = LM == LOAD_TMA_BIG;
   float sl2 = p.scale * kLog2e;
   const int er = meta[SCHED_END_REQ];
   // TMA: one elected refill thread per warpgroup; other modes: all of it.
@@ -482,7 +495,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                     nv0);
         if (kUnderQk) next_tiles<LM>(p, meta, mb, er, issuer, myrow, has1, cur0, cur1, nx0, nx1, ld0, ld1);
         qk_wait(s);
-        if (ld0.valid) load_group<LM>(p, kv_maps.m, ld0, kb0, bars0 + 16, 8, 9, t128);  // rope chunk: read by QK^T only
+        if (!kRopeLate && ld0.valid) load_group<LM>(p, kv_maps.m, ld0, kb0, bars0 + 16, 8, 9, t128);  // rope chunk
         float mxA, mxB;
         row_max(s, full0, kt0, limA, limB, cq, mxA, mxB);
         const float mpA = sM[rA], mpB = sM[rB];
@@ -504,6 +517,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           named_bar_sync(BAR_WG0, 128);
         }
         pv_rs<kOp>(o, pa, kb0, 0, vt_lbo, vt_sbo);
+        if (kRopeLate && ld0.valid) load_group<LM>(p, kv_maps.m, ld0, kb0, bars0 + 16, 8, 9, t128);
         // WG1's P1 / s1; rows whose max moved get P0' = s1 P0 re-stored.
         named_bar_sync(BAR_P1, kThreads);
         const float s1A = sS1[rA], s1B = sS1[rB];
@@ -560,7 +574,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                       kvs, nv1);
           if (kUnderQk) next_tiles<LM>(p, meta, mb, er, issuer, myrow, has1, cur0, cur1, nx0, nx1, ld0, ld1);
           qk_wait(s);
-          if (ld1.valid) load_group<LM>(p, kv_maps.m, ld1, kb1, bars1 + 16, 8, 9, t128);
+          if (!kRopeLate && ld1.valid) load_group<LM>(p, kv_maps.m, ld1, kb1, bars1 + 16, 8, 9, t128);
           row_max(s, full1, kt1, limA, limB, cq, mxA, mxB);
         } else if (kUnderQk) {
           next_tiles<LM>(p, meta, mb, er, issuer, myrow, has1, cur0, cur1, nx0, nx1, ld0, ld1);
@@ -590,6 +604,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             named_bar_sync(BAR_WG1, 128);
           }
           pv_rs<kOp>(o, pa, kb1, 1, vt_lbo, vt_sbo);
+          if (kRopeLate && ld1.valid) load_group<LM>(p, kv_maps.m, ld1, kb1, bars1 + 16, 8, 9, t128);  // B1's rope
         }
         // O_R += P0' V0_R (P0' from shared memory), queued right behind it.
         named_bar_sync(BAR_P0, kThreads);
@@ -631,7 +646,7 @@ static bool dev_timeline_due(int *calls) {
   const char *at = getenv("MLA_DEV_TIMELINE_AT");
   return ++*calls == (at ? atoi(at) : 5);
 }
-constexpr int kTl8Pairs = 64, kTl8Ph = 10;
+constexpr int kTl8Pairs = 64, kTl8Ph = 14;
 __device__ long long g_tl8[2][kTl8Pairs][kTl8Ph];
 #define W8_TL(k) \
   do { \
@@ -761,10 +776,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         named_bar_sync(BAR_WG0, 128);  // the four warps' Q.K^T and fragment reads of B0 retired
         if (has1) named_bar_arrive(BAR_QK, kThreads);  // WG1's Q.K^T may start
         W8_TL(1);
-        if (ld0.valid) {  // B0's rope and latent 0-255 are read by nothing else in this pair
-          load8_group(p, map, ld0, kb0, bars0 + 16, 2);
-          load8_group(p, map, ld0, kb0, bars0, 0);
-        }
         float mxA, mxB;
         row_max(s, full0, kt0, limA, limB, cq, mxA, mxB);
         const float mpA = sM[rA], mpB = sM[rB];
@@ -784,6 +795,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         lsA = lsA * s0A + sumA;
         lsB = lsB * s0B + sumB;
         pv8_ot(o, va, sPa);  // O^T_L = s0 O^T_L + V0_L^T P0^T
+        W8_TL(10);
+        if (ld0.valid) {  // B0's rope and latent 0-255: read by nothing else in this pair
+          load8_group(p, map, ld0, kb0, bars0 + 16, 2);
+          load8_group(p, map, ld0, kb0, bars0, 0);
+        }
+        W8_TL(11);
         wgmma_wait<0>();     // (while WG1 computes its softmax) its fragment registers are free again
         reg_fence2(o);
         keep_alive_a(va);
@@ -813,8 +830,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (has1) {
           // (the vote above was a warpgroup barrier: the four warps' fragment reads of B1 latent 0-255 are
           // done; WG1's Q.K^T on B1 retired before BAR_P1)
-          if (ld1.valid) load8_group(p, map, ld1, kb1, bars1, 0);
           pv8_ot(o, va, sPb);  // O^T_L += V1_L^T P1^T
+          W8_TL(12);
+          if (ld1.valid) load8_group(p, map, ld1, kb1, bars1, 0);
+          W8_TL(13);
           wgmma_wait<0>();
           reg_fence2(o);
           keep_alive_a(va);
@@ -838,10 +857,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           reg_fence(s);
           named_bar_sync(BAR_WG1, 128);
           W8_TL(1);
-          if (ld1.valid) {  // B1's rope and latent 256-511: nothing else reads them in this pair
-            load8_group(p, map, ld1, kb1, bars1 + 16, 2);
-            load8_group(p, map, ld1, kb1, bars1 + 8, 1);
-          }
           row_max(s, full1, kt1, limA, limB, cq, mxA, mxB);
         }
         named_bar_sync(BAR_A, kThreads);
@@ -867,6 +882,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         lsB = lsB * fB + sumB;
         if (has1) {
           pv8_ot(o, va, sPb);  // O^T_R += V1_R^T P1^T
+          W8_TL(10);
+          if (ld1.valid) {  // B1's rope and latent 256-511: nothing else reads them in this pair
+            load8_group(p, map, ld1, kb1, bars1 + 16, 2);
+            load8_group(p, map, ld1, kb1, bars1 + 8, 1);
+          }
+          W8_TL(11);
           wgmma_wait<0>();
           reg_fence2(o);
           keep_alive_a(va);
@@ -876,11 +897,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         W8_TL(5);
         vt_frags(kb0, 1, nv0, wi, lane, va);
         named_bar_sync(BAR_WG1, 128);
-        if (ld0.valid) load8_group(p, map, ld0, kb0, bars0 + 8, 1);
         W8_TL(6);
         named_bar_sync(BAR_P0, kThreads);
         W8_TL(7);
         pv8_ot(o, va, sPc);  // O^T_R += V0_R^T P0'^T
+        W8_TL(12);
+        if (ld0.valid) load8_group(p, map, ld0, kb0, bars0 + 8, 1);
+        W8_TL(13);
         wgmma_wait<0>();
         reg_fence2(o);
         keep_alive_a(va);
@@ -1471,7 +1494,7 @@ __device__ __forceinline__ RingSrc ring_src(const mla_decode_params &p, int req,
 // KvMaps (16-bit and per-tensor fp8 read [1], the 128-byte L2 promotion
 // view; the block format [0] and its rope map [2]). Per-tensor fp8 at page
 // size >= 64 (ring_latent4) positions 1-4 come as one 4-D box through [3]
-// (make_kv_tmap_latent4): k = 1 loads all four slots, completing its own
+// (make_kv_tmap_chunked): k = 1 loads all four slots, completing its own
 // barrier (the caller has waited for all four to be free), k = 2-4 load
 // nothing and their full barriers stay as they are.
 template <int LM>
@@ -2246,15 +2269,20 @@ cudaError_t launch_wide8(const mla_decode_params *p, const KvMaps &map, cudaStre
           {"start", "qk+frags", "wait A", "softmax>P1", "pv V1_R", "B0 lat-R wait", "frags V0_R", "wait P0", "pv V0_R"}};
       for (int wgi = 0; wgi < 2; wgi++) {
         double sum[kTl8Ph] = {0}, per = 0;
-        int n = 0, notl[3] = {0, 0, 0};
+        int n = 0, notl[3] = {0, 0, 0}, ni[2] = {0, 0};
+        double iss[2] = {0, 0};
         for (int i = 4; i + 1 < kTl8Pairs; i++) {
           if (h[wgi][i][0] == 0 || h[wgi][i + 1][0] == 0 || h[wgi][i][8] == 0) continue;
           for (int k = 1; k < 9; k++)
             if (h[wgi][i][k]) sum[k] += (double)(h[wgi][i][k] - h[wgi][i][k - 1] > 0 && h[wgi][i][k - 1] ? h[wgi][i][k] - h[wgi][i][k - 1] : 0);
           per += (double)(h[wgi][i + 1][0] - h[wgi][i][0]);
           for (int g = 0; g < 3; g++) notl[g] += !((h[wgi][i][9] >> g) & 1);
+          if (h[wgi][i][11]) iss[0] += (double)(h[wgi][i][11] - h[wgi][i][10]), ni[0]++;
+          if (h[wgi][i][13]) iss[1] += (double)(h[wgi][i][13] - h[wgi][i][12]), ni[1]++;
           n++;
         }
+        fprintf(stderr, "tl8 wg%d refill issue: first %.0f cycles (%d), second %.0f cycles (%d)\n", wgi,
+                ni[0] ? iss[0] / ni[0] : 0., ni[0], ni[1] ? iss[1] / ni[1] : 0., ni[1]);
         fprintf(stderr, "tl8 wg%d, mean of %d pairs (cycles since the previous stamp):", wgi, n);
         for (int k = 1; k < 9; k++) fprintf(stderr, " %s %.0f,", names[wgi][k], n ? sum[k] / n : 0.);
         fprintf(stderr, " period %.0f; not landed at start: lat-L %d, lat-R %d, rope %d of %d\n", n ? per / n : 0.,
@@ -2421,14 +2449,18 @@ cudaError_t encode_kv_maps(const mla_decode_params *p, KvMaps *map) {
   memset(map, 0, sizeof *map);
   const bool fp8 = p->kv_dtype == MLA_DTYPE_FP8_E4M3, fp8b = p->kv_dtype == MLA_DTYPE_FP8_E4M3_BLOCK;
   if (!fp8 && !fp8b) {
-    const cudaError_t e = make_kv_tmap(p, &map->m[0], CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
-    return e == cudaSuccess ? make_kv_tmap(p, &map->m[1], CU_TENSOR_MAP_L2_PROMOTION_L2_128B) : e;
+    cudaError_t e = make_kv_tmap(p, &map->m[0], CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+    if (e == cudaSuccess) e = make_kv_tmap(p, &map->m[1], CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
+    if (e == cudaSuccess && p->page_size >= 64)  // LOAD_TMA_BIG: a latent half (4 chunks of 128 B) as one box
+      e = make_kv_tmap_chunked(p, &map->m[3], 8, 4, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+    return e;
   }
   cudaError_t e = make_kv_tmap_bytes(p, &map->m[0], 128, false);  // latent pairs (and the per-tensor rope)
   if (e == cudaSuccess && fp8)  // the ring kernel's boxes: swizzled for its ldmatrix reads (qk_rs_tile)
     e = make_kv_tmap_bytes(p, &map->m[1], 128, true, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
   if (e == cudaSuccess && fp8) e = make_kv_tmap_bytes(p, &map->m[2], 128, true);  // swizzled: the fp8 math kernel
-  if (e == cudaSuccess && fp8 && ring_latent4(p->page_size)) e = make_kv_tmap_latent4(p, &map->m[3]);
+  if (e == cudaSuccess && fp8 && ring_latent4(p->page_size))
+    e = make_kv_tmap_chunked(p, &map->m[3], 4, 4, CU_TENSOR_MAP_L2_PROMOTION_L2_128B);
   if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map->m[1], 16, false);  // block scales
   if (e == cudaSuccess && fp8b) e = make_kv_tmap_bytes(p, &map->m[2], 128, true);  // bf16 rope, swizzled
   return e;
