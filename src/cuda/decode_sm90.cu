@@ -704,7 +704,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t sPa = sb + L::kOffPa, sPc = sb + L::kOffPc;
   const CUtensorMap *map = &kv_maps.m[2];  // the swizzled byte view
   const int er = meta[SCHED_END_REQ];
-  const bool issuer = t128 == 0;
+  // the pair loop's refills: lane 0 of each warp at page >= 64 (refill8_group), else of warp 0
+  const bool issuer = lane == 0 && (p.page_size >= 64 || wi == 0);
 #ifdef MLA_DEV_TIMELINE
   const bool tl_on = blockIdx.x == 0 && blockIdx.y == 0 && t128 == 0;
 #endif
@@ -797,8 +798,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         pv8_ot(o, va, sPa);  // O^T_L = s0 O^T_L + V0_L^T P0^T
         W8_TL(10);
         if (ld0.valid) {  // B0's rope and latent 0-255: read by nothing else in this pair
-          load8_group(p, map, ld0, kb0, bars0 + 16, 2);
-          load8_group(p, map, ld0, kb0, bars0, 0);
+          refill8_group(p, map, ld0, kb0, bars0 + 16, 2, wi, 0);
+          refill8_group(p, map, ld0, kb0, bars0, 0, wi, 1);
         }
         W8_TL(11);
         wgmma_wait<0>();     // (while WG1 computes its softmax) its fragment registers are free again
@@ -832,7 +833,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           // done; WG1's Q.K^T on B1 retired before BAR_P1)
           pv8_ot(o, va, sPb);  // O^T_L += V1_L^T P1^T
           W8_TL(12);
-          if (ld1.valid) load8_group(p, map, ld1, kb1, bars1, 0);
+          if (ld1.valid) refill8_group(p, map, ld1, kb1, bars1, 0, wi, 3);
           W8_TL(13);
           wgmma_wait<0>();
           reg_fence2(o);
@@ -884,8 +885,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           pv8_ot(o, va, sPb);  // O^T_R += V1_R^T P1^T
           W8_TL(10);
           if (ld1.valid) {  // B1's rope and latent 256-511: nothing else reads them in this pair
-            load8_group(p, map, ld1, kb1, bars1 + 16, 2);
-            load8_group(p, map, ld1, kb1, bars1 + 8, 1);
+            refill8_group(p, map, ld1, kb1, bars1 + 16, 2, wi, 0);
+            refill8_group(p, map, ld1, kb1, bars1 + 8, 1, wi, 1);
           }
           W8_TL(11);
           wgmma_wait<0>();
@@ -902,7 +903,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         W8_TL(7);
         pv8_ot(o, va, sPc);  // O^T_R += V0_R^T P0'^T
         W8_TL(12);
-        if (ld0.valid) load8_group(p, map, ld0, kb0, bars0 + 8, 1);
+        if (ld0.valid) refill8_group(p, map, ld0, kb0, bars0 + 8, 1, wi, 3);
         W8_TL(13);
         wgmma_wait<0>();
         reg_fence2(o);

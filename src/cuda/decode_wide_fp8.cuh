@@ -102,6 +102,27 @@ __device__ __forceinline__ void load8_group(const mla_decode_params &p, const CU
   }
 }
 
+// load8_group for the pair loop's refills, called by lane 0 of every warp of
+// the warpgroup that holds s (page >= 64) or of its warp 0 (smaller pages,
+// which take load8_group whole). At page >= 64 a group's one or two boxes go
+// from lane 0 of warps w0 and w0 + 1 (mod 4) side by side, since a TMA issue
+// stalls its warp ~200-300 cycles beside busy warpgroups (docs/decode-kernel.md
+// §12); warp w0 posts the group's expect_tx, the barrier's one arrival, so a
+// box of the other warp that completes first cannot end the phase (tx-count
+// may go below zero until then). Callers pass different w0 to back-to-back
+// calls. 4-7 % faster than one issuing thread at b=128 H=128 (bench/RESULTS.md
+// session 31 run 1).
+__device__ __forceinline__ void refill8_group(const mla_decode_params &p, const CUtensorMap *map, const TileSrc &s,
+                                              uint32_t kbuf, uint32_t bar, int g, int wi, int w0) {
+  if (p.page_size < 64) {
+    load8_group(p, map, s, kbuf, bar, g);
+    return;
+  }
+  const int c0 = g == 2 ? 4 : 2 * g, nc = g == 2 ? 1 : 2, i = (wi - w0) & 3;
+  if (i == 0) mbar_expect_tx(bar, (uint32_t)(nc * 64 * 128));
+  if (i < nc) tma_load_3d(kbuf + (c0 + i) * kChunk, map, bar, c0 + i == 4 ? 448 : 128 * (c0 + i), s.row0, s.page);
+}
+
 // The Q.K^T of one tile issued (18 wgmma m64n64k32: the rope's two k-steps,
 // then the warpgroup's own latent half, then the other), not waited for: the
 // caller works under it, then waits (wgmma_wait<0>, reg_fence(s)).
