@@ -692,7 +692,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int part = blockIdx.x, mb = blockIdx.y;
   const int *meta = p.sched_meta + part * SCHED_INTS;
   if (meta[SCHED_NUM_REQS] == 0) return;
-  const int tid = threadIdx.x, wg = tid >> 7, t128 = tid & 127, wi = (tid >> 5) & 3, lane = tid & 31;
+  const int tid = threadIdx.x, wg = tid >> 7, wi = (tid >> 5) & 3, lane = tid & 31;
   const int rA = 16 * wi + (lane >> 2), rB = rA + 8;
   const int cq = 2 * (lane & 3);
   const bool lead = (lane & 3) == 0;
@@ -707,7 +707,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // the pair loop's refills: lane 0 of each warp at page >= 64 (refill8_group), else of warp 0
   const bool issuer = lane == 0 && (p.page_size >= 64 || wi == 0);
 #ifdef MLA_DEV_TIMELINE
-  const bool tl_on = blockIdx.x == 0 && blockIdx.y == 0 && t128 == 0;
+  const bool tl_on = blockIdx.x == 0 && blockIdx.y == 0 && (tid & 127) == 0;
 #endif
 
   if (tid == 0) {
@@ -2241,13 +2241,59 @@ __global__ void __launch_bounds__(ring_threads<NWG>(), 1)
 
 // ---- host-side state kept across calls: launch_once.cuh --------------------
 
+// The m-blocks of a part (blockIdx.y) read the same K tiles. Launched as
+// 2-CTA clusters (when the m-blocks are even) the two CTAs of a pair start
+// together on one GPC, and the wide kernels get faster and lose the bimodal
+// spread they had launched plainly: b = 128, H = 128, s_k = 8192, bf16 537-539
+// us in six processes against 550-606 (H100), 493-494 against 504-505 (H200);
+// fp8 math 389-391 against 396-398 (H200); the DRAM bytes are the same either
+// way (ncu), so it is not the second CTA missing L2 (bench/RESULTS.md session
+// 32, runs 3-5). Clusters of 4 (s_q = 2, 4 m-blocks) were 1.9x slower. Nothing
+// in the kernels uses the cluster. A device where the cluster does not fit
+// (cudaOccupancyMaxActiveClusters 0, found once per device) gets the plain
+// launch.
+template <typename... KArgs, typename... Args>
+cudaError_t launch_part_cluster(void (*kernel)(KArgs...), dim3 grid, int smem, cudaStream_t stream, uint64_t *known,
+                                uint64_t *fits, const Args &...args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = (size_t)smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 0;  // a plain launch unless the cluster applies and fits
+  const int cy = grid.y % 2 == 0 ? 2 : 1;
+  if (cy > 1) {
+    attr[0].val.clusterDim.y = (unsigned)cy;
+    int dev = -1;
+    DEV_CUDA_OK(cudaGetDevice(&dev));
+    if (!device_bit_set(known, dev)) {  // (the first launch on this device: not on the hot path)
+      cudaLaunchConfig_t probe = cfg;
+      probe.gridDim = dim3(1, (unsigned)cy, 1);
+      probe.numAttrs = 1;
+      int n = 0;
+      DEV_CUDA_OK(cudaOccupancyMaxActiveClusters(&n, kernel, &probe));
+      if (n > 0) device_bit_mark(fits, dev);
+      device_bit_mark(known, dev);
+    }
+    if (device_bit_set(fits, dev)) cfg.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
+
 template <int LM, bool kF16>
 cudaError_t launch_wide(const mla_decode_params *p, const KvMaps &map, cudaStream_t stream) {
   static uint64_t smem_set;  // per instantiation and device
   DEV_CUDA_OK(set_smem_once(decode_wide_kernel<LM, kF16>, (int)kSmemBytes, &smem_set));
   dim3 grid(p->num_sm_parts, mla_decode_m_blocks(p));
-  decode_wide_kernel<LM, kF16><<<grid, kThreads, kSmemBytes, stream>>>(*p, map, kVtLbo, kVtSbo);
-  return cudaGetLastError();
+  static uint64_t cl_known, cl_fits;
+  return launch_part_cluster(decode_wide_kernel<LM, kF16>, grid, (int)kSmemBytes, stream, &cl_known, &cl_fits, *p,
+                             map, kVtLbo, kVtSbo);
 }
 
 // The fp8 math kernel: the O^T form with three K buffers (decode_wide8t_kernel;
@@ -2257,7 +2303,8 @@ cudaError_t launch_wide8(const mla_decode_params *p, const KvMaps &map, cudaStre
   static uint64_t smem_set;
   const dim3 grid(p->num_sm_parts, mla_decode_m_blocks(p));
   DEV_CUDA_OK(set_smem_once(decode_wide8t_kernel, (int)W8T::kSmem, &smem_set));
-  decode_wide8t_kernel<<<grid, kThreads, W8T::kSmem, stream>>>(*p, map);
+  static uint64_t cl_known, cl_fits;
+  DEV_CUDA_OK(launch_part_cluster(decode_wide8t_kernel, grid, (int)W8T::kSmem, stream, &cl_known, &cl_fits, *p, map));
 #ifdef MLA_DEV_TIMELINE
   {  // dev only: mean cycles between the stamps of the MLA_DEV_TIMELINE_AT-th launch (default 5); syncs
     static int calls = 0;
