@@ -370,6 +370,9 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
 cudaError_t combine_launch(const mla_decode_params *p, cudaStream_t stream) {
   const int rows = mla_decode_rows(p);
   if (p->batch_size == 0 || p->num_sm_parts < 2) return cudaSuccess;  // one part cuts nothing
+#ifdef MLA_DEV_NOCOMBINE  // (dev timing only: the split kernel alone, cut requests left unmerged: wrong results)
+  if (getenv("MLA_DEV_NOCOMBINE")) return cudaSuccess;
+#endif
   const bool by_row = p->num_sm_parts >= 4 * p->batch_size && rows <= 65535;
   if (!by_row && (rows + kCombineWarps - 1) / kCombineWarps > 65535) return cudaErrorInvalidConfiguration;
   cudaLaunchConfig_t cfg = {};
