@@ -360,20 +360,42 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   }
 }
 
-// The combine after the split kernel before it in the stream. With >= 4
-// parts per request (many pieces each) the row kernel, launched plainly: its
-// blocks (8 KB of shared memory) cannot sit beside a split block, and as a
-// programmatic dependent it measured 2 us slower at b = 1 (29.3 vs 27.5 us,
-// s_k = 32768; b = 4 the same: bench/RESULTS.md session 10, run 4). Else one
-// warp per row as a programmatic dependent: the launch overlaps the split
-// kernel's tail (it triggers early).
+// The combine after the split kernel before it in the stream: one of two
+// kernels, by the pieces a request has on average (parts / batch size).
+//  - Many pieces (small batches over long contexts): the row kernel, one
+//    block per (request, row, quarter of the columns), its 8 warps splitting
+//    the pieces; launched plainly: its blocks (8 KB of shared memory) cannot
+//    sit beside a split block, and as a programmatic dependent it measured
+//    2 us slower at b = 1 (29.3 vs 27.5 us, s_k = 32768; b = 4 the same:
+//    bench/RESULTS.md session 10, run 4).
+//  - Few pieces: one warp per row, pieces two at a time, as a programmatic
+//    dependent (the launch overlaps the split kernel's tail; it triggers
+//    early).
+// The row kernel's blocks grow with the rows (bs x rows x 4) while its work
+// per block shrinks with the pieces, so its break-even moves up with the
+// rows: measured both ways (H100, bench/RESULTS.md session 34 run 7), the row
+// kernel wins at >= 16.5 pieces for 16 rows (b = 8, H = 16: 72.5 against
+// 75.5 us) and >= 33 for 128 rows (b = 2, H = 128: 68 against 75.6), the
+// warp kernel at 8.25 pieces for 16 rows (b = 16: 72.7 against 75.8) and
+// 16.5 for 128 (b = 4: 68 against 75; b = 16: 92 against 143). Until session
+// 34 the rule was >= 4 pieces at any width (b = 16, H = 128 spent 60 us in
+// the row combine).
+bool combine_by_row(const mla_decode_params *p) {
+  const int rows = mla_decode_rows(p);
+  const int64_t min_pieces = rows <= 32 ? 12 : 24;
+  return (int64_t)p->num_sm_parts >= min_pieces * p->batch_size && rows <= 65535;
+}
+
 cudaError_t combine_launch(const mla_decode_params *p, cudaStream_t stream) {
   const int rows = mla_decode_rows(p);
   if (p->batch_size == 0 || p->num_sm_parts < 2) return cudaSuccess;  // one part cuts nothing
 #ifdef MLA_DEV_NOCOMBINE  // (dev timing only: the split kernel alone, cut requests left unmerged: wrong results)
   if (getenv("MLA_DEV_NOCOMBINE")) return cudaSuccess;
 #endif
-  const bool by_row = p->num_sm_parts >= 4 * p->batch_size && rows <= 65535;
+  bool by_row = combine_by_row(p);
+#ifdef MLA_DEV_COMBINE_PICK  // (dev timing only: MLA_DEV_COMBINE=row / warp picks the kernel whatever the rule says)
+  if (const char *c = getenv("MLA_DEV_COMBINE")) by_row = strcmp(c, "row") == 0 && rows <= 65535;
+#endif
   if (!by_row && (rows + kCombineWarps - 1) / kCombineWarps > 65535) return cudaErrorInvalidConfiguration;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = by_row ? dim3(p->batch_size, rows, 4) : dim3(p->batch_size, (rows + kCombineWarps - 1) / kCombineWarps);
