@@ -379,11 +379,11 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
 // warp kernel at 8.25 pieces for 16 rows (b = 16: 72.7 against 75.8) and
 // 16.5 for 128 (b = 4: 68 against 75; b = 16: 92 against 143). Until session
 // 34 the rule was >= 4 pieces at any width (b = 16, H = 128 spent 60 us in
-// the row combine).
+// the row combine). (Whether the row kernel's grid.y can hold the rows is
+// combine_launch's to check.)
 bool combine_by_row(const mla_decode_params *p) {
-  const int rows = mla_decode_rows(p);
-  const int64_t min_pieces = rows <= 32 ? 12 : 24;
-  return (int64_t)p->num_sm_parts >= min_pieces * p->batch_size && rows <= 65535;
+  const int64_t min_pieces = mla_decode_rows(p) <= 32 ? 12 : 24;
+  return (int64_t)p->num_sm_parts >= min_pieces * p->batch_size;
 }
 
 cudaError_t combine_launch(const mla_decode_params *p, cudaStream_t stream) {
@@ -394,11 +394,13 @@ cudaError_t combine_launch(const mla_decode_params *p, cudaStream_t stream) {
 #endif
   bool by_row = combine_by_row(p);
 #ifdef MLA_DEV_COMBINE_PICK  // (dev timing only: MLA_DEV_COMBINE=row / warp picks the kernel whatever the rule says)
-  if (const char *c = getenv("MLA_DEV_COMBINE")) by_row = strcmp(c, "row") == 0 && rows <= 65535;
+  if (const char *c = getenv("MLA_DEV_COMBINE")) by_row = strcmp(c, "row") == 0;
 #endif
-  if (!by_row && (rows + kCombineWarps - 1) / kCombineWarps > 65535) return cudaErrorInvalidConfiguration;
+  by_row = by_row && rows <= 65535;  // (the row kernel's grid.y)
+  const int warp_y = (rows + kCombineWarps - 1) / kCombineWarps;  // the warp kernel's grid.y
+  if (!by_row && warp_y > 65535) return cudaErrorInvalidConfiguration;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = by_row ? dim3(p->batch_size, rows, 4) : dim3(p->batch_size, (rows + kCombineWarps - 1) / kCombineWarps);
+  cfg.gridDim = by_row ? dim3(p->batch_size, rows, 4) : dim3(p->batch_size, warp_y);
   cfg.blockDim = dim3(kCombineWarps * 32);
   cfg.dynamicSmemBytes = 0;
   cfg.stream = stream;
