@@ -15,8 +15,10 @@
 # DEFS       e.g. "-DMLA_DEV_TIMELINE -DMLA_DEV_NOLOAD"
 # VARIANT_SRC (environment) the file under src/cuda/ to compile with DEFS
 #            (default decode_sm90.cu; e.g. prefill_sm90.cu)
+# VARIANT_FROM (environment) compile this file in its place (e.g. the same
+#            file in another worktree holding a patch), with the tree's flags
 set -euo pipefail
-[ $# -ge 3 ] || { sed -n '2,17p' "$0"; exit 2; }
+[ $# -ge 3 ] || { sed -n '2,19p' "$0"; exit 2; }
 B=$(cd "$1" && pwd); mkdir -p "$2/tests"; D=$(cd "$2" && pwd); DEFS=$3; shift 3
 SRC=$(cd "$(dirname "$0")/.." && pwd)/src/cuda/${VARIANT_SRC:-decode_sm90.cu}
 cd "$B"
@@ -30,6 +32,7 @@ PY
 )
 obj=$(sed -E 's/.* -o ([^ ]+)$/\1/' <<<"$cmd")
 cmd=${cmd% -o *}
+[ -z "${VARIANT_FROM:-}" ] || cmd=${cmd//$SRC/$(readlink -f "$VARIANT_FROM")}
 OBJ=$(basename "$SRC").o
 eval "$cmd $DEFS -o $D/$OBJ"
 cp libmla.a "$D/libmla.a"
