@@ -167,7 +167,15 @@ __device__ __forceinline__ void find_first_part_begin(const mla_decode_params &p
 // (<= 64 registers: a block fitted beside a ring kernel block of 288 x 168;
 // the ring block is 384 x 168 since session 12 and leaves no room, with no
 // change at b = 64, bench/RESULTS.md session 12 run 12.)
-template <bool kF16>
+// Grid (bs, ceil(kSplit rows / 8)): warp w of block (req, y) merges part
+// (8 y + w) % kSplit of row (8 y + w) / kSplit, a lane 16 / kSplit of its
+// columns, 2 kSplit pieces' loads in flight per round trip (the same
+// registers either way). Whole rows (kSplit 1) where requests have few
+// pieces; halves (2) where they have more: whole rows ran 4-12 dependent
+// rounds at the 8-24 pieces a request of b = 2-8 at H = 128, and halves are
+// 2-3 us faster there but 2-5 us slower at b = 128 H = 128 (2-4 pieces: twice
+// the warps, each redoing the lse pass; bench/RESULTS.md session 34 run 11).
+template <bool kF16, int kSplit>
 __global__ void __launch_bounds__(kCombineWarps * 32, 4)
     decode_combine_warp_kernel(const mla_decode_params p) {  // kF16: f16 output
   // The metadata (inputs of the split kernel, complete before it started)
@@ -180,7 +188,9 @@ __global__ void __launch_bounds__(kCombineWarps * 32, 4)
   find_first_part_begin(p, req, &sp0, &sfirst);
   __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int rg = blockIdx.y * kCombineWarps + warp;
+  constexpr int kP = 2 * kSplit, kC = 4 / kSplit;  // pieces a round, float4 a lane
+  const int hr = blockIdx.y * kCombineWarps + warp, rg = hr / kSplit;
+  const int c0 = (128 / kSplit) * (hr % kSplit) + lane;  // the lane's first float4 of the row
   const int q0 = p.qo_indptr[req], qlen = p.qo_indptr[req + 1] - q0;
   const int H = p.num_heads;
   if (rg >= qlen * H) return;
@@ -197,16 +207,17 @@ __global__ void __launch_bounds__(kCombineWarps * 32, 4)
     return reinterpret_cast<const float4 *>(
         p.o_accum + ((size_t)mla_decode_partial_slot(p0 + j, j > 0 || first_req) * R + rg) * 512);
   };
-  // One round trip for the common case (two pieces): lane j loads piece j's
-  // lse (pieces >= 32 are read again where needed) while every lane loads
-  // its columns of the first two pieces' rows. An empty piece's row may hold
-  // anything (NaN included): it is loaded but never weighed.
+  // One round trip for up to kP pieces: lane j loads piece j's lse (pieces
+  // >= 32 are read again where needed) while every lane loads its columns of
+  // the first kP pieces' rows. An empty piece's row may
+  // hold anything (NaN included): it is loaded but never weighed.
   const float myl = lane < pieces ? lse_of(lane) : -INFINITY;
-  float4 v[2][4];
+  float4 v[kP][kC];
 #pragma unroll
-  for (int u = 0; u < 2; u++)
+  for (int u = 0; u < kP; u++)
 #pragma unroll
-    for (int c = 0; c < 4; c++) v[u][c] = row_of(u)[lane + 32 * c];  // (pieces >= 2 here)
+    for (int c = 0; c < kC; c++)
+      v[u][c] = u < pieces ? row_of(u)[c0 + 32 * c] : make_float4(0.f, 0.f, 0.f, 0.f);  // (pieces >= 2 here)
   float mx = myl;
   for (int j = lane + 32; j < pieces; j += 32) mx = fmaxf(mx, lse_of(j));
 #pragma unroll
@@ -220,28 +231,29 @@ __global__ void __launch_bounds__(kCombineWarps * 32, 4)
   for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
   const float lse = mx == -INFINITY ? -INFINITY : mx + logf(sum);
 
-  // Each lane owns 16 columns: 4 float4 at lane*4 + 128*c (coalesced).
-  float4 acc[4];
+  // Each lane owns 16 / kSplit columns: kC float4 at c0 + 32 c (coalesced).
+  float4 acc[kC];
 #pragma unroll
-  for (int c = 0; c < 4; c++) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int c = 0; c < kC; c++) acc[c] = make_float4(0.f, 0.f, 0.f, 0.f);
   if (mx != -INFINITY) {
-    for (int j = 0; j < pieces; j += 2) {
-      float wt[2];
+    for (int j = 0; j < pieces; j += kP) {
+      float wt[kP];
 #pragma unroll
-      for (int u = 0; u < 2; u++) {
+      for (int u = 0; u < kP; u++) {
         const int jj = j + u;  // warp-uniform
         float l = -INFINITY;
         if (jj < pieces) l = jj < 32 ? __shfl_sync(0xffffffffu, myl, jj) : lse_of(jj);
         wt[u] = l == -INFINITY ? 0.f : __expf(l - lse);  // an empty piece is never weighed
         if (j > 0)
 #pragma unroll
-          for (int c = 0; c < 4; c++) v[u][c] = wt[u] != 0.f ? row_of(jj)[lane + 32 * c] : make_float4(0.f, 0.f, 0.f, 0.f);
+          for (int c = 0; c < kC; c++)
+            v[u][c] = wt[u] != 0.f ? row_of(jj)[c0 + 32 * c] : make_float4(0.f, 0.f, 0.f, 0.f);
       }
 #pragma unroll
-      for (int u = 0; u < 2; u++)
+      for (int u = 0; u < kP; u++)
         if (wt[u] != 0.f)
 #pragma unroll
-          for (int c = 0; c < 4; c++) {
+          for (int c = 0; c < kC; c++) {
             acc[c].x += wt[u] * v[u][c].x;
             acc[c].y += wt[u] * v[u][c].y;
             acc[c].z += wt[u] * v[u][c].z;
@@ -252,13 +264,13 @@ __global__ void __launch_bounds__(kCombineWarps * 32, 4)
   const int t = rg / H, h = rg % H;
   uint16_t *dst = p.out + ((size_t)(q0 + t) * H + h) * 512;
 #pragma unroll
-  for (int c = 0; c < 4; c++) {
+  for (int c = 0; c < kC; c++) {
     uint2 w2;
     w2.x = pack2<kF16>(acc[c].x, acc[c].y);
     w2.y = pack2<kF16>(acc[c].z, acc[c].w);
-    *reinterpret_cast<uint2 *>(dst + 4 * (lane + 32 * c)) = w2;
+    *reinterpret_cast<uint2 *>(dst + 4 * (c0 + 32 * c)) = w2;
   }
-  if (lane == 0 && p.lse) p.lse[(size_t)(q0 + t) * H + h] = p.lse_base2 ? lse * kLog2e : lse;
+  if (hr % kSplit == 0 && lane == 0 && p.lse) p.lse[(size_t)(q0 + t) * H + h] = p.lse_base2 ? lse * kLog2e : lse;
 }
 
 template <bool kF16>
@@ -397,7 +409,9 @@ cudaError_t combine_launch(const mla_decode_params *p, cudaStream_t stream) {
   if (const char *c = getenv("MLA_DEV_COMBINE")) by_row = strcmp(c, "row") == 0;
 #endif
   by_row = by_row && rows <= 65535;  // (the row kernel's grid.y)
-  const int warp_y = (rows + kCombineWarps - 1) / kCombineWarps;  // the warp kernel's grid.y
+  // the warp kernel over half rows from 6 pieces a request (decode_combine_warp_kernel)
+  const int split = p->num_sm_parts >= 6 * (int64_t)p->batch_size ? 2 : 1;
+  const int warp_y = (split * rows + kCombineWarps - 1) / kCombineWarps;  // decode_combine_warp_kernel's grid.y
   if (!by_row && warp_y > 65535) return cudaErrorInvalidConfiguration;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = by_row ? dim3(p->batch_size, rows, 4) : dim3(p->batch_size, warp_y);
@@ -412,8 +426,12 @@ cudaError_t combine_launch(const mla_decode_params *p, cudaStream_t stream) {
   if (by_row)
     return p->act_dtype == MLA_DTYPE_F16 ? cudaLaunchKernelEx(&cfg, decode_combine_row_kernel<true>, *p)
                                          : cudaLaunchKernelEx(&cfg, decode_combine_row_kernel<false>, *p);
-  return p->act_dtype == MLA_DTYPE_F16 ? cudaLaunchKernelEx(&cfg, decode_combine_warp_kernel<true>, *p)
-                                       : cudaLaunchKernelEx(&cfg, decode_combine_warp_kernel<false>, *p);
+  const bool f16 = p->act_dtype == MLA_DTYPE_F16;
+  if (split == 2)
+    return f16 ? cudaLaunchKernelEx(&cfg, decode_combine_warp_kernel<true, 2>, *p)
+               : cudaLaunchKernelEx(&cfg, decode_combine_warp_kernel<false, 2>, *p);
+  return f16 ? cudaLaunchKernelEx(&cfg, decode_combine_warp_kernel<true, 1>, *p)
+             : cudaLaunchKernelEx(&cfg, decode_combine_warp_kernel<false, 1>, *p);
 }
 
 // ---------------------------------------------------------------------------
