@@ -410,7 +410,9 @@ cudaError_t combine_launch(const mla_decode_params *p, cudaStream_t stream) {
 #endif
   by_row = by_row && rows <= 65535;  // (the row kernel's grid.y)
   // the warp kernel over half rows from 6 pieces a request (decode_combine_warp_kernel)
-  const int split = p->num_sm_parts >= 6 * (int64_t)p->batch_size ? 2 : 1;
+  // (whole rows where half rows would pass the grid.y bound: not reached by today's plans, whose 6 pieces a
+  // request leave at most num_sm / 6 m-blocks of rows)
+  const int split = p->num_sm_parts >= 6 * (int64_t)p->batch_size && 2 * (int64_t)rows <= 65535 * kCombineWarps ? 2 : 1;
   const int warp_y = (split * rows + kCombineWarps - 1) / kCombineWarps;  // decode_combine_warp_kernel's grid.y
   if (!by_row && warp_y > 65535) return cudaErrorInvalidConfiguration;
   cudaLaunchConfig_t cfg = {};
