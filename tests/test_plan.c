@@ -66,10 +66,10 @@ static int whole_fits(const int32_t *kv, int bs, int parts, int64_t q) {
 }
 
 /* Checks sched_meta / num_splits against the rules written in mla.h (with
- * the cut-free alternative up to `slack` blocks above the budget); on a
+ * the cut-free alternative up to q / div above the budget q, div > 0); on a
  * violation writes a reason to `why` and returns 0. *whole (or NULL): 1 when
  * the cut-free budget was the one to expect. */
-static int sched_ok(const int32_t *kv, int bs, int parts, int slack, const int32_t *meta, const int32_t *nsp,
+static int sched_ok(const int32_t *kv, int bs, int parts, int div, const int32_t *meta, const int32_t *nsp,
                     char *why, size_t wn, int *whole) {
   int ok = 0;
   int64_t total = 0;
@@ -105,13 +105,14 @@ static int sched_ok(const int32_t *kv, int bs, int parts, int slack, const int32
   greedy_fits(kv, bs, parts, q_min, &pc_min);
   greedy_fits(kv, bs, parts, q_flash, &pc_flash);
   int64_t q_use = pc_min > pc_flash ? q_flash : q_min;
-  /* The cut-free budget: the smallest q' <= q_use + slack at which whole
-   * requests fit, taken when q_use cuts one. */
+  /* The cut-free budget: the smallest q' <= q_use + q_use / div at which
+   * whole requests fit, taken when q_use cuts one. */
   int nocut = 0;
-  if (slack > 0 && (pc_min > pc_flash ? pc_flash : pc_min) > bs)
-    for (int64_t q = 1; q <= q_use + slack; q++)
+  const int64_t top = div > 0 ? q_use + q_use / div : q_use;
+  if (div > 0 && (pc_min > pc_flash ? pc_flash : pc_min) > bs)
+    for (int64_t q = 1; q <= top; q++)
       if (whole_fits(kv, bs, parts, q)) {
-        for (int64_t r = q; r <= q_use + slack; r++)
+        for (int64_t r = q; r <= top; r++)
           if (!whole_fits(kv, bs, parts, r)) BAD("whole requests fit at q %lld but not at %lld", (long long)q, (long long)r);
         q_use = q;
         nocut = 1;
@@ -225,21 +226,21 @@ static void test_schedule_alone(tu_rng *r) {
                expected_parts(num_sm, q, heads));
       bad = 1;
     }
-    const int slack = mla_sched_slack(q, heads);
-    if (slack != (q * heads >= 2 * BLK ? 4 : 0)) {
-      snprintf(why, sizeof why, "mla_sched_slack(%d, %d) = %d", q, heads, slack);
+    const int div = mla_sched_nocut_div(q, heads);
+    if (div != (q * heads >= 2 * BLK ? 16 : 0)) {
+      snprintf(why, sizeof why, "mla_sched_nocut_div(%d, %d) = %d", q, heads, div);
       bad = 1;
     }
     int32_t *meta = malloc((size_t)parts * MLA_SCHED_META_INTS * sizeof(int32_t));
     int32_t *nsp = malloc(((size_t)bs + 1) * sizeof(int32_t));
     memset(meta, 0x7f, (size_t)parts * MLA_SCHED_META_INTS * sizeof(int32_t));
     memset(nsp, 0x7f, ((size_t)bs + 1) * sizeof(int32_t));
-    if (!bad && mla_split_schedule(kv, bs, parts, slack, meta, nsp) != 0) {
+    if (!bad && mla_split_schedule(kv, bs, parts, div, meta, nsp) != 0) {
       snprintf(why, sizeof why, "mla_split_schedule failed (bs %d parts %d)", bs, parts);
       bad = 1;
     }
     int whole = 0;
-    if (!bad && !sched_ok(kv, bs, parts, slack, meta, nsp, why, sizeof why, &whole)) bad = 1;
+    if (!bad && !sched_ok(kv, bs, parts, div, meta, nsp, why, sizeof why, &whole)) bad = 1;
     n_whole += whole;
     if (bad) fprintf(stderr, "schedule case it=%d bs=%d parts=%d kind=%d\n", it, bs, parts, kind);
     free(kv);
@@ -274,30 +275,29 @@ static void test_schedule_alone(tu_rng *r) {
   }
   /* b = 128 requests of 8192 keys over 66 parts (H = 128): the smallest budget
    * (258 blocks) cuts 62 requests; 3 blocks more hold two whole requests a
-   * part (64 parts used, no combine). Without slack the cuts stay. */
+   * part (64 parts used, no combine). Without the divisor the cuts stay. */
   {
     static int32_t kv128[128], m128[66 * 8], n128[129];
     for (int i = 0; i < 128; i++) kv128[i] = 8192;
     char w2[256] = "";
     int whole = 0;
-    TU_CHECK(mla_split_schedule(kv128, 128, 66, 4, m128, n128) == 0 &&
-                 sched_ok(kv128, 128, 66, 4, m128, n128, w2, sizeof w2, &whole) && whole && n128[128] == 128 &&
+    TU_CHECK(mla_split_schedule(kv128, 128, 66, 16, m128, n128) == 0 &&
+                 sched_ok(kv128, 128, 66, 16, m128, n128, w2, sizeof w2, &whole) && whole && n128[128] == 128 &&
                  m128[63 * 8 + MLA_SCHED_NUM_REQS] == 2 && m128[64 * 8 + MLA_SCHED_NUM_REQS] == 0,
-             "b=128 s_k=8192 66 parts slack 4: %s, whole %d, %d pieces, part 63 %d requests, part 64 %d", w2, whole,
+             "b=128 s_k=8192 66 parts div 16: %s, whole %d, %d pieces, part 63 %d requests, part 64 %d", w2, whole,
              n128[128], m128[63 * 8 + 5], m128[64 * 8 + 5]);
     TU_CHECK(mla_split_schedule(kv128, 128, 66, 0, m128, n128) == 0 &&
                  sched_ok(kv128, 128, 66, 0, m128, n128, w2, sizeof w2, &whole) && !whole && n128[128] == 190,
-             "b=128 s_k=8192 66 parts no slack: %s, %d pieces", w2, n128[128]);
-    /* s_k = 16384: whole requests need 10 blocks more than the 507 that fit: cut. */
-    for (int i = 0; i < 128; i++) kv128[i] = 16384;
-    TU_CHECK(mla_split_schedule(kv128, 128, 66, 4, m128, n128) == 0 &&
-                 sched_ok(kv128, 128, 66, 4, m128, n128, w2, sizeof w2, &whole) && !whole && n128[128] > 128,
-             "b=128 s_k=16384 66 parts slack 4: %s, whole %d, %d pieces", w2, whole, n128[128]);
+             "b=128 s_k=8192 66 parts no divisor: %s, %d pieces", w2, n128[128]);
+    /* b = 96: whole requests need 261 blocks against the 193 that fit: cut. */
+    TU_CHECK(mla_split_schedule(kv128, 96, 66, 16, m128, n128) == 0 &&
+                 sched_ok(kv128, 96, 66, 16, m128, n128, w2, sizeof w2, &whole) && !whole && n128[96] > 96,
+             "b=96 s_k=8192 66 parts div 16: %s, whole %d, %d pieces", w2, whole, n128[96]);
   }
   /* Many parts over one long request: every part but the first continues it. */
   int32_t longk = 64 * 1000;
   int32_t meta2[8 * 10], nsp2[2];
-  TU_CHECK(mla_split_schedule(&longk, 1, 10, 4, meta2, nsp2) == 0 && nsp2[1] >= 9,
+  TU_CHECK(mla_split_schedule(&longk, 1, 10, 16, meta2, nsp2) == 0 && nsp2[1] >= 9,
            "long request cut into %d pieces over 10 parts", nsp2[1]);
 }
 
@@ -444,9 +444,9 @@ static int plan_ok(const mla_plan *pl, const exp_batch *e, const world *w, int n
   }
   int parts = expected_parts(num_sm, mq, heads);
   if (pl->num_sm_parts != parts) BAD("num_sm_parts %d, want %d", pl->num_sm_parts, parts);
-  /* mla_sched_slack, spelled out; none for EXTEND's varying query counts */
-  const int slack = e->b.mode != MLA_MODE_EXTEND && mq * heads >= 2 * BLK ? 4 : 0;
-  if (!sched_ok(pl->kv_lens, bs, parts, slack, pl->sched_meta, pl->num_splits, why, wn, NULL)) return 0;
+  /* mla_sched_nocut_div, spelled out; none for EXTEND's varying query counts */
+  const int div = e->b.mode != MLA_MODE_EXTEND && mq * heads >= 2 * BLK ? 16 : 0;
+  if (!sched_ok(pl->kv_lens, bs, parts, div, pl->sched_meta, pl->num_splits, why, wn, NULL)) return 0;
   if (pl->total_splits != pl->num_splits[bs]) BAD("total_splits");
   return 1;
 #undef BAD

@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(kSchedThreads)
   // Q: bisection between ceil(blocks / parts) and FlashMLA's ceil(total /
   // parts) (>= 1: total >= OV * bs), then FlashMLA's if the smallest that
   // fits cuts more pieces (bs + parts - runs), then the cut-free q' <= Q +
-  // slack if Q cuts a request and one fits, as mla_sb_sched_q on the host.
+  // Q / nocut_div if Q cuts a request and one fits, as mla_sb_sched_q.
   int64_t Q;
   bool nocut = false;
   {
@@ -279,13 +279,13 @@ __global__ void __launch_bounds__(kSchedThreads)
         hi = q_flash;
         pieces_hi = bs + c.parts - c.runs;
       }
-    } else if (g.sched_slack > 0) {  // q_flash without a trial: count its pieces
+    } else if (g.nocut_div > 0) {  // q_flash without a trial: count its pieces
       runs_at(C, bs, total, hi, nb, steps);
       const ChainCount c = chain_count(bs, nb, steps, nx2, ct2, &trial_count);
       pieces_hi = bs + c.parts - c.runs;
     }
-    const int64_t top = hi + g.sched_slack;
-    if (g.sched_slack > 0 && pieces_hi > bs && longest <= top) {
+    const int64_t top = g.nocut_div > 0 ? hi + hi / g.nocut_div : hi;
+    if (g.nocut_div > 0 && pieces_hi > bs && longest <= top) {
       runs_nocut(C, bs, top, nb, steps);
       if (chain_count(bs, nb, steps, nx2, ct2, &trial_count).parts <= parts) {
         int64_t a = lo0 > longest ? lo0 : longest, b = top;

@@ -129,7 +129,7 @@ static mla_status step_geom(mla_ctx *ctx, const char *fn, const mla_step_desc *d
   if (num_sm == 0) num_sm = ctx->device == MLA_DEVICE_CUDA ? ctx->sm_count : mla_ctx_workers(ctx);
   g->num_parts = mla_sched_num_parts(num_sm < 1 ? 1 : num_sm, g->q_len, d->num_heads);
   /* EXTEND: q_len is the token bucket, a bound on the tile, not its rows */
-  g->sched_slack = d->mode == MLA_MODE_EXTEND ? 0 : mla_sb_nocut_slack(g->q_len, d->num_heads);
+  g->nocut_div = d->mode == MLA_MODE_EXTEND ? 0 : mla_sb_nocut_div(g->q_len, d->num_heads);
   g->max_splits = g->batch_size + g->num_parts;
   return MLA_OK;
 }
@@ -258,7 +258,7 @@ static mla_status prepare_cpu(mla_ctx *ctx, const mla_step_geom *g, const mla_st
     L->qo_indptr[i + 1] = g->varlen ? L->qo_indptr[i] + in->extend_lens[i] : (i + 1) * g->q_len;
     L->kv_indptr[i + 1] = L->kv_indptr[i] + kv;
   }
-  if (mla_split_schedule_body(L->kv_lens, bs, g->num_parts, g->sched_slack, L->sched_meta, L->num_splits) != 0)
+  if (mla_split_schedule_body(L->kv_lens, bs, g->num_parts, g->nocut_div, L->sched_meta, L->num_splits) != 0)
     return mla_fail(&ctx->err, MLA_ERR_INTERNAL, "mla_step_prepare", "split schedule did not cover the batch");
   return MLA_OK;
 }

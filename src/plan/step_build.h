@@ -94,15 +94,17 @@ static inline MLA_SB_HD int mla_sb_walk(const int32_t *kv_lens /* [bs] */, int b
   return req < bs ? -1 : 0;
 }
 
-/* Blocks of budget a part may give up to keep every request whole: the
- * split schedule's cut-free alternative (mla_sb_sched_q). Only for query
- * tiles of 128 rows or more (the wide kernels), where a cut request's partial
- * rows and their combine cost ~11-14 us at b = 128, H = 128 (docs/decode-
- * kernel.md §7), more than a few blocks of budget; at 64 rows or fewer the
- * combine is a few us and parts are as many as SMs, so no slack. */
-static inline MLA_SB_HD int mla_sb_nocut_slack(int max_q_len, int num_heads) {
+/* How much budget a part may give up to keep every request whole: the split
+ * schedule's cut-free alternative (mla_sb_sched_q) may take q' <= q + q /
+ * MLA_SCHED_NOCUT_DIV. Only for query tiles of 128 rows or more (the wide
+ * kernels): there a cut request costs more than the cost model's overhead
+ * (its pieces' query loads, fp32 partial rows and the combine): b = 128,
+ * H = 128 on an H100 ran 5-7 % faster cut-free at q' = q + 3 blocks (q = 258),
+ * 3.5-5.4 % at q + 7..11 (bench/RESULTS.md session 37). Returns the divisor,
+ * or 0 for no cut-free alternative. */
+static inline MLA_SB_HD int mla_sb_nocut_div(int max_q_len, int num_heads) {
   const int64_t q = max_q_len < 1 ? 1 : max_q_len, h = num_heads < 1 ? 1 : num_heads;
-  return q * h >= 2 * MLA_SCHED_BLOCK ? MLA_SCHED_NOCUT_SLACK : 0;
+  return q * h >= 2 * MLA_SCHED_BLOCK ? MLA_SCHED_NOCUT_DIV : 0;
 }
 
 /* The schedule's q: the smallest that fits, found by bisection between a
@@ -114,14 +116,14 @@ static inline MLA_SB_HD int mla_sb_nocut_slack(int max_q_len, int num_heads) {
  * cut in two to save one block a part). FlashMLA's q alone can leave parts
  * well under the budget: b = 64 requests of 64 blocks over 132 parts get
  * pieces of 34 + 30 blocks at q = 34, of 32 + 32 at q = 32 (docs/decode-
- * kernel.md §7). Then, when that q cuts any request and `slack` > 0: the
- * smallest q' <= q + slack at which a walk that never cuts fits (*nocut = 1,
- * q' returned): e.g. b = 128 requests of 128 blocks over 66 parts (H = 128)
+ * kernel.md §7). Then, when that q cuts any request and `nocut_div` > 0: the
+ * smallest q' <= q + q / nocut_div at which a walk that never cuts fits
+ * (*nocut = 1, q' returned): e.g. b = 128 requests of 128 blocks over 66 parts (H = 128)
  * cut 62 of them at q = 258 and none at q' = 261, two whole requests a part
  * (64 parts used), which saves the combine. The device scheduler (src/cuda/
  * step.cu) makes the same choice from the same trial answers. Returns q. */
 static inline MLA_SB_HD int64_t mla_sb_sched_q(const int32_t *kv_lens /* [bs] */, int bs, int num_parts,
-                                               int slack, int *nocut) {
+                                               int nocut_div, int *nocut) {
   int64_t blocks = 0, longest = 0;
   for (int i = 0; i < bs; i++) {
     const int64_t b = mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK);
@@ -149,10 +151,10 @@ static inline MLA_SB_HD int64_t mla_sb_sched_q(const int32_t *kv_lens /* [bs] */
     }
   }
   *nocut = 0;
-  if (slack > 0 && pieces > bs && longest <= hi + slack &&
-      mla_sb_walk(kv_lens, bs, num_parts, hi + slack, 1, 0, 0, 0) == 0) {
-    /* A cut-free walk's fit is monotone in q: bisect in [max(lo0, longest), hi + slack]. */
-    int64_t a = lo0 > longest ? lo0 : longest, b = hi + slack;
+  const int64_t top = nocut_div > 0 ? hi + hi / nocut_div : hi;
+  if (nocut_div > 0 && pieces > bs && longest <= top && mla_sb_walk(kv_lens, bs, num_parts, top, 1, 0, 0, 0) == 0) {
+    /* A cut-free walk's fit is monotone in q: bisect in [max(lo0, longest), top]. */
+    int64_t a = lo0 > longest ? lo0 : longest, b = top;
     while (a < b) {
       const int64_t mid = a + (b - a) / 2;
       if (mla_sb_walk(kv_lens, bs, num_parts, mid, 1, 0, 0, 0) == 0) b = mid;
@@ -167,11 +169,11 @@ static inline MLA_SB_HD int64_t mla_sb_sched_q(const int32_t *kv_lens /* [bs] */
 /* Returns 0, or -1 when the parts did not cover the batch (cannot happen for
  * valid inputs). */
 static inline MLA_SB_HD int mla_split_schedule_body(const int32_t *kv_lens /* [bs] */, int bs,
-                                                    int num_parts, int slack,
+                                                    int num_parts, int nocut_div,
                                                     int32_t *sched_meta /* [parts, 8] */,
                                                     int32_t *num_splits /* [bs+1] */) {
   int nocut = 0;
-  const int64_t q = mla_sb_sched_q(kv_lens, bs, num_parts, slack, &nocut);
+  const int64_t q = mla_sb_sched_q(kv_lens, bs, num_parts, nocut_div, &nocut);
   return mla_sb_walk(kv_lens, bs, num_parts, q, nocut, sched_meta, num_splits, 0);
 }
 
@@ -196,7 +198,7 @@ typedef struct mla_step_geom {
   int32_t dcp_world, dcp_rank; /* 1, 0 without context parallelism */
   int32_t width;        /* block-table width = local pages of max_kv_len */
   int32_t num_parts;    /* split-schedule parts */
-  int32_t sched_slack;  /* mla_sb_nocut_slack of the step's query tile */
+  int32_t nocut_div;    /* mla_sb_nocut_div of the step's query tile (0 in EXTEND) */
   int32_t max_splits;   /* batch_size + num_parts: a part cuts at most one request */
   int32_t max_reqs;
   int64_t stride;       /* req_to_token row stride */
