@@ -317,14 +317,13 @@ typedef struct mla_plan_limits {
  * parts, walked greedily in request order with a payload of q + overhead
  * blocks per part: q the smallest that fits, or FlashMLA's ceil(total/parts)
  * when the smaller q would cut the batch into more pieces. When q cuts a
- * request and the query tile has 128 rows or more (q_per_req*H >= 128; not
- * in EXTEND, whose query counts vary), the
- * smallest q' <= q + q / MLA_SCHED_NOCUT_DIV (16) at which the parts hold
- * whole requests only is taken instead, if there is one: no request is cut
- * and no combine runs (b=128 H=128 s_k=8192 over 66 parts: q = 258 cuts 62
- * requests, q' = 261 fits two whole requests a part; measured 5-7 % faster). Part p covers the
- * token range [begin_req:begin_tok, end_req:end_tok) (end exclusive; a part may
- * span several requests). Request i is cut into num_splits[i+1]-num_splits[i]
+ * request (any mode but EXTEND), the smallest q' <= q + q /
+ * MLA_SCHED_NOCUT_DIV (16) at which the parts hold whole requests only is
+ * taken instead, if there is one: no request is cut and no combine runs
+ * (b=128 H=128 s_k=8192 over 66 parts: q = 258 cuts 62 requests, q' = 261
+ * fits two whole requests a part: 5-7 % faster on an H100). Part p covers the
+ * token range [begin_req:begin_tok, end_req:end_tok) (end exclusive; a part
+ * may span several requests). Request i is cut into num_splits[i+1]-num_splits[i]
  * pieces, piece k's partial state index being num_splits[i] + k. A request
  * with one piece needs no combine. */
 #define MLA_SCHED_BLOCK 64

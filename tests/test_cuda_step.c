@@ -370,8 +370,8 @@ static void schedule_equality(int cases) {
     }
     CK(cudaMemcpy(gm, m.sched_meta, sizeof(int32_t) * m.num_sm_parts * MLA_SCHED_META_INTS, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(gn, m.num_splits, sizeof(int32_t) * (bs + 1), cudaMemcpyDeviceToHost));
-    mla_split_schedule(seq, bs, m.num_sm_parts, mla_sched_nocut_div(1, d.num_heads), hm, hn);
-    n_whole += d.num_heads >= 128 && hn[bs] == bs && bs > m.num_sm_parts; /* the cut-free walk on the device */
+    mla_split_schedule(seq, bs, m.num_sm_parts, MLA_SCHED_NOCUT_DIV, hm, hn);
+    n_whole += hn[bs] == bs && bs > m.num_sm_parts; /* the cut-free walk on the device */
     if (memcmp(gm, hm, sizeof(int32_t) * m.num_sm_parts * MLA_SCHED_META_INTS) != 0 ||
         memcmp(gn, hn, sizeof(int32_t) * (bs + 1)) != 0) {
       if (first_bad < 0) first_bad = c;

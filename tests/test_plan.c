@@ -226,11 +226,7 @@ static void test_schedule_alone(tu_rng *r) {
                expected_parts(num_sm, q, heads));
       bad = 1;
     }
-    const int div = mla_sched_nocut_div(q, heads);
-    if (div != (q * heads >= 2 * BLK ? 16 : 0)) {
-      snprintf(why, sizeof why, "mla_sched_nocut_div(%d, %d) = %d", q, heads, div);
-      bad = 1;
-    }
+    const int div = it % 3 ? MLA_SCHED_NOCUT_DIV : 0;
     int32_t *meta = malloc((size_t)parts * MLA_SCHED_META_INTS * sizeof(int32_t));
     int32_t *nsp = malloc(((size_t)bs + 1) * sizeof(int32_t));
     memset(meta, 0x7f, (size_t)parts * MLA_SCHED_META_INTS * sizeof(int32_t));
@@ -444,8 +440,8 @@ static int plan_ok(const mla_plan *pl, const exp_batch *e, const world *w, int n
   }
   int parts = expected_parts(num_sm, mq, heads);
   if (pl->num_sm_parts != parts) BAD("num_sm_parts %d, want %d", pl->num_sm_parts, parts);
-  /* mla_sched_nocut_div, spelled out; none for EXTEND's varying query counts */
-  const int div = e->b.mode != MLA_MODE_EXTEND && mq * heads >= 2 * BLK ? 16 : 0;
+  /* MLA_SCHED_NOCUT_DIV, spelled out; none for EXTEND */
+  const int div = e->b.mode != MLA_MODE_EXTEND ? 16 : 0;
   if (!sched_ok(pl->kv_lens, bs, parts, div, pl->sched_meta, pl->num_splits, why, wn, NULL)) return 0;
   if (pl->total_splits != pl->num_splits[bs]) BAD("total_splits");
   return 1;

@@ -21,12 +21,6 @@
  * max_q_len < 1 counts as 1. */
 int mla_sched_num_parts(int num_sm, int max_q_len, int num_heads);
 
-/* The schedule's cut-free divisor (a part may take q + q / div blocks to keep
- * every request whole): MLA_SCHED_NOCUT_DIV for query tiles of 128 rows or
- * more (max_q_len * num_heads >= 128), else 0 (never). Callers pass 0 for
- * EXTEND. */
-int mla_sched_nocut_div(int max_q_len, int num_heads);
-
 /* Split-KV schedule over kv_lens [bs] into num_parts parts (FlashMLA's rule):
  * 64-token blocks, MLA_SCHED_FIXED_OVERHEAD blocks of cost per piece,
  * requests walked in order and filled greedily up to a payload of q + overhead
@@ -35,6 +29,7 @@ int mla_sched_nocut_div(int max_q_len, int num_heads);
  * (then FlashMLA's); and if that q cuts a request and nocut_div > 0, the
  * smallest q' <= q + q / nocut_div at which the parts hold whole requests
  * only, when there is one (then no request is cut; src/plan/step_build.h).
+ * The library passes MLA_SCHED_NOCUT_DIV, or 0 for EXTEND batches.
  *
  * Writes sched_meta [num_parts, MLA_SCHED_META_INTS] and num_splits [bs+1].
  * A part with work covers [begin_req:begin_tok, end_req:end_tok) and has

@@ -5,9 +5,8 @@
  * partial state) paid once per piece it is cut into. Every part gets the same
  * budget and takes requests in order until the budget runs out, cutting the
  * request it is in when the rest does not fit. Requests that end up in one
- * piece need no combine. For query tiles of 128 rows or more a budget up to
- * 1/MLA_SCHED_NOCUT_DIV larger is taken when it keeps every request whole
- * (src/plan/step_build.h). */
+ * piece need no combine. A budget up to 1/MLA_SCHED_NOCUT_DIV larger is taken
+ * when it keeps every request whole (src/plan/step_build.h). */
 #include "plan.h"
 #include "step_build.h"
 
@@ -18,8 +17,6 @@ int mla_sched_num_parts(int num_sm, int max_q_len, int num_heads) {
   int64_t parts = (int64_t)num_sm / tiles;
   return parts < 1 ? 1 : (int)parts;
 }
-
-int mla_sched_nocut_div(int max_q_len, int num_heads) { return mla_sb_nocut_div(max_q_len, num_heads); }
 
 int mla_split_schedule(const int32_t *kv_lens, int bs, int num_parts, int nocut_div, int32_t *sched_meta,
                        int32_t *num_splits) {

@@ -94,19 +94,6 @@ static inline MLA_SB_HD int mla_sb_walk(const int32_t *kv_lens /* [bs] */, int b
   return req < bs ? -1 : 0;
 }
 
-/* How much budget a part may give up to keep every request whole: the split
- * schedule's cut-free alternative (mla_sb_sched_q) may take q' <= q + q /
- * MLA_SCHED_NOCUT_DIV. Only for query tiles of 128 rows or more (the wide
- * kernels): there a cut request costs more than the cost model's overhead
- * (its pieces' query loads, fp32 partial rows and the combine): b = 128,
- * H = 128 on an H100 ran 5-7 % faster cut-free at q' = q + 3 blocks (q = 258),
- * 3.5-5.4 % at q + 7..11 (bench/RESULTS.md session 37). Returns the divisor,
- * or 0 for no cut-free alternative. */
-static inline MLA_SB_HD int mla_sb_nocut_div(int max_q_len, int num_heads) {
-  const int64_t q = max_q_len < 1 ? 1 : max_q_len, h = num_heads < 1 ? 1 : num_heads;
-  return q * h >= 2 * MLA_SCHED_BLOCK ? MLA_SCHED_NOCUT_DIV : 0;
-}
-
 /* The schedule's q: the smallest that fits, found by bisection between a
  * bound no q below can beat (every part covers at most q blocks: q >=
  * ceil(blocks / parts)) and FlashMLA's q = ceil(total / parts), which always
@@ -116,11 +103,15 @@ static inline MLA_SB_HD int mla_sb_nocut_div(int max_q_len, int num_heads) {
  * cut in two to save one block a part). FlashMLA's q alone can leave parts
  * well under the budget: b = 64 requests of 64 blocks over 132 parts get
  * pieces of 34 + 30 blocks at q = 34, of 32 + 32 at q = 32 (docs/decode-
- * kernel.md §7). Then, when that q cuts any request and `nocut_div` > 0: the
- * smallest q' <= q + q / nocut_div at which a walk that never cuts fits
- * (*nocut = 1, q' returned): e.g. b = 128 requests of 128 blocks over 66 parts (H = 128)
- * cut 62 of them at q = 258 and none at q' = 261, two whole requests a part
- * (64 parts used), which saves the combine. The device scheduler (src/cuda/
+ * kernel.md §7). Then, when that q cuts any request and `nocut_div` > 0
+ * (MLA_SCHED_NOCUT_DIV; 0 in EXTEND): the smallest q' <= q + q / nocut_div
+ * at which a walk that never cuts fits (*nocut = 1, q' returned). A cut
+ * request costs more than the model's overhead (its pieces' query loads and
+ * fp32 partial rows, and the combine): b = 128 requests of 128 blocks over
+ * 66 parts (H = 128) are cut 62 times at q = 258 and not at all at q' = 261
+ * (two whole requests a part, 64 parts used), which an H100 ran 5-7 %
+ * faster; q' = q + 7..11 still gained 3.5-5.4 % at H = 128 and 0-2.6 % at
+ * H = 16 (bench/RESULTS.md session 37). The device scheduler (src/cuda/
  * step.cu) makes the same choice from the same trial answers. Returns q. */
 static inline MLA_SB_HD int64_t mla_sb_sched_q(const int32_t *kv_lens /* [bs] */, int bs, int num_parts,
                                                int nocut_div, int *nocut) {
@@ -198,7 +189,7 @@ typedef struct mla_step_geom {
   int32_t dcp_world, dcp_rank; /* 1, 0 without context parallelism */
   int32_t width;        /* block-table width = local pages of max_kv_len */
   int32_t num_parts;    /* split-schedule parts */
-  int32_t nocut_div;    /* mla_sb_nocut_div of the step's query tile (0 in EXTEND) */
+  int32_t nocut_div;    /* MLA_SCHED_NOCUT_DIV, 0 in EXTEND (mla_sb_sched_q) */
   int32_t max_splits;   /* batch_size + num_parts: a part cuts at most one request */
   int32_t max_reqs;
   int64_t stride;       /* req_to_token row stride */
