@@ -316,13 +316,19 @@ typedef struct mla_plan_limits {
  * the total is spread over num_sm_parts = max(1, num_sm / ceil(q_per_req*H/64))
  * parts, walked greedily in request order with a payload of q + overhead
  * blocks per part: q the smallest that fits, or FlashMLA's ceil(total/parts)
- * when the smaller q would cut the batch into more pieces. Part p covers the
- * token range [begin_req:begin_tok, end_req:end_tok) (end exclusive; a part may
- * span several requests). Request i is cut into num_splits[i+1]-num_splits[i]
+ * when the smaller q would cut the batch into more pieces. When q cuts a
+ * request (any mode but EXTEND), the smallest q' <= q + q /
+ * MLA_SCHED_NOCUT_DIV (16) at which the parts hold whole requests only is
+ * taken instead, if there is one: no request is cut and no combine runs
+ * (b=128 H=128 s_k=8192 over 66 parts: q = 258 cuts 62 requests, q' = 261
+ * fits two whole requests a part: 5-7 % faster on an H100). Part p covers the
+ * token range [begin_req:begin_tok, end_req:end_tok) (end exclusive; a part
+ * may span several requests). Request i is cut into num_splits[i+1]-num_splits[i]
  * pieces, piece k's partial state index being num_splits[i] + k. A request
  * with one piece needs no combine. */
 #define MLA_SCHED_BLOCK 64
 #define MLA_SCHED_FIXED_OVERHEAD 5
+#define MLA_SCHED_NOCUT_DIV 16
 #define MLA_SCHED_META_INTS 8
 enum {
   MLA_SCHED_BEGIN_REQ = 0,   /* first request (batch index) of the part */

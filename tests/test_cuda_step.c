@@ -325,14 +325,15 @@ static void schedule_equality(int cases) {
   int32_t *d_ids = tu_dev_copy(ids, sizeof(int32_t) * maxbs), *d_seq = tu_dev_alloc(sizeof(int32_t) * maxbs);
   int32_t *hm = malloc(sizeof(int32_t) * 132 * MLA_SCHED_META_INTS), *hn = malloc(sizeof(int32_t) * (maxbs + 1));
   int32_t *gm = malloc(sizeof(int32_t) * 132 * MLA_SCHED_META_INTS), *gn = malloc(sizeof(int32_t) * (maxbs + 1));
-  int bad = 0, first_bad = -1;
+  int bad = 0, first_bad = -1, n_whole = 0;
   for (int c = 0; c < cases; c++) {
     /* kind 4: uniform batches over all 132 SMs, where the schedule's q is
      * often below FlashMLA's (b = 64 x 4096, 64 x 1024) or kept at it because
      * a smaller one would cut more pieces (b = 96 x 1024) */
     static const int ubs[6] = {16, 32, 48, 64, 96, 128}, ukv[4] = {1024, 2048, 4096, 8192};
     const int kind = c % 5;
-    const int bs = kind == 4 ? ubs[tu_randint(&rng, 0, 5)]
+    const int bs = c < 2 ? 128 << c
+                   : kind == 4 ? ubs[tu_randint(&rng, 0, 5)]
                    : c % 7 == 0 ? tu_randint(&rng, 100, maxbs) : tu_randint(&rng, 1, 48);
     const int ukvc = ukv[tu_randint(&rng, 0, 3)];
     for (int i = 0; i < bs; i++)
@@ -348,6 +349,11 @@ static void schedule_equality(int cases) {
     d.num_heads = tu_randint(&rng, 0, 1) ? 16 : 128;
     d.page_size = P;
     d.num_sm = kind == 4 ? 132 : tu_randint(&rng, 1, 132);
+    if (c < 2) { /* the cut-free budget for sure: b = 128 x 8192 (then 256 x 4096) over 66 parts */
+      for (int i = 0; i < bs; i++) seq[i] = c == 0 ? 8192 : 4096;
+      d.num_heads = 128;
+      d.num_sm = 132;
+    }
     size_t wsb = 0;
     TU_STATUS(mla_step_workspace_size(gpu, &d, &wsb), MLA_OK);
     void *ws = tu_dev_alloc(wsb);
@@ -364,7 +370,8 @@ static void schedule_equality(int cases) {
     }
     CK(cudaMemcpy(gm, m.sched_meta, sizeof(int32_t) * m.num_sm_parts * MLA_SCHED_META_INTS, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(gn, m.num_splits, sizeof(int32_t) * (bs + 1), cudaMemcpyDeviceToHost));
-    mla_split_schedule(seq, bs, m.num_sm_parts, hm, hn);
+    mla_split_schedule(seq, bs, m.num_sm_parts, MLA_SCHED_NOCUT_DIV, hm, hn);
+    n_whole += hn[bs] == bs && bs > m.num_sm_parts; /* the cut-free walk on the device */
     if (memcmp(gm, hm, sizeof(int32_t) * m.num_sm_parts * MLA_SCHED_META_INTS) != 0 ||
         memcmp(gn, hn, sizeof(int32_t) * (bs + 1)) != 0) {
       if (first_bad < 0) first_bad = c;
@@ -374,6 +381,7 @@ static void schedule_equality(int cases) {
   }
   TU_CHECK(bad == 0, "schedule: %d of %d random cases differ from the host walk (first: case %d)", bad, cases,
            first_bad);
+  TU_CHECK(n_whole > 0 || cases < 100, "schedule: no case took the cut-free budget in %d cases", cases);
   free(r2t);
   free(ids);
   free(seq);

@@ -47,10 +47,30 @@ static int greedy_fits(const int32_t *kv, int bs, int parts, int64_t q, int64_t 
   return req == bs;
 }
 
-/* Checks sched_meta / num_splits against the rules written in mla.h; on a
- * violation writes a reason to `why` and returns 0. */
-static int sched_ok(const int32_t *kv, int bs, int parts, const int32_t *meta, const int32_t *nsp,
-                    char *why, size_t wn) {
+/* Whether the batch fits in `parts` parts of budget q + OVH holding whole
+ * requests only (each part takes requests while they fit, a request that
+ * does not fit an empty part never fits). */
+static int whole_fits(const int32_t *kv, int bs, int parts, int64_t q) {
+  int req = 0;
+  for (int p = 0; p < parts && req < bs; p++) {
+    int64_t room = q + OVH;
+    int took = 0;
+    while (req < bs && room >= (kv[req] + BLK - 1) / BLK + OVH) {
+      room -= (kv[req] + BLK - 1) / BLK + OVH;
+      req++;
+      took++;
+    }
+    if (!took) return 0;
+  }
+  return req == bs;
+}
+
+/* Checks sched_meta / num_splits against the rules written in mla.h (with
+ * the cut-free alternative up to q / div above the budget q, div > 0); on a
+ * violation writes a reason to `why` and returns 0. *whole (or NULL): 1 when
+ * the cut-free budget was the one to expect. */
+static int sched_ok(const int32_t *kv, int bs, int parts, int div, const int32_t *meta, const int32_t *nsp,
+                    char *why, size_t wn, int *whole) {
   int ok = 0;
   int64_t total = 0;
   int64_t *off = calloc((size_t)bs + 1, sizeof(int64_t));
@@ -84,7 +104,21 @@ static int sched_ok(const int32_t *kv, int bs, int parts, const int32_t *meta, c
     if (!greedy_fits(kv, bs, parts, q, &pc)) BAD("q %lld fits but %lld does not", (long long)q_min, (long long)q);
   greedy_fits(kv, bs, parts, q_min, &pc_min);
   greedy_fits(kv, bs, parts, q_flash, &pc_flash);
-  const int64_t q_use = pc_min > pc_flash ? q_flash : q_min;
+  int64_t q_use = pc_min > pc_flash ? q_flash : q_min;
+  /* The cut-free budget: the smallest q' <= q_use + q_use / div at which
+   * whole requests fit, taken when q_use cuts one. */
+  int nocut = 0;
+  const int64_t top = div > 0 ? q_use + q_use / div : q_use;
+  if (div > 0 && (pc_min > pc_flash ? pc_flash : pc_min) > bs)
+    for (int64_t q = 1; q <= top; q++)
+      if (whole_fits(kv, bs, parts, q)) {
+        for (int64_t r = q; r <= top; r++)
+          if (!whole_fits(kv, bs, parts, r)) BAD("whole requests fit at q %lld but not at %lld", (long long)q, (long long)r);
+        q_use = q;
+        nocut = 1;
+        break;
+      }
+  if (whole) *whole = nocut;
   const int64_t payload = q_use + OVH;
   for (int p = 0; p < parts; p++) {
     const int32_t *m = meta + (size_t)p * MLA_SCHED_META_INTS;
@@ -128,14 +162,24 @@ static int sched_ok(const int32_t *kv, int bs, int parts, const int32_t *meta, c
     }
   }
   if (cur_req != bs) BAD("work left after all %d parts: at %d:%d", parts, cur_req, cur_tok);
-  /* Greedy: every part but the last with work was filled to within one overhead. */
-  for (int p = 0; p < last_work; p++)
+  /* Greedy: every part but the last with work was filled to within one
+   * overhead, or (cut-free) could not take the next request whole. */
+  for (int p = 0; p < last_work && nocut; p++) {
+    const int32_t *m = meta + (size_t)(p + 1) * MLA_SCHED_META_INTS;
+    const int next = m[MLA_SCHED_BEGIN_REQ];
+    if (m[MLA_SCHED_BEGIN_TOK] != 0) BAD("part %d begins inside request %d under the cut-free budget", p + 1, next);
+    if (next < bs && cost[p] + (kv[next] + BLK - 1) / BLK + OVH <= payload)
+      BAD("part %d costs %lld and closed before request %d (%d keys) under payload %lld", p, (long long)cost[p],
+          next, kv[next], (long long)payload);
+  }
+  for (int p = 0; p < last_work && !nocut; p++)
     if (cost[p] < payload - OVH)
       BAD("part %d costs %lld, payload %lld: under-filled", p, (long long)cost[p],
           (long long)payload);
   for (int64_t k = 0; k < off[bs]; k++)
     if (marks[k] != 1) BAD("block %lld covered %d times", (long long)k, marks[k]);
   if (nsp[0] != 0) BAD("num_splits[0] = %d", nsp[0]);
+  if (nocut && nsp[bs] != bs) BAD("cut-free budget %lld, yet %d pieces for %d requests", (long long)q_use, nsp[bs], bs);
   for (int i = 0; i < bs; i++)
     if (nsp[i + 1] - nsp[i] != pieces[i])
       BAD("request %d: num_splits says %d pieces, parts hold %d", i, nsp[i + 1] - nsp[i],
@@ -158,7 +202,7 @@ static int expected_parts(int num_sm, int max_q, int heads) {
 }
 
 static void test_schedule_alone(tu_rng *r) {
-  int bad = 0;
+  int bad = 0, n_whole = 0;
   char why[256] = "";
   for (int it = 0; it < 3000 && !bad; it++) {
     int bs = tu_randint(r, 0, 160);
@@ -182,24 +226,28 @@ static void test_schedule_alone(tu_rng *r) {
                expected_parts(num_sm, q, heads));
       bad = 1;
     }
+    const int div = it % 3 ? MLA_SCHED_NOCUT_DIV : 0;
     int32_t *meta = malloc((size_t)parts * MLA_SCHED_META_INTS * sizeof(int32_t));
     int32_t *nsp = malloc(((size_t)bs + 1) * sizeof(int32_t));
     memset(meta, 0x7f, (size_t)parts * MLA_SCHED_META_INTS * sizeof(int32_t));
     memset(nsp, 0x7f, ((size_t)bs + 1) * sizeof(int32_t));
-    if (!bad && mla_split_schedule(kv, bs, parts, meta, nsp) != 0) {
+    if (!bad && mla_split_schedule(kv, bs, parts, div, meta, nsp) != 0) {
       snprintf(why, sizeof why, "mla_split_schedule failed (bs %d parts %d)", bs, parts);
       bad = 1;
     }
-    if (!bad && !sched_ok(kv, bs, parts, meta, nsp, why, sizeof why)) bad = 1;
+    int whole = 0;
+    if (!bad && !sched_ok(kv, bs, parts, div, meta, nsp, why, sizeof why, &whole)) bad = 1;
+    n_whole += whole;
     if (bad) fprintf(stderr, "schedule case it=%d bs=%d parts=%d kind=%d\n", it, bs, parts, kind);
     free(kv);
     free(meta);
     free(nsp);
   }
   TU_CHECK(!bad, "%s", why);
+  TU_CHECK(n_whole > 0, "no random batch took the cut-free budget"); /* the test would not see it break */
   /* A request one block long fits one part whatever the part count. */
   int32_t one = 64, meta[8 * 4], nsp[2];
-  TU_CHECK(mla_split_schedule(&one, 1, 4, meta, nsp) == 0 && nsp[1] == 1 && meta[5] == 1 &&
+  TU_CHECK(mla_split_schedule(&one, 1, 4, 0, meta, nsp) == 0 && nsp[1] == 1 && meta[5] == 1 &&
                meta[8 + 5] == 0,
            "single short request: splits %d, parts %d %d", nsp[1], meta[5], meta[8 + 5]);
   /* 64 requests of 64 blocks over 132 parts: FlashMLA's payload (ceil(4416 /
@@ -209,7 +257,7 @@ static void test_schedule_alone(tu_rng *r) {
     int32_t kv64[64], meta64[132 * 8], nsp64[65];
     for (int i = 0; i < 64; i++) kv64[i] = 4096;
     int most = 0, used = 0;
-    TU_CHECK(mla_split_schedule(kv64, 64, 132, meta64, nsp64) == 0, "b=64 schedule");
+    TU_CHECK(mla_split_schedule(kv64, 64, 132, 0, meta64, nsp64) == 0, "b=64 schedule");
     for (int p = 0; p < 132; p++) {
       const int32_t *m = meta64 + 8 * p;
       if (m[MLA_SCHED_NUM_REQS] == 0) continue;
@@ -221,10 +269,31 @@ static void test_schedule_alone(tu_rng *r) {
     TU_CHECK(used == 128 && most == 32 && nsp64[64] == 128, "b=64 s_k=4096: %d parts used, largest %d blocks, %d pieces",
              used, most, nsp64[64]);
   }
+  /* b = 128 requests of 8192 keys over 66 parts (H = 128): the smallest budget
+   * (258 blocks) cuts 62 requests; 3 blocks more hold two whole requests a
+   * part (64 parts used, no combine). Without the divisor the cuts stay. */
+  {
+    static int32_t kv128[128], m128[66 * 8], n128[129];
+    for (int i = 0; i < 128; i++) kv128[i] = 8192;
+    char w2[256] = "";
+    int whole = 0;
+    TU_CHECK(mla_split_schedule(kv128, 128, 66, 16, m128, n128) == 0 &&
+                 sched_ok(kv128, 128, 66, 16, m128, n128, w2, sizeof w2, &whole) && whole && n128[128] == 128 &&
+                 m128[63 * 8 + MLA_SCHED_NUM_REQS] == 2 && m128[64 * 8 + MLA_SCHED_NUM_REQS] == 0,
+             "b=128 s_k=8192 66 parts div 16: %s, whole %d, %d pieces, part 63 %d requests, part 64 %d", w2, whole,
+             n128[128], m128[63 * 8 + 5], m128[64 * 8 + 5]);
+    TU_CHECK(mla_split_schedule(kv128, 128, 66, 0, m128, n128) == 0 &&
+                 sched_ok(kv128, 128, 66, 0, m128, n128, w2, sizeof w2, &whole) && !whole && n128[128] == 190,
+             "b=128 s_k=8192 66 parts no divisor: %s, %d pieces", w2, n128[128]);
+    /* b = 96: whole requests need 261 blocks against the 193 that fit: cut. */
+    TU_CHECK(mla_split_schedule(kv128, 96, 66, 16, m128, n128) == 0 &&
+                 sched_ok(kv128, 96, 66, 16, m128, n128, w2, sizeof w2, &whole) && !whole && n128[96] > 96,
+             "b=96 s_k=8192 66 parts div 16: %s, whole %d, %d pieces", w2, whole, n128[96]);
+  }
   /* Many parts over one long request: every part but the first continues it. */
   int32_t longk = 64 * 1000;
   int32_t meta2[8 * 10], nsp2[2];
-  TU_CHECK(mla_split_schedule(&longk, 1, 10, meta2, nsp2) == 0 && nsp2[1] >= 9,
+  TU_CHECK(mla_split_schedule(&longk, 1, 10, 16, meta2, nsp2) == 0 && nsp2[1] >= 9,
            "long request cut into %d pieces over 10 parts", nsp2[1]);
 }
 
@@ -371,7 +440,9 @@ static int plan_ok(const mla_plan *pl, const exp_batch *e, const world *w, int n
   }
   int parts = expected_parts(num_sm, mq, heads);
   if (pl->num_sm_parts != parts) BAD("num_sm_parts %d, want %d", pl->num_sm_parts, parts);
-  if (!sched_ok(pl->kv_lens, bs, parts, pl->sched_meta, pl->num_splits, why, wn)) return 0;
+  /* MLA_SCHED_NOCUT_DIV, spelled out; none for EXTEND */
+  const int div = e->b.mode != MLA_MODE_EXTEND ? 16 : 0;
+  if (!sched_ok(pl->kv_lens, bs, parts, div, pl->sched_meta, pl->num_splits, why, wn, NULL)) return 0;
   if (pl->total_splits != pl->num_splits[bs]) BAD("total_splits");
   return 1;
 #undef BAD

@@ -32,7 +32,8 @@
 extern "C" {
 #include "../../tests/ref/ref.h"
 int mla_sched_num_parts(int num_sm, int max_q_len, int num_heads);
-int mla_split_schedule(const int32_t *kv_lens, int bs, int num_parts, int32_t *sched_meta, int32_t *num_splits);
+int mla_split_schedule(const int32_t *kv_lens, int bs, int num_parts, int slack, int32_t *sched_meta,
+                       int32_t *num_splits);
 }
 int run_desc_tests(FILE *out);
 
@@ -112,7 +113,7 @@ static void build_schedule(const Case &c, HostData &h) {
   h.parts = mla_sched_num_parts(kNumSm, c.max_q, c.H);
   h.meta.assign((size_t)h.parts * SCHED_INTS, 0);
   h.splits.assign(c.b + 1, 0);
-  if (mla_split_schedule(h.klen.data(), c.b, h.parts, h.meta.data(), h.splits.data()) != 0) {
+  if (mla_split_schedule(h.klen.data(), c.b, h.parts, 0, h.meta.data(), h.splits.data()) != 0) {
     fprintf(stderr, "split schedule failed\n");
     exit(2);
   }

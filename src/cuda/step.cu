@@ -146,6 +146,16 @@ __device__ void runs_at(const int64_t *C, int bs, int64_t total, int64_t Q, int3
   }
 }
 
+// Step 1 of the cut-free walk (mla_sb_walk with nocut) at Q: every run is one
+// part, holding requests [r, nb[r]) with C[nb[r]] - C[r] <= Q + OV (the
+// caller has checked that every request fits alone: nb[r] > r).
+__device__ void runs_nocut(const int64_t *C, int bs, int64_t Q, int32_t *nb, int32_t *steps) {
+  for (int r = threadIdx.x; r < bs; r += blockDim.x) {
+    nb[r] = locate(C, bs, C[r] + Q + OV);
+    steps[r] = 1;
+  }
+}
+
 // Parts and runs on the chain from request 0 (what step 2's walk follows), by
 // pointer jumping over step 1's nb / steps: after round k, nx[i] is the run
 // 2^k hops after i and ct[i] the parts and hops on the way, packed as parts
@@ -200,6 +210,7 @@ __global__ void __launch_bounds__(kSchedThreads)
   int32_t *ct2 = nx2 + bs;                       // [bs]
   __shared__ int64_t sums64[32];
   __shared__ uint32_t trial_count;
+  __shared__ unsigned long long longest_s;
   __shared__ int32_t sums32[32];
   __shared__ int chain_len;
 
@@ -220,9 +231,16 @@ __global__ void __launch_bounds__(kSchedThreads)
     if (over && t == 0) atomicAdd(bad, 1);
     __syncthreads();  // kv_lens as the costs below read them
   }
-  // cost prefix sums
-  int64_t local = 0;
-  for (int i = i0; i < i1; i++) local += mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK) + OV;
+  // cost prefix sums, and the longest request in blocks
+  if (t == 0) longest_s = 0;
+  __syncthreads();
+  int64_t local = 0, longest_local = 0;
+  for (int i = i0; i < i1; i++) {
+    const int64_t b = mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK);
+    local += b + OV;
+    longest_local = b > longest_local ? b : longest_local;
+  }
+  atomicMax(&longest_s, (unsigned long long)longest_local);
   int64_t total;
   int64_t run = block_exclusive_scan<int64_t>(local, sums64, &total);
   for (int i = i0; i < i1; i++) {
@@ -233,12 +251,15 @@ __global__ void __launch_bounds__(kSchedThreads)
   __syncthreads();
   // Q: bisection between ceil(blocks / parts) and FlashMLA's ceil(total /
   // parts) (>= 1: total >= OV * bs), then FlashMLA's if the smallest that
-  // fits cuts more pieces (bs + parts - runs), as mla_sb_sched_q on the host.
+  // fits cuts more pieces (bs + parts - runs), then the cut-free q' <= Q +
+  // Q / nocut_div if Q cuts a request and one fits, as mla_sb_sched_q.
   int64_t Q;
+  bool nocut = false;
   {
     const int64_t q_flash = mla_sb_cdiv(total, parts), blocks = total - (int64_t)OV * bs;
-    int64_t lo = mla_sb_cdiv(blocks, parts), hi = q_flash, pieces_hi = 0;
-    if (lo < 1) lo = 1;
+    const int64_t lo0 = mla_sb_cdiv(blocks, parts) < 1 ? 1 : mla_sb_cdiv(blocks, parts);
+    const int64_t longest = (int64_t)longest_s;  // (synced by the scan's and C's barriers)
+    int64_t lo = lo0, hi = q_flash, pieces_hi = 0;
     if (lo > hi) lo = hi;
     while (lo < hi) {  // block-uniform
       const int64_t mid = lo + (hi - lo) / 2;
@@ -254,13 +275,36 @@ __global__ void __launch_bounds__(kSchedThreads)
     if (hi < q_flash) {  // (hi was a trial that fit)
       runs_at(C, bs, total, q_flash, nb, steps);
       const ChainCount c = chain_count(bs, nb, steps, nx2, ct2, &trial_count);
-      if (pieces_hi > bs + c.parts - c.runs) hi = q_flash;
+      if (pieces_hi > bs + c.parts - c.runs) {
+        hi = q_flash;
+        pieces_hi = bs + c.parts - c.runs;
+      }
+    } else if (g.nocut_div > 0) {  // q_flash without a trial: count its pieces
+      runs_at(C, bs, total, hi, nb, steps);
+      const ChainCount c = chain_count(bs, nb, steps, nx2, ct2, &trial_count);
+      pieces_hi = bs + c.parts - c.runs;
+    }
+    const int64_t top = g.nocut_div > 0 ? hi + hi / g.nocut_div : hi;
+    if (g.nocut_div > 0 && pieces_hi > bs && longest <= top) {
+      runs_nocut(C, bs, top, nb, steps);
+      if (chain_count(bs, nb, steps, nx2, ct2, &trial_count).parts <= parts) {
+        int64_t a = lo0 > longest ? lo0 : longest, b = top;
+        while (a < b) {  // block-uniform
+          const int64_t mid = a + (b - a) / 2;
+          runs_nocut(C, bs, mid, nb, steps);
+          if (chain_count(bs, nb, steps, nx2, ct2, &trial_count).parts <= parts) b = mid;
+          else a = mid + 1;
+        }
+        nocut = true;
+        hi = b;
+      }
     }
     Q = hi;
   }
 
   // 1. the run from each request's beginning
-  runs_at(C, bs, total, Q, nb, steps);
+  if (nocut) runs_nocut(C, bs, Q, nb, steps);
+  else runs_at(C, bs, total, Q, nb, steps);
   __syncthreads();
 
   // 2. follow the runs from request 0
@@ -338,8 +382,9 @@ __global__ void __launch_bounds__(kSchedThreads)
     }
     const int64_t base = C[chain_b[lo]] + OV;
     const int64_t j1 = floor_div(C[i] - C[chain_b[lo]], Q) + 1, j2 = ceil_div(C[i + 1] - base, Q) - 1;
-    mine += 1 + (int32_t)(j2 >= j1 ? j2 - j1 + 1 : 0);
-    steps[i] = 1 + (int32_t)(j2 >= j1 ? j2 - j1 + 1 : 0);  // reuse: pieces of i
+    const int32_t pieces = nocut ? 1 : 1 + (int32_t)(j2 >= j1 ? j2 - j1 + 1 : 0);
+    mine += pieces;
+    steps[i] = pieces;  // reuse: pieces of i
   }
   int32_t all;
   int32_t acc = block_exclusive_scan<int32_t>(mine, sums32, &all);

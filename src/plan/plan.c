@@ -332,7 +332,9 @@ mla_status mla_plan_build(mla_ctx *ctx, const mla_req_table *rt, const mla_batch
 
   /* Split schedule sized for the widest query tile of the batch. */
   p.num_sm_parts = mla_sched_num_parts(lim->num_sm, max_q, num_heads);
-  if (mla_split_schedule(a.kv_lens, bs, p.num_sm_parts, a.sched_meta, a.num_splits) != 0)
+  if (mla_split_schedule(a.kv_lens, bs, p.num_sm_parts,
+                         mode == MLA_MODE_EXTEND ? 0 : MLA_SCHED_NOCUT_DIV, a.sched_meta,
+                         a.num_splits) != 0)
     return mla_fail(eb, MLA_ERR_INTERNAL, __func__, "split schedule did not cover the batch");
 
   p.batch_size = bs;

@@ -26,7 +26,10 @@ int mla_sched_num_parts(int num_sm, int max_q_len, int num_heads);
  * requests walked in order and filled greedily up to a payload of q + overhead
  * per part, q the smallest that fits the batch in num_parts parts unless that
  * cuts it into more pieces than FlashMLA's q = ceil(total / parts) does
- * (then FlashMLA's; src/plan/step_build.h).
+ * (then FlashMLA's); and if that q cuts a request and nocut_div > 0, the
+ * smallest q' <= q + q / nocut_div at which the parts hold whole requests
+ * only, when there is one (then no request is cut; src/plan/step_build.h).
+ * The library passes MLA_SCHED_NOCUT_DIV, or 0 for EXTEND batches.
  *
  * Writes sched_meta [num_parts, MLA_SCHED_META_INTS] and num_splits [bs+1].
  * A part with work covers [begin_req:begin_tok, end_req:end_tok) and has
@@ -37,7 +40,7 @@ int mla_sched_num_parts(int num_sm, int max_q_len, int num_heads);
  * Returns 0, or -1 if the walk did not finish (cannot happen for valid
  * inputs; kept so a bug surfaces as MLA_ERR_INTERNAL, not as bad metadata).
  * kv_lens must be >= 0 and num_parts >= 1; bs >= 0. */
-int mla_split_schedule(const int32_t *kv_lens /* [bs] */, int bs, int num_parts,
+int mla_split_schedule(const int32_t *kv_lens /* [bs] */, int bs, int num_parts, int nocut_div,
                        int32_t *sched_meta /* [num_parts, 8] */, int32_t *num_splits /* [bs+1] */);
 
 /* Check that `req_id` (the batch entry `idx` of the argument `name`) names a

@@ -5,7 +5,8 @@
  * partial state) paid once per piece it is cut into. Every part gets the same
  * budget and takes requests in order until the budget runs out, cutting the
  * request it is in when the rest does not fit. Requests that end up in one
- * piece need no combine. */
+ * piece need no combine. A budget up to 1/MLA_SCHED_NOCUT_DIV larger is taken
+ * when it keeps every request whole (src/plan/step_build.h). */
 #include "plan.h"
 #include "step_build.h"
 
@@ -17,7 +18,7 @@ int mla_sched_num_parts(int num_sm, int max_q_len, int num_heads) {
   return parts < 1 ? 1 : (int)parts;
 }
 
-int mla_split_schedule(const int32_t *kv_lens, int bs, int num_parts, int32_t *sched_meta,
+int mla_split_schedule(const int32_t *kv_lens, int bs, int num_parts, int nocut_div, int32_t *sched_meta,
                        int32_t *num_splits) {
-  return mla_split_schedule_body(kv_lens, bs, num_parts, sched_meta, num_splits);
+  return mla_split_schedule_body(kv_lens, bs, num_parts, nocut_div, sched_meta, num_splits);
 }

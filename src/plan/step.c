@@ -128,6 +128,9 @@ static mla_status step_geom(mla_ctx *ctx, const char *fn, const mla_step_desc *d
   int num_sm = d->num_sm;
   if (num_sm == 0) num_sm = ctx->device == MLA_DEVICE_CUDA ? ctx->sm_count : mla_ctx_workers(ctx);
   g->num_parts = mla_sched_num_parts(num_sm < 1 ? 1 : num_sm, g->q_len, d->num_heads);
+  /* not in EXTEND: its schedule is mla_plan_build's for the real query counts
+   * only while both use the same rule (plan.c passes 0 there too) */
+  g->nocut_div = d->mode == MLA_MODE_EXTEND ? 0 : MLA_SCHED_NOCUT_DIV;
   g->max_splits = g->batch_size + g->num_parts;
   return MLA_OK;
 }
@@ -256,7 +259,7 @@ static mla_status prepare_cpu(mla_ctx *ctx, const mla_step_geom *g, const mla_st
     L->qo_indptr[i + 1] = g->varlen ? L->qo_indptr[i] + in->extend_lens[i] : (i + 1) * g->q_len;
     L->kv_indptr[i + 1] = L->kv_indptr[i] + kv;
   }
-  if (mla_split_schedule_body(L->kv_lens, bs, g->num_parts, L->sched_meta, L->num_splits) != 0)
+  if (mla_split_schedule_body(L->kv_lens, bs, g->num_parts, g->nocut_div, L->sched_meta, L->num_splits) != 0)
     return mla_fail(&ctx->err, MLA_ERR_INTERNAL, "mla_step_prepare", "split schedule did not cover the batch");
   return MLA_OK;
 }

@@ -21,11 +21,12 @@ static inline MLA_SB_HD int64_t mla_sb_cdiv(int64_t a, int64_t b) { return (a + 
  *
  * The greedy walk at part budget q + OV (cost units: 64-token blocks, OV per
  * piece): each part takes requests in order while they fit whole and cuts the
- * one that does not. Returns 0 when the batch fits in num_parts parts, else
- * -1. Writes sched_meta [num_parts, 8] and num_splits [bs+1] only when both
+ * one that does not; with `nocut` it closes the part instead (a request that
+ * does not fit an empty part: the walk fails). Returns 0 when the batch fits
+ * in num_parts parts, else -1. Writes sched_meta [num_parts, 8] and num_splits [bs+1] only when both
  * are non-NULL (NULL: a trial walk that only answers whether q fits). */
 static inline MLA_SB_HD int mla_sb_walk(const int32_t *kv_lens /* [bs] */, int bs, int num_parts, int64_t q,
-                                        int32_t *sched_meta /* [parts, 8] or NULL */,
+                                        int nocut, int32_t *sched_meta /* [parts, 8] or NULL */,
                                         int32_t *num_splits /* [bs+1] or NULL */, int64_t *pieces /* or NULL */) {
   const int64_t ov = MLA_SCHED_FIXED_OVERHEAD;
   const int64_t payload = q + ov;
@@ -47,6 +48,7 @@ static inline MLA_SB_HD int mla_sb_walk(const int32_t *kv_lens /* [bs] */, int b
       m[MLA_SCHED_BEGIN_TOK] = (int32_t)(blk * MLA_SCHED_BLOCK);
       m[MLA_SCHED_BEGIN_SPLIT] = piece;
       int64_t remain = payload;
+      int took = 0; /* requests finished in this part (nocut) */
       while (req < bs) {
         int64_t rest = mla_sb_cdiv(kv_lens[req], MLA_SCHED_BLOCK) - blk;
         if (remain >= rest + ov) {
@@ -57,6 +59,10 @@ static inline MLA_SB_HD int mla_sb_walk(const int32_t *kv_lens /* [bs] */, int b
           req++;
           blk = 0;
           piece = 0;
+          took++;
+        } else if (nocut) {
+          if (!took) return -1; /* longer than a part's budget on its own */
+          break;
         } else {
           /* Cut it: take what the budget allows (rest > remain - ov here, so
            * the cut is strictly inside the request) and close the part. */
@@ -97,26 +103,56 @@ static inline MLA_SB_HD int mla_sb_walk(const int32_t *kv_lens /* [bs] */, int b
  * cut in two to save one block a part). FlashMLA's q alone can leave parts
  * well under the budget: b = 64 requests of 64 blocks over 132 parts get
  * pieces of 34 + 30 blocks at q = 34, of 32 + 32 at q = 32 (docs/decode-
- * kernel.md §7). The device scheduler (src/cuda/step.cu) makes the same
- * choice from the same trial answers. Returns q. */
-static inline MLA_SB_HD int64_t mla_sb_sched_q(const int32_t *kv_lens /* [bs] */, int bs, int num_parts) {
-  int64_t blocks = 0;
-  for (int i = 0; i < bs; i++) blocks += mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK);
+ * kernel.md §7). Then, when that q cuts any request and `nocut_div` > 0
+ * (MLA_SCHED_NOCUT_DIV; 0 in EXTEND): the smallest q' <= q + q / nocut_div
+ * at which a walk that never cuts fits (*nocut = 1, q' returned). A cut
+ * request costs more than the model's overhead (its pieces' query loads and
+ * fp32 partial rows, and the combine): b = 128 requests of 128 blocks over
+ * 66 parts (H = 128) are cut 62 times at q = 258 and not at all at q' = 261
+ * (two whole requests a part, 64 parts used), which an H100 ran 5-7 %
+ * faster; q' = q + 7..11 still gained 3.5-5.4 % at H = 128 and 0-2.6 % at
+ * H = 16 (bench/RESULTS.md session 37). The device scheduler (src/cuda/
+ * step.cu) makes the same choice from the same trial answers. Returns q. */
+static inline MLA_SB_HD int64_t mla_sb_sched_q(const int32_t *kv_lens /* [bs] */, int bs, int num_parts,
+                                               int nocut_div, int *nocut) {
+  int64_t blocks = 0, longest = 0;
+  for (int i = 0; i < bs; i++) {
+    const int64_t b = mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK);
+    blocks += b;
+    if (b > longest) longest = b;
+  }
   const int64_t total = blocks + (int64_t)MLA_SCHED_FIXED_OVERHEAD * bs;
   const int64_t q_flash = mla_sb_cdiv(total, num_parts);
-  int64_t lo = mla_sb_cdiv(blocks, num_parts), hi = q_flash;
-  if (lo < 1) lo = 1;
+  const int64_t lo0 = mla_sb_cdiv(blocks, num_parts) < 1 ? 1 : mla_sb_cdiv(blocks, num_parts);
+  int64_t lo = lo0, hi = q_flash;
   if (lo > hi) lo = hi;
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
-    if (mla_sb_walk(kv_lens, bs, num_parts, mid, 0, 0, 0) == 0) hi = mid;
+    if (mla_sb_walk(kv_lens, bs, num_parts, mid, 0, 0, 0, 0) == 0) hi = mid;
     else lo = mid + 1;
   }
+  int64_t pieces = 0;
+  mla_sb_walk(kv_lens, bs, num_parts, hi, 0, 0, 0, &pieces);
   if (hi < q_flash) {
-    int64_t pieces_min = 0, pieces_flash = 0;
-    mla_sb_walk(kv_lens, bs, num_parts, hi, 0, 0, &pieces_min);
-    mla_sb_walk(kv_lens, bs, num_parts, q_flash, 0, 0, &pieces_flash);
-    if (pieces_min > pieces_flash) hi = q_flash;
+    int64_t pieces_flash = 0;
+    mla_sb_walk(kv_lens, bs, num_parts, q_flash, 0, 0, 0, &pieces_flash);
+    if (pieces > pieces_flash) {
+      hi = q_flash;
+      pieces = pieces_flash;
+    }
+  }
+  *nocut = 0;
+  const int64_t top = nocut_div > 0 ? hi + hi / nocut_div : hi;
+  if (nocut_div > 0 && pieces > bs && longest <= top && mla_sb_walk(kv_lens, bs, num_parts, top, 1, 0, 0, 0) == 0) {
+    /* A cut-free walk's fit is monotone in q: bisect in [max(lo0, longest), top]. */
+    int64_t a = lo0 > longest ? lo0 : longest, b = top;
+    while (a < b) {
+      const int64_t mid = a + (b - a) / 2;
+      if (mla_sb_walk(kv_lens, bs, num_parts, mid, 1, 0, 0, 0) == 0) b = mid;
+      else a = mid + 1;
+    }
+    *nocut = 1;
+    hi = b;
   }
   return hi;
 }
@@ -124,10 +160,12 @@ static inline MLA_SB_HD int64_t mla_sb_sched_q(const int32_t *kv_lens /* [bs] */
 /* Returns 0, or -1 when the parts did not cover the batch (cannot happen for
  * valid inputs). */
 static inline MLA_SB_HD int mla_split_schedule_body(const int32_t *kv_lens /* [bs] */, int bs,
-                                                    int num_parts,
+                                                    int num_parts, int nocut_div,
                                                     int32_t *sched_meta /* [parts, 8] */,
                                                     int32_t *num_splits /* [bs+1] */) {
-  return mla_sb_walk(kv_lens, bs, num_parts, mla_sb_sched_q(kv_lens, bs, num_parts), sched_meta, num_splits, 0);
+  int nocut = 0;
+  const int64_t q = mla_sb_sched_q(kv_lens, bs, num_parts, nocut_div, &nocut);
+  return mla_sb_walk(kv_lens, bs, num_parts, q, nocut, sched_meta, num_splits, 0);
 }
 
 /* Fixed shape of a step, resolved from mla_step_desc and the cache.
@@ -151,6 +189,7 @@ typedef struct mla_step_geom {
   int32_t dcp_world, dcp_rank; /* 1, 0 without context parallelism */
   int32_t width;        /* block-table width = local pages of max_kv_len */
   int32_t num_parts;    /* split-schedule parts */
+  int32_t nocut_div;    /* MLA_SCHED_NOCUT_DIV, 0 in EXTEND (mla_sb_sched_q) */
   int32_t max_splits;   /* batch_size + num_parts: a part cuts at most one request */
   int32_t max_reqs;
   int64_t stride;       /* req_to_token row stride */
