@@ -28,6 +28,7 @@ SLOT_UNUSED = 0
 REQ_PAD = -1
 SCHED_BLOCK = 64
 SCHED_FIXED_OVERHEAD = 5
+SCHED_NOCUT_DIV = 16  # a part may take q + q/16 blocks to keep every request whole (mla.h)
 SCHED_META_INTS = 8
 FLAG_LSE_BASE2 = 1
 FLAG_OUT_F32 = 2

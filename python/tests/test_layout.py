@@ -75,6 +75,7 @@ def test_constants(c_layout):
         "MLA_MAX_HEAD_DIM": libmla.MAX_HEAD_DIM, "MLA_BLOCK_TABLE_PAD": libmla.BLOCK_TABLE_PAD,
         "MLA_SLOT_UNUSED": libmla.SLOT_UNUSED, "MLA_REQ_PAD": libmla.REQ_PAD,
         "MLA_SCHED_BLOCK": _lib.SCHED_BLOCK, "MLA_SCHED_FIXED_OVERHEAD": _lib.SCHED_FIXED_OVERHEAD,
+        "MLA_SCHED_NOCUT_DIV": _lib.SCHED_NOCUT_DIV,
         "MLA_SCHED_META_INTS": _lib.SCHED_META_INTS, "MLA_FLAG_LSE_BASE2": libmla.FLAG_LSE_BASE2,
         "MLA_FLAG_OUT_F32": libmla.FLAG_OUT_F32, "MLA_FLAG_FP8_MATH": libmla.FLAG_FP8_MATH,
         "MLA_OK": libmla.Status.OK,
