@@ -291,7 +291,8 @@ fi
 
 # ---- short table, printed last -------------------------------------------
 {
-  echo "==== gpu-check summary ($(date -u +%F), $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null)+uncommitted dev/)"
+  echo "==== gpu-check summary ($(date -u +%F), tree $(git -C "$ROOT" describe --always --dirty 2>/dev/null))"
+  [ -n "$PREBUILT" ] && echo "prebuilt binaries: $(cat "$LIB/SOURCE" 2>/dev/null || echo "no SOURCE file in $LIB")"
   [ -f "$OUT/env.txt" ] && grep -A1 "^name, clocks" "$OUT/env.txt" | tail -1 | sed 's/^/gpu: /'
   [ -f "$OUT/build.txt" ] && grep -E "^SASS|BUILD FAILED" "$OUT/build.txt"
   [ -f "$OUT/build.txt" ] && grep -E "^REGS" "$OUT/build.txt"
