@@ -32,7 +32,7 @@
 extern "C" {
 #include "../../tests/ref/ref.h"
 int mla_sched_num_parts(int num_sm, int max_q_len, int num_heads);
-int mla_split_schedule(const int32_t *kv_lens, int bs, int num_parts, int slack, int32_t *sched_meta,
+int mla_split_schedule(const int32_t *kv_lens, int bs, int num_parts, int nocut_div, int32_t *sched_meta,
                        int32_t *num_splits);
 }
 int run_desc_tests(FILE *out);

@@ -6,6 +6,7 @@
  * at the same offsets for every batch (what a CUDA-graph replay that copies
  * the host plan into fixed device buffers needs). */
 #include "plan.h"
+#include "step_build.h" /* mla_sb_nocut_div */
 
 /* Largest array (in int32 entries) a limit set may ask for; keeps every byte
  * count far from size_t overflow. */
@@ -332,9 +333,7 @@ mla_status mla_plan_build(mla_ctx *ctx, const mla_req_table *rt, const mla_batch
 
   /* Split schedule sized for the widest query tile of the batch. */
   p.num_sm_parts = mla_sched_num_parts(lim->num_sm, max_q, num_heads);
-  if (mla_split_schedule(a.kv_lens, bs, p.num_sm_parts,
-                         mode == MLA_MODE_EXTEND ? 0 : MLA_SCHED_NOCUT_DIV, a.sched_meta,
-                         a.num_splits) != 0)
+  if (mla_split_schedule(a.kv_lens, bs, p.num_sm_parts, mla_sb_nocut_div(mode), a.sched_meta, a.num_splits) != 0)
     return mla_fail(eb, MLA_ERR_INTERNAL, __func__, "split schedule did not cover the batch");
 
   p.batch_size = bs;

@@ -29,7 +29,7 @@ int mla_sched_num_parts(int num_sm, int max_q_len, int num_heads);
  * (then FlashMLA's); and if that q cuts a request and nocut_div > 0, the
  * smallest q' <= q + q / nocut_div at which the parts hold whole requests
  * only, when there is one (then no request is cut; src/plan/step_build.h).
- * The library passes MLA_SCHED_NOCUT_DIV, or 0 for EXTEND batches.
+ * The library passes mla_sb_nocut_div(mode) (src/plan/step_build.h).
  *
  * Writes sched_meta [num_parts, MLA_SCHED_META_INTS] and num_splits [bs+1].
  * A part with work covers [begin_req:begin_tok, end_req:end_tok) and has

@@ -128,9 +128,7 @@ static mla_status step_geom(mla_ctx *ctx, const char *fn, const mla_step_desc *d
   int num_sm = d->num_sm;
   if (num_sm == 0) num_sm = ctx->device == MLA_DEVICE_CUDA ? ctx->sm_count : mla_ctx_workers(ctx);
   g->num_parts = mla_sched_num_parts(num_sm < 1 ? 1 : num_sm, g->q_len, d->num_heads);
-  /* not in EXTEND: its schedule is mla_plan_build's for the real query counts
-   * only while both use the same rule (plan.c passes 0 there too) */
-  g->nocut_div = d->mode == MLA_MODE_EXTEND ? 0 : MLA_SCHED_NOCUT_DIV;
+  g->nocut_div = mla_sb_nocut_div(d->mode);
   g->max_splits = g->batch_size + g->num_parts;
   return MLA_OK;
 }

@@ -23,8 +23,9 @@ static inline MLA_SB_HD int64_t mla_sb_cdiv(int64_t a, int64_t b) { return (a + 
  * piece): each part takes requests in order while they fit whole and cuts the
  * one that does not; with `nocut` it closes the part instead (a request that
  * does not fit an empty part: the walk fails). Returns 0 when the batch fits
- * in num_parts parts, else -1. Writes sched_meta [num_parts, 8] and num_splits [bs+1] only when both
- * are non-NULL (NULL: a trial walk that only answers whether q fits). */
+ * in num_parts parts, else -1. Writes sched_meta [num_parts, 8] and
+ * num_splits [bs+1] only when both are non-NULL (NULL: a trial walk that only
+ * answers whether q fits). */
 static inline MLA_SB_HD int mla_sb_walk(const int32_t *kv_lens /* [bs] */, int bs, int num_parts, int64_t q,
                                         int nocut, int32_t *sched_meta /* [parts, 8] or NULL */,
                                         int32_t *num_splits /* [bs+1] or NULL */, int64_t *pieces /* or NULL */) {
@@ -131,8 +132,9 @@ static inline MLA_SB_HD int64_t mla_sb_sched_q(const int32_t *kv_lens /* [bs] */
     if (mla_sb_walk(kv_lens, bs, num_parts, mid, 0, 0, 0, 0) == 0) hi = mid;
     else lo = mid + 1;
   }
+  /* pieces at hi: needed to compare with FlashMLA's q, or for the cut-free test */
   int64_t pieces = 0;
-  mla_sb_walk(kv_lens, bs, num_parts, hi, 0, 0, 0, &pieces);
+  if (hi < q_flash || nocut_div > 0) mla_sb_walk(kv_lens, bs, num_parts, hi, 0, 0, 0, &pieces);
   if (hi < q_flash) {
     int64_t pieces_flash = 0;
     mla_sb_walk(kv_lens, bs, num_parts, q_flash, 0, 0, 0, &pieces_flash);
@@ -156,6 +158,11 @@ static inline MLA_SB_HD int64_t mla_sb_sched_q(const int32_t *kv_lens /* [bs] */
   }
   return hi;
 }
+
+/* The cut-free divisor the library schedules mode's batches with: none in
+ * EXTEND, whose step (a token bucket) and host plan (the real query counts)
+ * must agree on the schedule (tests/test_step.c). */
+static inline MLA_SB_HD int mla_sb_nocut_div(int mode) { return mode == MLA_MODE_EXTEND ? 0 : MLA_SCHED_NOCUT_DIV; }
 
 /* Returns 0, or -1 when the parts did not cover the batch (cannot happen for
  * valid inputs). */
@@ -189,7 +196,7 @@ typedef struct mla_step_geom {
   int32_t dcp_world, dcp_rank; /* 1, 0 without context parallelism */
   int32_t width;        /* block-table width = local pages of max_kv_len */
   int32_t num_parts;    /* split-schedule parts */
-  int32_t nocut_div;    /* MLA_SCHED_NOCUT_DIV, 0 in EXTEND (mla_sb_sched_q) */
+  int32_t nocut_div;    /* mla_sb_nocut_div(mode) */
   int32_t max_splits;   /* batch_size + num_parts: a part cuts at most one request */
   int32_t max_reqs;
   int64_t stride;       /* req_to_token row stride */
