@@ -10,7 +10,8 @@
 # NAME=MLA_BINARY  a label and the path of an `mla` binary (e.g. one unpacked
 #                  from a carried tarball); two or more. A label may carry an
 #                  environment setting for that build only: NAME@VAR=VALUE=PATH.
-# CASE             "b H s_q s_k dtype page", e.g. "128 128 1 8192 bf16 64", or
+# CASE             "b H s_q s_k dtype page [spread]", e.g. "128 128 1 8192 bf16 64" (spread: the
+#                  bench's --kv-spread, request lengths uniform in s_k (1 +- spread %)), or
 #                  `ragged`: the bench's ragged prefill rows (causal 192/128,
 #                  H=128: 1 x 8K, 1 x 16K, 16 x 1K; one row each in the table).
 # -r ROUNDS        rounds (default 2); -n RUNS: `--runs` per case (default 20).
@@ -63,9 +64,11 @@ for ((r = 1; r <= rounds; r++)); do
         done < <(awk '/ragged MHA/{f=1;next} /^#/{f=0} f && $1 ~ /^[0-9]+$/ {print $1, $2, $3}' <<<"$out")
         continue
       fi
-      read -r cb ch cq ck cd cp <<<"$c"
+      read -r cb ch cq ck cd cp cs <<<"$c"
+      spread=()
+      [ -n "$cs" ] && spread=(--kv-spread "$cs")
       line=$(env ${envset[@]+"${envset[@]}"} "$path" bench --device cuda --b "$cb" --h "$ch" --sq "$cq" --sk "$ck" --dtype "$cd" \
-        --page-size "$cp" --no-prefill --no-kv-write --runs "$runs" 2>&1 | tail -n 1)
+        --page-size "$cp" ${spread[@]+"${spread[@]}"} --no-prefill --no-kv-write --runs "$runs" 2>&1 | tail -n 1)
       t=$(awk '{print $6}' <<<"$line")
       [[ $t =~ ^[0-9.]+$ ]] || t="($line)"
       echo "round $r  $name  [$c]  $t"

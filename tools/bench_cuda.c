@@ -89,6 +89,7 @@ static void *rand_bf16(uint64_t *seed, size_t n) { return rand_16(seed, n, MLA_D
 
 typedef struct bc_opts {
   int b, runs, csv, quick, P, no_prefill, no_kv_write;
+  int spread;      /* --kv-spread: request lengths uniform in s_k (1 +- spread / 100); 0: all s_k */
   int sk[8], nsk, H[4], nh, sq[4], nsq;
   mla_dtype dt[4];
   int dt_plain[4]; /* 1: the dtype's own rows (0: fp8 only for its fp8-math rows) */
@@ -105,10 +106,38 @@ typedef struct bc_world {
   mla_dtype act; /* the activations' dtype: f16 for an f16 cache (what the CUDA kernels take), else bf16 */
 } bc_world;
 
-static int world_make(mla_ctx *ctx, const bc_opts *o, int sk, mla_dtype dt, uint64_t *seed, bc_world *w,
+/* The kv length of each request for mean length sk: all sk, or with
+ * --kv-spread S uniform in [sk - sk S / 100, sk + sk S / 100] (at least 64),
+ * drawn from a generator seeded by (sk, S) alone, so every build, dtype, H
+ * and s_q of a run and of later runs sees the same lengths. Returns the
+ * longest. */
+static int bc_lens(const bc_opts *o, int sk, int32_t *lens /* [o->b] */) {
+  const int64_t d = (int64_t)sk * o->spread / 100;
+  uint64_t s = 0x6b76ull * 1000003u + (uint64_t)sk * 131u + (uint64_t)o->spread;
+  int longest = 0;
+  for (int i = 0; i < o->b; i++) {
+    int64_t len = sk;
+    if (d > 0) len = sk - d + (int64_t)(bc_rng(&s) % (uint64_t)(2 * d + 1));
+    lens[i] = (int32_t)(len < 64 ? 64 : len);
+    if (lens[i] > longest) longest = lens[i];
+  }
+  return longest;
+}
+
+/* The longest request of the (sk, spread) batch: the cache and req_to_token
+ * hold o->b requests of this many tokens. */
+static int bc_max_len(const bc_opts *o, int sk) {
+  int32_t *lens = malloc(sizeof(int32_t) * (size_t)o->b);
+  const int m = lens ? bc_lens(o, sk, lens) : sk + (int)((int64_t)sk * o->spread / 100);
+  free(lens);
+  return m;
+}
+
+static int world_make(mla_ctx *ctx, const bc_opts *o, int sk_mean, mla_dtype dt, uint64_t *seed, bc_world *w,
                       char *why, size_t why_n) {
   memset(w, 0, sizeof *w);
   w->act = dt == MLA_DTYPE_F16 ? MLA_DTYPE_F16 : MLA_DTYPE_BF16;
+  const int sk = bc_max_len(o, sk_mean); /* req_to_token's row stride */
   const int P = o->P, per = (sk + P - 1) / P;
   w->pages = o->b * per + 1;
   mla_kv_cache_desc cd = {1, w->pages, P, dt, NULL};
@@ -166,10 +195,18 @@ typedef struct bc_result {
   char note[200];
 } bc_result;
 
-static int run_case(mla_ctx *ctx, const bc_opts *o, const bc_world *w, int sk, int H, int sq, unsigned flags,
+static int run_case(mla_ctx *ctx, const bc_opts *o, const bc_world *w, int sk_mean, int H, int sq, unsigned flags,
                     void *flush, size_t flush_bytes, uint64_t *seed, bc_result *res) {
   memset(res, 0, sizeof *res);
   const int b = o->b, Tq = b * sq;
+  int32_t *lens = malloc(sizeof(int32_t) * (size_t)b);
+  if (!lens) {
+    snprintf(res->note, sizeof res->note, "out of host memory");
+    return 0;
+  }
+  const int sk = bc_lens(o, sk_mean, lens); /* the longest; req_to_token's row stride */
+  double kv_sum = 0;
+  for (int i = 0; i < b; i++) kv_sum += lens[i];
   mla_step_desc d;
   memset(&d, 0, sizeof d);
   d.mode = sq == 1 ? MLA_MODE_DECODE : MLA_MODE_TARGET_VERIFY;
@@ -182,12 +219,13 @@ static int run_case(mla_ctx *ctx, const bc_opts *o, const bc_world *w, int sk, i
   mla_status st = mla_step_workspace_size(ctx, &d, &wsb);
   if (st != MLA_OK) {
     snprintf(res->note, sizeof res->note, "%s", mla_ctx_last_error(ctx));
+    free(lens);
     return 0;
   }
   int32_t *ids_h = malloc(sizeof(int32_t) * b), *seq_h = malloc(sizeof(int32_t) * b);
   for (int i = 0; i < b; i++) {
     ids_h[i] = i;
-    seq_h[i] = sk - (sq == 1 ? 0 : sq); /* kv = s_k in both modes */
+    seq_h[i] = lens[i] - (sq == 1 ? 0 : sq); /* kv = lens[i] in both modes */
   }
   int32_t *ids = NULL, *seq = NULL;
   void *ws = NULL, *out = NULL;
@@ -298,8 +336,8 @@ static int run_case(mla_ctx *ctx, const bc_opts *o, const bc_world *w, int sk, i
     res->us = 1e3 * t[o->runs / 2];
     size_t rb = 0;
     mla_kv_cache_row_bytes(w->cache, &rb);
-    const double flops = 2.0 * b * sq * H * (double)sk * 1088.0;
-    const double bytes = (double)b * sk * rb + (double)Tq * H * 2 * (MLA_ROW + MLA_LATENT);
+    const double flops = 2.0 * sq * H * kv_sum * 1088.0;
+    const double bytes = kv_sum * rb + (double)Tq * H * 2 * (MLA_ROW + MLA_LATENT);
     res->tflops = flops / (res->us * 1e-6) / 1e12;
     res->gbs = bytes / (res->us * 1e-6) / 1e9;
   }
@@ -317,6 +355,7 @@ static int run_case(mla_ctx *ctx, const bc_opts *o, const bc_world *w, int sk, i
   free(t);
   free(tp);
   free(th);
+  free(lens);
   return 0;
 }
 
@@ -617,6 +656,9 @@ static int bc_usage(FILE *f) {
           "  --dtype LIST   cache dtypes: bf16, f16, fp8, fp8-block, and fp8-math (the fp8 cache with\n"
           "                 MLA_FLAG_FP8_MATH, where s_q * H > 32) (default bf16,fp8,fp8-math)\n"
           "  --page-size P  (default 64)\n"
+          "  --kv-spread S  decode rows: each request's kv length uniform in s_k (1 +- S / 100), at least 64,\n"
+          "                 the same lengths in every run (seeded by s_k and S); s_k is then the mean, and\n"
+          "                 TFLOP/s and GB/s count the lengths drawn (default 0: all s_k)\n"
           "  --runs N       timed runs per case (default 30, quick 5)\n"
           "  --quick        s_k 8192 only, few runs\n"
           "  --no-prefill   skip the prefill cases (ragged MHA 1 x 8K, 1 x 16K, 16 x 1K, 192/128; paged absorbed\n"
@@ -683,6 +725,9 @@ int bench_cuda_main(int argc, char **argv) {
     } else if (!strcmp(k, "--page-size") && parse_list(v, x, 1, 1, 256) == 1) {
       o.P = x[0];
       i++;
+    } else if (!strcmp(k, "--kv-spread") && parse_list(v, x, 1, 0, 100) == 1) {
+      o.spread = x[0];
+      i++;
     } else if (!strcmp(k, "--sk") && (o.nsk = parse_list(v, o.sk, 8, 1, 1 << 20)) > 0) {
       sk_set = 1;
       i++;
@@ -743,6 +788,9 @@ int bench_cuda_main(int argc, char **argv) {
   printf("# mla bench --device cuda: %s, %d SMs; device copy %.0f GB/s (read + write, 256 MiB); "
          "median of %d runs, L2 flushed; page %d\n",
          prop.name, prop.multiProcessorCount, copy, o.runs, o.P);
+  if (o.spread)
+    printf("# kv lengths: uniform in s_k (1 +- %d %%) per request, at least 64 (seeded; s_k below is the mean)\n",
+           o.spread);
   if (o.csv)
     printf("b,H,s_q,s_k,dtype,t_us,tflops,gbs,prepare_us,graph_step_us,host_us,note\n");
   else

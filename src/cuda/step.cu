@@ -105,7 +105,6 @@ __device__ int locate(const int64_t *C, int bs, int64_t s) {
 // instead of step 2's walk, one hop per run); then FlashMLA's q if the
 // smaller one cuts the batch into more pieces (bs + parts - runs).
 // tests/test_cuda_step.c checks the result equal to the host walk.
-constexpr int OV = MLA_SCHED_FIXED_OVERHEAD;
 
 __device__ int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 __device__ int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
@@ -119,7 +118,7 @@ __device__ int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
 // cuts. (Locating every y_j with a binary search and a 64-bit division made
 // each trial of the bisection cost ~5 us at b = 128, s_k = 8192.)
 // All threads; the caller syncs after.
-__device__ void runs_at(const int64_t *C, int bs, int64_t total, int64_t Q, int32_t *nb, int32_t *steps) {
+__device__ void runs_at(const int64_t *C, int bs, int64_t total, int64_t OV, int64_t Q, int32_t *nb, int32_t *steps) {
   for (int r = threadIdx.x; r < bs; r += blockDim.x) {
     const int64_t base = C[r] + OV;
     int64_t y = base + Q;  // y_1
@@ -149,7 +148,7 @@ __device__ void runs_at(const int64_t *C, int bs, int64_t total, int64_t Q, int3
 // Step 1 of the cut-free walk (mla_sb_walk with nocut) at Q: every run is one
 // part, holding requests [r, nb[r]) with C[nb[r]] - C[r] <= Q + OV (the
 // caller has checked that every request fits alone: nb[r] > r).
-__device__ void runs_nocut(const int64_t *C, int bs, int64_t Q, int32_t *nb, int32_t *steps) {
+__device__ void runs_nocut(const int64_t *C, int bs, int64_t OV, int64_t Q, int32_t *nb, int32_t *steps) {
   for (int r = threadIdx.x; r < bs; r += blockDim.x) {
     nb[r] = locate(C, bs, C[r] + Q + OV);
     steps[r] = 1;
@@ -201,6 +200,7 @@ __global__ void __launch_bounds__(kSchedThreads)
                          int32_t *__restrict__ sched_meta, int32_t *__restrict__ num_splits, int *bad) {
   extern __shared__ int64_t C[];                 // [bs + 1]
   const int bs = g.batch_size, nt = blockDim.x, t = threadIdx.x, parts = g.num_parts;
+  const int64_t OV = g.sched_ov;  // a piece's cost in blocks
   int32_t *nb = (int32_t *)(C + bs + 1);         // [bs]
   int32_t *steps = nb + bs;                      // [bs]
   int32_t *chain_b = steps + bs;                 // [chain_cap]: boundary requests of the runs
@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(kSchedThreads)
     if (lo > hi) lo = hi;
     while (lo < hi) {  // block-uniform
       const int64_t mid = lo + (hi - lo) / 2;
-      runs_at(C, bs, total, mid, nb, steps);
+      runs_at(C, bs, total, OV, mid, nb, steps);
       const ChainCount c = chain_count(bs, nb, steps, nx2, ct2, &trial_count);
       if (c.parts <= parts) {
         hi = mid;
@@ -273,25 +273,25 @@ __global__ void __launch_bounds__(kSchedThreads)
       }
     }
     if (hi < q_flash) {  // (hi was a trial that fit)
-      runs_at(C, bs, total, q_flash, nb, steps);
+      runs_at(C, bs, total, OV, q_flash, nb, steps);
       const ChainCount c = chain_count(bs, nb, steps, nx2, ct2, &trial_count);
       if (pieces_hi > bs + c.parts - c.runs) {
         hi = q_flash;
         pieces_hi = bs + c.parts - c.runs;
       }
     } else if (g.nocut_div > 0) {  // q_flash without a trial: count its pieces
-      runs_at(C, bs, total, hi, nb, steps);
+      runs_at(C, bs, total, OV, hi, nb, steps);
       const ChainCount c = chain_count(bs, nb, steps, nx2, ct2, &trial_count);
       pieces_hi = bs + c.parts - c.runs;
     }
     const int64_t top = g.nocut_div > 0 ? hi + hi / g.nocut_div : hi;
     if (g.nocut_div > 0 && pieces_hi > bs && longest <= top) {
-      runs_nocut(C, bs, top, nb, steps);
+      runs_nocut(C, bs, OV, top, nb, steps);
       if (chain_count(bs, nb, steps, nx2, ct2, &trial_count).parts <= parts) {
         int64_t a = lo0 > longest ? lo0 : longest, b = top;
         while (a < b) {  // block-uniform
           const int64_t mid = a + (b - a) / 2;
-          runs_nocut(C, bs, mid, nb, steps);
+          runs_nocut(C, bs, OV, mid, nb, steps);
           if (chain_count(bs, nb, steps, nx2, ct2, &trial_count).parts <= parts) b = mid;
           else a = mid + 1;
         }
@@ -303,8 +303,8 @@ __global__ void __launch_bounds__(kSchedThreads)
   }
 
   // 1. the run from each request's beginning
-  if (nocut) runs_nocut(C, bs, Q, nb, steps);
-  else runs_at(C, bs, total, Q, nb, steps);
+  if (nocut) runs_nocut(C, bs, OV, Q, nb, steps);
+  else runs_at(C, bs, total, OV, Q, nb, steps);
   __syncthreads();
 
   // 2. follow the runs from request 0

@@ -26,10 +26,9 @@ static inline MLA_SB_HD int64_t mla_sb_cdiv(int64_t a, int64_t b) { return (a + 
  * in num_parts parts, else -1. Writes sched_meta [num_parts, 8] and
  * num_splits [bs+1] only when both are non-NULL (NULL: a trial walk that only
  * answers whether q fits). */
-static inline MLA_SB_HD int mla_sb_walk(const int32_t *kv_lens /* [bs] */, int bs, int num_parts, int64_t q,
-                                        int nocut, int32_t *sched_meta /* [parts, 8] or NULL */,
+static inline MLA_SB_HD int mla_sb_walk(const int32_t *kv_lens /* [bs] */, int bs, int num_parts, int64_t ov,
+                                        int64_t q, int nocut, int32_t *sched_meta /* [parts, 8] or NULL */,
                                         int32_t *num_splits /* [bs+1] or NULL */, int64_t *pieces /* or NULL */) {
-  const int64_t ov = MLA_SCHED_FIXED_OVERHEAD;
   const int64_t payload = q + ov;
   const int out = sched_meta != 0 && num_splits != 0;
   int req = 0;       /* request the walk is in */
@@ -115,29 +114,29 @@ static inline MLA_SB_HD int mla_sb_walk(const int32_t *kv_lens /* [bs] */, int b
  * H = 16 (bench/RESULTS.md session 37). The device scheduler (src/cuda/
  * step.cu) makes the same choice from the same trial answers. Returns q. */
 static inline MLA_SB_HD int64_t mla_sb_sched_q(const int32_t *kv_lens /* [bs] */, int bs, int num_parts,
-                                               int nocut_div, int *nocut) {
+                                               int64_t ov, int nocut_div, int *nocut) {
   int64_t blocks = 0, longest = 0;
   for (int i = 0; i < bs; i++) {
     const int64_t b = mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK);
     blocks += b;
     if (b > longest) longest = b;
   }
-  const int64_t total = blocks + (int64_t)MLA_SCHED_FIXED_OVERHEAD * bs;
+  const int64_t total = blocks + ov * bs;
   const int64_t q_flash = mla_sb_cdiv(total, num_parts);
   const int64_t lo0 = mla_sb_cdiv(blocks, num_parts) < 1 ? 1 : mla_sb_cdiv(blocks, num_parts);
   int64_t lo = lo0, hi = q_flash;
   if (lo > hi) lo = hi;
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
-    if (mla_sb_walk(kv_lens, bs, num_parts, mid, 0, 0, 0, 0) == 0) hi = mid;
+    if (mla_sb_walk(kv_lens, bs, num_parts, ov, mid, 0, 0, 0, 0) == 0) hi = mid;
     else lo = mid + 1;
   }
   /* pieces at hi: needed to compare with FlashMLA's q, or for the cut-free test */
   int64_t pieces = 0;
-  if (hi < q_flash || nocut_div > 0) mla_sb_walk(kv_lens, bs, num_parts, hi, 0, 0, 0, &pieces);
+  if (hi < q_flash || nocut_div > 0) mla_sb_walk(kv_lens, bs, num_parts, ov, hi, 0, 0, 0, &pieces);
   if (hi < q_flash) {
     int64_t pieces_flash = 0;
-    mla_sb_walk(kv_lens, bs, num_parts, q_flash, 0, 0, 0, &pieces_flash);
+    mla_sb_walk(kv_lens, bs, num_parts, ov, q_flash, 0, 0, 0, &pieces_flash);
     if (pieces > pieces_flash) {
       hi = q_flash;
       pieces = pieces_flash;
@@ -145,12 +144,12 @@ static inline MLA_SB_HD int64_t mla_sb_sched_q(const int32_t *kv_lens /* [bs] */
   }
   *nocut = 0;
   const int64_t top = nocut_div > 0 ? hi + hi / nocut_div : hi;
-  if (nocut_div > 0 && pieces > bs && longest <= top && mla_sb_walk(kv_lens, bs, num_parts, top, 1, 0, 0, 0) == 0) {
+  if (nocut_div > 0 && pieces > bs && longest <= top && mla_sb_walk(kv_lens, bs, num_parts, ov, top, 1, 0, 0, 0) == 0) {
     /* A cut-free walk's fit is monotone in q: bisect in [max(lo0, longest), top]. */
     int64_t a = lo0 > longest ? lo0 : longest, b = top;
     while (a < b) {
       const int64_t mid = a + (b - a) / 2;
-      if (mla_sb_walk(kv_lens, bs, num_parts, mid, 1, 0, 0, 0) == 0) b = mid;
+      if (mla_sb_walk(kv_lens, bs, num_parts, ov, mid, 1, 0, 0, 0) == 0) b = mid;
       else a = mid + 1;
     }
     *nocut = 1;
@@ -167,12 +166,12 @@ static inline MLA_SB_HD int mla_sb_nocut_div(int mode) { return mode == MLA_MODE
 /* Returns 0, or -1 when the parts did not cover the batch (cannot happen for
  * valid inputs). */
 static inline MLA_SB_HD int mla_split_schedule_body(const int32_t *kv_lens /* [bs] */, int bs,
-                                                    int num_parts, int nocut_div,
+                                                    int num_parts, int64_t ov, int nocut_div,
                                                     int32_t *sched_meta /* [parts, 8] */,
                                                     int32_t *num_splits /* [bs+1] */) {
   int nocut = 0;
-  const int64_t q = mla_sb_sched_q(kv_lens, bs, num_parts, nocut_div, &nocut);
-  return mla_sb_walk(kv_lens, bs, num_parts, q, nocut, sched_meta, num_splits, 0);
+  const int64_t q = mla_sb_sched_q(kv_lens, bs, num_parts, ov, nocut_div, &nocut);
+  return mla_sb_walk(kv_lens, bs, num_parts, ov, q, nocut, sched_meta, num_splits, 0);
 }
 
 /* Fixed shape of a step, resolved from mla_step_desc and the cache.
@@ -197,6 +196,7 @@ typedef struct mla_step_geom {
   int32_t width;        /* block-table width = local pages of max_kv_len */
   int32_t num_parts;    /* split-schedule parts */
   int32_t nocut_div;    /* mla_sb_nocut_div(mode) */
+  int32_t sched_ov;     /* cost of a piece in blocks: MLA_SCHED_FIXED_OVERHEAD */
   int32_t max_splits;   /* batch_size + num_parts: a part cuts at most one request */
   int32_t max_reqs;
   int64_t stride;       /* req_to_token row stride */
