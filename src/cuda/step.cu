@@ -272,6 +272,7 @@ __global__ void __launch_bounds__(kSchedThreads)
         lo = mid + 1;
       }
     }
+    const int64_t q_fit = hi;  // the cut-free q is >= it (a walk that never cuts fills no part further)
     if (hi < q_flash) {  // (hi was a trial that fit)
       runs_at(C, bs, total, OV, q_flash, nb, steps);
       const ChainCount c = chain_count(bs, nb, steps, nx2, ct2, &trial_count);
@@ -288,7 +289,7 @@ __global__ void __launch_bounds__(kSchedThreads)
     if (g.nocut_div > 0 && pieces_hi > bs && longest <= top) {
       runs_nocut(C, bs, OV, top, nb, steps);
       if (chain_count(bs, nb, steps, nx2, ct2, &trial_count).parts <= parts) {
-        int64_t a = lo0 > longest ? lo0 : longest, b = top;
+        int64_t a = q_fit > longest ? q_fit : longest, b = top;
         while (a < b) {  // block-uniform
           const int64_t mid = a + (b - a) / 2;
           runs_nocut(C, bs, OV, mid, nb, steps);

@@ -131,6 +131,9 @@ static inline MLA_SB_HD int64_t mla_sb_sched_q(const int32_t *kv_lens /* [bs] */
     if (mla_sb_walk(kv_lens, bs, num_parts, ov, mid, 0, 0, 0, 0) == 0) hi = mid;
     else lo = mid + 1;
   }
+  /* A walk that never cuts fits at q only if the cutting walk does (that one
+   * fills every part at least as far), so the cut-free q is >= this one. */
+  const int64_t q_fit = hi;
   /* pieces at hi: needed to compare with FlashMLA's q, or for the cut-free test */
   int64_t pieces = 0;
   if (hi < q_flash || nocut_div > 0) mla_sb_walk(kv_lens, bs, num_parts, ov, hi, 0, 0, 0, &pieces);
@@ -145,8 +148,8 @@ static inline MLA_SB_HD int64_t mla_sb_sched_q(const int32_t *kv_lens /* [bs] */
   *nocut = 0;
   const int64_t top = nocut_div > 0 ? hi + hi / nocut_div : hi;
   if (nocut_div > 0 && pieces > bs && longest <= top && mla_sb_walk(kv_lens, bs, num_parts, ov, top, 1, 0, 0, 0) == 0) {
-    /* A cut-free walk's fit is monotone in q: bisect in [max(lo0, longest), top]. */
-    int64_t a = lo0 > longest ? lo0 : longest, b = top;
+    /* A cut-free walk's fit is monotone in q: bisect in [max(q_fit, longest), top]. */
+    int64_t a = q_fit > longest ? q_fit : longest, b = top;
     while (a < b) {
       const int64_t mid = a + (b - a) / 2;
       if (mla_sb_walk(kv_lens, bs, num_parts, ov, mid, 1, 0, 0, 0) == 0) b = mid;
