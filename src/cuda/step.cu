@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(kSchedThreads)
                          int32_t *__restrict__ sched_meta, int32_t *__restrict__ num_splits, int *bad) {
   extern __shared__ int64_t C[];                 // [bs + 1]
   const int bs = g.batch_size, nt = blockDim.x, t = threadIdx.x, parts = g.num_parts;
-  const int64_t OV = g.sched_ov;  // a piece's cost in blocks
+  const int64_t OV = g.sched_ov, U = g.sched_unit;  // a piece's cost in blocks; a block's tokens
   int32_t *nb = (int32_t *)(C + bs + 1);         // [bs]
   int32_t *steps = nb + bs;                      // [bs]
   int32_t *chain_b = steps + bs;                 // [chain_cap]: boundary requests of the runs
@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(kSchedThreads)
   __syncthreads();
   int64_t local = 0, longest_local = 0;
   for (int i = i0; i < i1; i++) {
-    const int64_t b = mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK);
+    const int64_t b = mla_sb_cdiv(kv_lens[i], U);
     local += b + OV;
     longest_local = b > longest_local ? b : longest_local;
   }
@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(kSchedThreads)
   int64_t run = block_exclusive_scan<int64_t>(local, sums64, &total);
   for (int i = i0; i < i1; i++) {
     C[i] = run;
-    run += mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK) + OV;
+    run += mla_sb_cdiv(kv_lens[i], U) + OV;
   }
   if (t == 0) C[bs] = total;
   __syncthreads();
@@ -349,7 +349,7 @@ __global__ void __launch_bounds__(kSchedThreads)
       } else {
         const int64_t y = base + j * Q;
         br = locate(C, bs, y);
-        bt = (int)(y - C[br] - OV) * MLA_SCHED_BLOCK;
+        bt = (int)((y - C[br] - OV) * U);
         split = (int)(j - (floor_div(C[br] - C[b], Q) + 1)) + 1;
       }
       int er, et;
@@ -359,7 +359,7 @@ __global__ void __launch_bounds__(kSchedThreads)
       } else {
         const int64_t y = base + (j + 1) * Q;
         er = locate(C, bs, y);
-        et = (int)(y - C[er] - OV) * MLA_SCHED_BLOCK;
+        et = (int)((y - C[er] - OV) * U);
       }
       m[MLA_SCHED_BEGIN_REQ] = br;
       m[MLA_SCHED_BEGIN_TOK] = bt;

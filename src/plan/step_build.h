@@ -27,7 +27,7 @@ static inline MLA_SB_HD int64_t mla_sb_cdiv(int64_t a, int64_t b) { return (a + 
  * num_splits [bs+1] only when both are non-NULL (NULL: a trial walk that only
  * answers whether q fits). */
 static inline MLA_SB_HD int mla_sb_walk(const int32_t *kv_lens /* [bs] */, int bs, int num_parts, int64_t ov,
-                                        int64_t q, int nocut, int32_t *sched_meta /* [parts, 8] or NULL */,
+                                        int64_t unit, int64_t q, int nocut, int32_t *sched_meta /* [parts, 8] or NULL */,
                                         int32_t *num_splits /* [bs+1] or NULL */, int64_t *pieces /* or NULL */) {
   const int64_t payload = q + ov;
   const int out = sched_meta != 0 && num_splits != 0;
@@ -45,12 +45,12 @@ static inline MLA_SB_HD int mla_sb_walk(const int32_t *kv_lens /* [bs] */, int b
       m[MLA_SCHED_END_REQ] = bs;
     } else {
       m[MLA_SCHED_BEGIN_REQ] = req;
-      m[MLA_SCHED_BEGIN_TOK] = (int32_t)(blk * MLA_SCHED_BLOCK);
+      m[MLA_SCHED_BEGIN_TOK] = (int32_t)(blk * unit);
       m[MLA_SCHED_BEGIN_SPLIT] = piece;
       int64_t remain = payload;
       int took = 0; /* requests finished in this part (nocut) */
       while (req < bs) {
-        int64_t rest = mla_sb_cdiv(kv_lens[req], MLA_SCHED_BLOCK) - blk;
+        int64_t rest = mla_sb_cdiv(kv_lens[req], unit) - blk;
         if (remain >= rest + ov) {
           /* The rest of this request fits: it is finished here. */
           cum += piece + 1;
@@ -76,7 +76,7 @@ static inline MLA_SB_HD int mla_sb_walk(const int32_t *kv_lens /* [bs] */, int b
       int32_t end_req, end_tok;
       if (blk > 0) { /* ended inside `req` */
         end_req = req;
-        int64_t t = blk * MLA_SCHED_BLOCK;
+        int64_t t = blk * unit;
         end_tok = (int32_t)(t < kv_lens[req] ? t : kv_lens[req]);
       } else { /* ended at a request boundary */
         end_req = req - 1;
@@ -114,10 +114,10 @@ static inline MLA_SB_HD int mla_sb_walk(const int32_t *kv_lens /* [bs] */, int b
  * H = 16 (bench/RESULTS.md session 37). The device scheduler (src/cuda/
  * step.cu) makes the same choice from the same trial answers. Returns q. */
 static inline MLA_SB_HD int64_t mla_sb_sched_q(const int32_t *kv_lens /* [bs] */, int bs, int num_parts,
-                                               int64_t ov, int nocut_div, int *nocut) {
+                                               int64_t ov, int64_t unit, int nocut_div, int *nocut) {
   int64_t blocks = 0, longest = 0;
   for (int i = 0; i < bs; i++) {
-    const int64_t b = mla_sb_cdiv(kv_lens[i], MLA_SCHED_BLOCK);
+    const int64_t b = mla_sb_cdiv(kv_lens[i], unit);
     blocks += b;
     if (b > longest) longest = b;
   }
@@ -128,7 +128,7 @@ static inline MLA_SB_HD int64_t mla_sb_sched_q(const int32_t *kv_lens /* [bs] */
   if (lo > hi) lo = hi;
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
-    if (mla_sb_walk(kv_lens, bs, num_parts, ov, mid, 0, 0, 0, 0) == 0) hi = mid;
+    if (mla_sb_walk(kv_lens, bs, num_parts, ov, unit, mid, 0, 0, 0, 0) == 0) hi = mid;
     else lo = mid + 1;
   }
   /* A walk that never cuts fits at q only if the cutting walk does (that one
@@ -136,10 +136,10 @@ static inline MLA_SB_HD int64_t mla_sb_sched_q(const int32_t *kv_lens /* [bs] */
   const int64_t q_fit = hi;
   /* pieces at hi: needed to compare with FlashMLA's q, or for the cut-free test */
   int64_t pieces = 0;
-  if (hi < q_flash || nocut_div > 0) mla_sb_walk(kv_lens, bs, num_parts, ov, hi, 0, 0, 0, &pieces);
+  if (hi < q_flash || nocut_div > 0) mla_sb_walk(kv_lens, bs, num_parts, ov, unit, hi, 0, 0, 0, &pieces);
   if (hi < q_flash) {
     int64_t pieces_flash = 0;
-    mla_sb_walk(kv_lens, bs, num_parts, ov, q_flash, 0, 0, 0, &pieces_flash);
+    mla_sb_walk(kv_lens, bs, num_parts, ov, unit, q_flash, 0, 0, 0, &pieces_flash);
     if (pieces > pieces_flash) {
       hi = q_flash;
       pieces = pieces_flash;
@@ -147,12 +147,12 @@ static inline MLA_SB_HD int64_t mla_sb_sched_q(const int32_t *kv_lens /* [bs] */
   }
   *nocut = 0;
   const int64_t top = nocut_div > 0 ? hi + hi / nocut_div : hi;
-  if (nocut_div > 0 && pieces > bs && longest <= top && mla_sb_walk(kv_lens, bs, num_parts, ov, top, 1, 0, 0, 0) == 0) {
+  if (nocut_div > 0 && pieces > bs && longest <= top && mla_sb_walk(kv_lens, bs, num_parts, ov, unit, top, 1, 0, 0, 0) == 0) {
     /* A cut-free walk's fit is monotone in q: bisect in [max(q_fit, longest), top]. */
     int64_t a = q_fit > longest ? q_fit : longest, b = top;
     while (a < b) {
       const int64_t mid = a + (b - a) / 2;
-      if (mla_sb_walk(kv_lens, bs, num_parts, ov, mid, 1, 0, 0, 0) == 0) b = mid;
+      if (mla_sb_walk(kv_lens, bs, num_parts, ov, unit, mid, 1, 0, 0, 0) == 0) b = mid;
       else a = mid + 1;
     }
     *nocut = 1;
@@ -169,12 +169,12 @@ static inline MLA_SB_HD int mla_sb_nocut_div(int mode) { return mode == MLA_MODE
 /* Returns 0, or -1 when the parts did not cover the batch (cannot happen for
  * valid inputs). */
 static inline MLA_SB_HD int mla_split_schedule_body(const int32_t *kv_lens /* [bs] */, int bs,
-                                                    int num_parts, int64_t ov, int nocut_div,
+                                                    int num_parts, int64_t ov, int64_t unit, int nocut_div,
                                                     int32_t *sched_meta /* [parts, 8] */,
                                                     int32_t *num_splits /* [bs+1] */) {
   int nocut = 0;
-  const int64_t q = mla_sb_sched_q(kv_lens, bs, num_parts, ov, nocut_div, &nocut);
-  return mla_sb_walk(kv_lens, bs, num_parts, ov, q, nocut, sched_meta, num_splits, 0);
+  const int64_t q = mla_sb_sched_q(kv_lens, bs, num_parts, ov, unit, nocut_div, &nocut);
+  return mla_sb_walk(kv_lens, bs, num_parts, ov, unit, q, nocut, sched_meta, num_splits, 0);
 }
 
 /* Fixed shape of a step, resolved from mla_step_desc and the cache.
@@ -200,6 +200,7 @@ typedef struct mla_step_geom {
   int32_t num_parts;    /* split-schedule parts */
   int32_t nocut_div;    /* mla_sb_nocut_div(mode) */
   int32_t sched_ov;     /* cost of a piece in blocks: MLA_SCHED_FIXED_OVERHEAD */
+  int32_t sched_unit;   /* the schedule's block in tokens: MLA_SCHED_BLOCK */
   int32_t max_splits;   /* batch_size + num_parts: a part cuts at most one request */
   int32_t max_reqs;
   int64_t stride;       /* req_to_token row stride */
