@@ -68,20 +68,21 @@ def walk(lens, parts, q, ov, nocut, unit=64):
     return out if req >= len(lens) else None
 
 
+def smallest(lo, hi, fits):
+    """The smallest q in [lo, hi] with fits(q), fits being monotone and true at hi."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    return hi
+
+
 def sched(lens, parts, ov=5, unit=64, div=16):
     """The library's q (mla_sb_sched_q) and its pieces."""
     units = [cdiv(n, unit) for n in lens]
     blocks, longest = sum(units), max(units)
     q_flash = cdiv(blocks + ov * len(lens), parts)
-    lo = min(max(1, cdiv(blocks, parts)), q_flash)
-    hi = q_flash
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if walk(lens, parts, mid, ov, False, unit):
-            hi = mid
-        else:
-            lo = mid + 1
-    q_fit = hi
+    hi = q_fit = smallest(min(max(1, cdiv(blocks, parts)), q_flash), q_flash,
+                          lambda q: walk(lens, parts, q, ov, False, unit))
 
     def pieces(q):
         return sum(len(s) for s in walk(lens, parts, q, ov, False, unit))
@@ -91,14 +92,8 @@ def sched(lens, parts, ov=5, unit=64, div=16):
         hi, n = q_flash, pieces(q_flash)
     top = hi + hi // div
     if n > len(lens) and longest <= top and walk(lens, parts, top, ov, True, unit):
-        a, b = max(q_fit, longest), top
-        while a < b:
-            mid = (a + b) // 2
-            if walk(lens, parts, mid, ov, True, unit):
-                b = mid
-            else:
-                a = mid + 1
-        return b, walk(lens, parts, b, ov, True, unit)
+        q = smallest(max(q_fit, longest), top, lambda q: walk(lens, parts, q, ov, True, unit))
+        return q, walk(lens, parts, q, ov, True, unit)
     return hi, walk(lens, parts, hi, ov, False, unit)
 
 
@@ -123,7 +118,6 @@ RUN1 = {
 
 def lstsq3(rows, ys):
     """Least squares for y = a x0 + k x1 + c (normal equations, 3 x 3)."""
-    import itertools
     A = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
     v = [sum(r[i] * y for r, y in zip(rows, ys)) for i in range(3)]
     n = 3
@@ -135,7 +129,6 @@ def lstsq3(rows, ys):
                 f = A[r][i] / A[i][i]
                 A[r] = [x - f * y for x, y in zip(A[r], A[i])]
                 v[r] -= f * v[i]
-    del itertools
     return [v[i] / A[i][i] for i in range(n)]
 
 
