@@ -113,7 +113,8 @@ static int sched_ok(const int32_t *kv, int bs, int parts, int div, const int32_t
     for (int64_t q = 1; q <= top; q++)
       if (whole_fits(kv, bs, parts, q)) {
         for (int64_t r = q; r <= top; r++)
-          if (!whole_fits(kv, bs, parts, r)) BAD("whole requests fit at q %lld but not at %lld", (long long)q, (long long)r);
+          if (!whole_fits(kv, bs, parts, r))
+            BAD("whole requests fit at q %lld but not at %lld", (long long)q, (long long)r);
         q_use = q;
         nocut = 1;
         break;

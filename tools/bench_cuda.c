@@ -103,6 +103,8 @@ typedef struct bc_world {
   mla_kv_cache *cache;
   int32_t *r2t;  /* device [b, s_k] */
   int pages;
+  int32_t *lens; /* [b] each request's kv length (bc_lens) */
+  int max_len;   /* the longest: req_to_token's row stride */
   mla_dtype act; /* the activations' dtype: f16 for an f16 cache (what the CUDA kernels take), else bf16 */
 } bc_world;
 
@@ -124,20 +126,16 @@ static int bc_lens(const bc_opts *o, int sk, int32_t *lens /* [o->b] */) {
   return longest;
 }
 
-/* The longest request of the (sk, spread) batch: the cache and req_to_token
- * hold o->b requests of this many tokens. */
-static int bc_max_len(const bc_opts *o, int sk) {
-  int32_t *lens = malloc(sizeof(int32_t) * (size_t)o->b);
-  const int m = lens ? bc_lens(o, sk, lens) : sk + (int)((int64_t)sk * o->spread / 100);
-  free(lens);
-  return m;
-}
-
 static int world_make(mla_ctx *ctx, const bc_opts *o, int sk_mean, mla_dtype dt, uint64_t *seed, bc_world *w,
                       char *why, size_t why_n) {
   memset(w, 0, sizeof *w);
   w->act = dt == MLA_DTYPE_F16 ? MLA_DTYPE_F16 : MLA_DTYPE_BF16;
-  const int sk = bc_max_len(o, sk_mean); /* req_to_token's row stride */
+  w->lens = malloc(sizeof(int32_t) * (size_t)o->b);
+  if (!w->lens) {
+    snprintf(why, why_n, "out of host memory");
+    return 1;
+  }
+  const int sk = w->max_len = bc_lens(o, sk_mean, w->lens); /* the cache holds o->b requests this long */
   const int P = o->P, per = (sk + P - 1) / P;
   w->pages = o->b * per + 1;
   mla_kv_cache_desc cd = {1, w->pages, P, dt, NULL};
@@ -186,6 +184,7 @@ static int world_make(mla_ctx *ctx, const bc_opts *o, int sk_mean, mla_dtype dt,
 }
 
 static void world_free(bc_world *w) {
+  free(w->lens);
   mla_kv_cache_destroy(w->cache);
   cudaFree(w->r2t);
 }
@@ -195,16 +194,12 @@ typedef struct bc_result {
   char note[200];
 } bc_result;
 
-static int run_case(mla_ctx *ctx, const bc_opts *o, const bc_world *w, int sk_mean, int H, int sq, unsigned flags,
+static int run_case(mla_ctx *ctx, const bc_opts *o, const bc_world *w, int H, int sq, unsigned flags,
                     void *flush, size_t flush_bytes, uint64_t *seed, bc_result *res) {
   memset(res, 0, sizeof *res);
   const int b = o->b, Tq = b * sq;
-  int32_t *lens = malloc(sizeof(int32_t) * (size_t)b);
-  if (!lens) {
-    snprintf(res->note, sizeof res->note, "out of host memory");
-    return 0;
-  }
-  const int sk = bc_lens(o, sk_mean, lens); /* the longest; req_to_token's row stride */
+  const int32_t *lens = w->lens; /* the world's batch */
+  const int sk = w->max_len;
   double kv_sum = 0;
   for (int i = 0; i < b; i++) kv_sum += lens[i];
   mla_step_desc d;
@@ -219,7 +214,6 @@ static int run_case(mla_ctx *ctx, const bc_opts *o, const bc_world *w, int sk_me
   mla_status st = mla_step_workspace_size(ctx, &d, &wsb);
   if (st != MLA_OK) {
     snprintf(res->note, sizeof res->note, "%s", mla_ctx_last_error(ctx));
-    free(lens);
     return 0;
   }
   int32_t *ids_h = malloc(sizeof(int32_t) * b), *seq_h = malloc(sizeof(int32_t) * b);
@@ -355,7 +349,6 @@ static int run_case(mla_ctx *ctx, const bc_opts *o, const bc_world *w, int sk_me
   free(t);
   free(tp);
   free(th);
-  free(lens);
   return 0;
 }
 
@@ -817,7 +810,7 @@ int bench_cuda_main(int argc, char **argv) {
           for (int qi = 0; qi < o.nsq; qi++) {
             if (math && o.sq[qi] * o.H[hi] <= 32) continue; /* mla.h, MLA_FLAG_FP8_MATH: a no-op there */
             bc_result r;
-            if (run_case(ctx, &o, &w, o.sk[si], o.H[hi], o.sq[qi], math ? MLA_FLAG_FP8_MATH : 0u, flush,
+            if (run_case(ctx, &o, &w, o.H[hi], o.sq[qi], math ? MLA_FLAG_FP8_MATH : 0u, flush,
                          flush_bytes, &seed, &r) != 0)
               rc = 1;
             if (o.csv)

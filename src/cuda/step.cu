@@ -159,11 +159,14 @@ __device__ void runs_nocut(const int64_t *C, int bs, int64_t OV, int64_t Q, int3
 // pointer jumping over step 1's nb / steps: after round k, nx[i] is the run
 // 2^k hops after i and ct[i] the parts and hops on the way, packed as parts
 // << 14 | hops. On the chain from 0 the parts stay < 2^17 (at most num_parts
-// + 6 bs for any Q >= ceil(blocks / parts), num_parts < 2^16) and the hops
-// <= bs < 2^14; off it the sums may wrap (unsigned, never read). Overwrites
-// nb / steps and the spare pair nx2 / ct2 ([bs] each). All threads.
-static_assert(6 * MLA_CUDA_STEP_MAX_BS + (1 << 16) < (1 << 17) && MLA_CUDA_STEP_MAX_BS < (1 << 14),
-              "chain_count's packing: parts < 2^17, runs < 2^14");
+// + (OV + 1) bs for any Q >= ceil(blocks / parts), num_parts < 2^16: the
+// launcher checks it for the step's piece cost) and the hops <= bs < 2^14;
+// off it the sums may wrap (unsigned, never read). Overwrites nb / steps and
+// the spare pair nx2 / ct2 ([bs] each). All threads.
+constexpr int64_t kChainPartsBound = 1 << 17;
+static_assert((MLA_SCHED_FIXED_OVERHEAD + 1) * MLA_CUDA_STEP_MAX_BS + (1 << 16) < kChainPartsBound &&
+                  MLA_CUDA_STEP_MAX_BS < (1 << 14),
+              "chain_count's packing at the library's piece cost: parts < 2^17, runs < 2^14");
 struct ChainCount {
   int64_t parts, runs;
 };
@@ -433,6 +436,8 @@ extern "C" int mla_cuda_step_build(const mla_step_geom *g, const int32_t *req_to
   cudaStream_t stream = (cudaStream_t)stream_;
   if (g->batch_size < 1 || g->batch_size > MLA_CUDA_STEP_MAX_BS) return (int)cudaErrorInvalidValue;
   if (g->num_parts < 1 || g->num_parts >= 1 << 16) return (int)cudaErrorInvalidValue;  // chain_count packs counts
+  if (g->sched_ov < 0 || (int64_t)(g->sched_ov + 1) * g->batch_size + g->num_parts >= kChainPartsBound)
+    return (int)cudaErrorInvalidValue;  // (a piece cost other than the library's: the dev override)
   if (g->varlen && !extend_lens) return (int)cudaErrorInvalidValue;
   step_rows_kernel<<<g->batch_size, kRowThreads, 0, stream>>>(*g, req_to_token, req_ids, seq_lens, extend_lens,
                                                              qo_indptr, kv_lens, block_table, bad);

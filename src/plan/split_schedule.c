@@ -20,6 +20,6 @@ int mla_sched_num_parts(int num_sm, int max_q_len, int num_heads) {
 
 int mla_split_schedule(const int32_t *kv_lens, int bs, int num_parts, int nocut_div, int32_t *sched_meta,
                        int32_t *num_splits) {
-  return mla_split_schedule_body(kv_lens, bs, num_parts, MLA_SCHED_FIXED_OVERHEAD, MLA_SCHED_BLOCK, nocut_div, sched_meta,
-                                 num_splits);
+  return mla_split_schedule_body(kv_lens, bs, num_parts, MLA_SCHED_FIXED_OVERHEAD, MLA_SCHED_BLOCK, nocut_div,
+                                 sched_meta, num_splits);
 }

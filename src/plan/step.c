@@ -132,7 +132,7 @@ static mla_status step_geom(mla_ctx *ctx, const char *fn, const mla_step_desc *d
   g->nocut_div = mla_sb_nocut_div(d->mode);
   g->sched_ov = MLA_SCHED_FIXED_OVERHEAD;
   g->sched_unit = MLA_SCHED_BLOCK;
-#ifdef MLA_DEV_SCHED_OV /* (dev timing only: another piece cost / block for the step's schedule; the host plan keeps 5 / 64) */
+#ifdef MLA_DEV_SCHED_OV /* (dev timing only: another piece cost / block for the step's schedule, not the plan's) */
   const char *ov_env = getenv("MLA_DEV_SCHED_OV"), *unit_env = getenv("MLA_DEV_SCHED_UNIT");
   if (ov_env && atoi(ov_env) >= 1 && atoi(ov_env) <= 64) g->sched_ov = atoi(ov_env);
   if (unit_env && (atoi(unit_env) == 64 || atoi(unit_env) == 128)) g->sched_unit = atoi(unit_env);
@@ -265,7 +265,8 @@ static mla_status prepare_cpu(mla_ctx *ctx, const mla_step_geom *g, const mla_st
     L->qo_indptr[i + 1] = g->varlen ? L->qo_indptr[i] + in->extend_lens[i] : (i + 1) * g->q_len;
     L->kv_indptr[i + 1] = L->kv_indptr[i] + kv;
   }
-  if (mla_split_schedule_body(L->kv_lens, bs, g->num_parts, g->sched_ov, g->sched_unit, g->nocut_div, L->sched_meta, L->num_splits) != 0)
+  if (mla_split_schedule_body(L->kv_lens, bs, g->num_parts, g->sched_ov, g->sched_unit, g->nocut_div, L->sched_meta,
+                              L->num_splits) != 0)
     return mla_fail(&ctx->err, MLA_ERR_INTERNAL, "mla_step_prepare", "split schedule did not cover the batch");
   return MLA_OK;
 }

@@ -27,7 +27,8 @@ static inline MLA_SB_HD int64_t mla_sb_cdiv(int64_t a, int64_t b) { return (a + 
  * num_splits [bs+1] only when both are non-NULL (NULL: a trial walk that only
  * answers whether q fits). */
 static inline MLA_SB_HD int mla_sb_walk(const int32_t *kv_lens /* [bs] */, int bs, int num_parts, int64_t ov,
-                                        int64_t unit, int64_t q, int nocut, int32_t *sched_meta /* [parts, 8] or NULL */,
+                                        int64_t unit, int64_t q, int nocut,
+                                        int32_t *sched_meta /* [parts, 8] or NULL */,
                                         int32_t *num_splits /* [bs+1] or NULL */, int64_t *pieces /* or NULL */) {
   const int64_t payload = q + ov;
   const int out = sched_meta != 0 && num_splits != 0;
@@ -147,7 +148,8 @@ static inline MLA_SB_HD int64_t mla_sb_sched_q(const int32_t *kv_lens /* [bs] */
   }
   *nocut = 0;
   const int64_t top = nocut_div > 0 ? hi + hi / nocut_div : hi;
-  if (nocut_div > 0 && pieces > bs && longest <= top && mla_sb_walk(kv_lens, bs, num_parts, ov, unit, top, 1, 0, 0, 0) == 0) {
+  if (nocut_div > 0 && pieces > bs && longest <= top &&
+      mla_sb_walk(kv_lens, bs, num_parts, ov, unit, top, 1, 0, 0, 0) == 0) {
     /* A cut-free walk's fit is monotone in q: bisect in [max(q_fit, longest), top]. */
     int64_t a = q_fit > longest ? q_fit : longest, b = top;
     while (a < b) {
