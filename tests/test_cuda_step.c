@@ -25,8 +25,7 @@ int main(void) {
 }
 #else
 #include "cuda_util.h"
-#include "plan/plan.h" /* white box: the host schedule (mla_split_schedule) */
-#include "plan/step_build.h" /* mla_split_schedule_body (another piece cost / block) */
+#include "plan/step_build.h" /* white box: the host schedule (mla_split_schedule_body) */
 #include "test_step_world.h"
 
 static tu_rng rng;
@@ -309,7 +308,7 @@ static void draft_steps(int P, int H, int num_steps) {
 }
 
 /* The device schedule (a parallel rebuild of the host's greedy walk) equals
- * mla_split_schedule on many random length mixes: short, long, zero-length,
+ * the host walk (mla_split_schedule_body) on many random length mixes: short, long, zero-length,
  * uniform, batch sizes 1..600, part counts 1..132 (q below FlashMLA's, or
  * kept at it for the pieces: src/plan/step_build.h). Synthetic req_to_token
  * (pages cycle through a small cache): only the lengths matter here. */
