@@ -25,6 +25,7 @@ int main(void) {
 }
 #else
 #include "cuda_util.h"
+#include "plan/plan.h"       /* white box: mla_step_sched_rule */
 #include "plan/step_build.h" /* white box: the host schedule (mla_split_schedule_body) */
 #include "test_step_world.h"
 
@@ -370,13 +371,8 @@ static void schedule_equality(int cases) {
     }
     CK(cudaMemcpy(gm, m.sched_meta, sizeof(int32_t) * m.num_sm_parts * MLA_SCHED_META_INTS, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(gn, m.num_splits, sizeof(int32_t) * (bs + 1), cudaMemcpyDeviceToHost));
-    int sched_ov = MLA_SCHED_FIXED_OVERHEAD, sched_unit = MLA_SCHED_BLOCK;
-#ifdef MLA_DEV_SCHED_OV /* a dev build's override reaches the device scheduler through the step (src/plan/step.c) */
-    const int env_ov = getenv("MLA_DEV_SCHED_OV") ? atoi(getenv("MLA_DEV_SCHED_OV")) : 0;
-    const int env_unit = getenv("MLA_DEV_SCHED_UNIT") ? atoi(getenv("MLA_DEV_SCHED_UNIT")) : 0;
-    if (env_ov >= 1 && env_ov <= 64) sched_ov = env_ov;
-    if (env_unit == 64 || env_unit == 128) sched_unit = env_unit;
-#endif
+    int32_t sched_ov, sched_unit; /* the step's rule (a dev build's override included) */
+    mla_step_sched_rule(&sched_ov, &sched_unit);
     mla_split_schedule_body(seq, bs, m.num_sm_parts, sched_ov, sched_unit, MLA_SCHED_NOCUT_DIV, hm, hn);
     n_whole += hn[bs] == bs && bs > m.num_sm_parts; /* the cut-free walk on the device */
     if (memcmp(gm, hm, sizeof(int32_t) * m.num_sm_parts * MLA_SCHED_META_INTS) != 0 ||

@@ -159,8 +159,9 @@ __device__ void runs_nocut(const int64_t *C, int bs, int64_t OV, int64_t Q, int3
 // pointer jumping over step 1's nb / steps: after round k, nx[i] is the run
 // 2^k hops after i and ct[i] the parts and hops on the way, packed as parts
 // << 14 | hops. On the chain from 0 the parts stay < 2^17 (at most num_parts
-// + (OV + 1) bs for any Q >= ceil(blocks / parts), num_parts < 2^16: the
-// launcher checks it for the step's piece cost) and the hops <= bs < 2^14;
+// + (OV + 1) bs for any Q >= ceil(blocks / parts): the launcher refuses a
+// step past it; the library's piece cost leaves room for 2^16 parts at the
+// largest batch, asserted below) and the hops <= bs < 2^14;
 // off it the sums may wrap (unsigned, never read). Overwrites nb / steps and
 // the spare pair nx2 / ct2 ([bs] each). All threads.
 constexpr int64_t kChainPartsBound = 1 << 17;
@@ -435,9 +436,10 @@ extern "C" int mla_cuda_step_build(const mla_step_geom *g, const int32_t *req_to
                                    void *stream_) {
   cudaStream_t stream = (cudaStream_t)stream_;
   if (g->batch_size < 1 || g->batch_size > MLA_CUDA_STEP_MAX_BS) return (int)cudaErrorInvalidValue;
-  if (g->num_parts < 1 || g->num_parts >= 1 << 16) return (int)cudaErrorInvalidValue;  // chain_count packs counts
-  if (g->sched_ov < 0 || (int64_t)(g->sched_ov + 1) * g->batch_size + g->num_parts >= kChainPartsBound)
-    return (int)cudaErrorInvalidValue;  // (a piece cost other than the library's: the dev override)
+  // chain_count packs the chain's parts, at most num_parts + (OV + 1) bs
+  if (g->num_parts < 1 || g->sched_ov < 0 ||
+      (int64_t)(g->sched_ov + 1) * g->batch_size + g->num_parts >= kChainPartsBound)
+    return (int)cudaErrorInvalidValue;
   if (g->varlen && !extend_lens) return (int)cudaErrorInvalidValue;
   step_rows_kernel<<<g->batch_size, kRowThreads, 0, stream>>>(*g, req_to_token, req_ids, seq_lens, extend_lens,
                                                              qo_indptr, kv_lens, block_table, bad);

@@ -21,6 +21,13 @@
  * max_q_len < 1 counts as 1. */
 int mla_sched_num_parts(int num_sm, int max_q_len, int num_heads);
 
+/* The piece cost (blocks) and block (tokens) a step's schedule uses:
+ * MLA_SCHED_FIXED_OVERHEAD and MLA_SCHED_BLOCK, or in a build with
+ * -DMLA_DEV_SCHED_OV (dev timing only) the environment's MLA_DEV_SCHED_OV
+ * (1..64) and MLA_DEV_SCHED_UNIT (64 or 128). The host plan keeps the
+ * library's values. src/plan/step.c. */
+void mla_step_sched_rule(int32_t *piece_cost, int32_t *unit);
+
 /* Split-KV schedule over kv_lens [bs] into num_parts parts (FlashMLA's rule):
  * 64-token blocks, MLA_SCHED_FIXED_OVERHEAD blocks of cost per piece,
  * requests walked in order and filled greedily up to a payload of q + overhead

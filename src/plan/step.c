@@ -45,6 +45,16 @@ static int log2_of(int x) {
   return s;
 }
 
+void mla_step_sched_rule(int32_t *piece_cost, int32_t *unit) {
+  *piece_cost = MLA_SCHED_FIXED_OVERHEAD;
+  *unit = MLA_SCHED_BLOCK;
+#ifdef MLA_DEV_SCHED_OV /* (dev timing only: another piece cost / block for the step's schedule, not the plan's) */
+  const char *ov_env = getenv("MLA_DEV_SCHED_OV"), *unit_env = getenv("MLA_DEV_SCHED_UNIT");
+  if (ov_env && atoi(ov_env) >= 1 && atoi(ov_env) <= 64) *piece_cost = atoi(ov_env);
+  if (unit_env && (atoi(unit_env) == 64 || atoi(unit_env) == 128)) *unit = atoi(unit_env);
+#endif
+}
+
 /* Checks desc and resolves the step's fixed shape (num_pages left 0). */
 static mla_status step_geom(mla_ctx *ctx, const char *fn, const mla_step_desc *d, mla_step_geom *g) {
   mla_errbuf *eb = &ctx->err;
@@ -130,13 +140,7 @@ static mla_status step_geom(mla_ctx *ctx, const char *fn, const mla_step_desc *d
   if (num_sm == 0) num_sm = ctx->device == MLA_DEVICE_CUDA ? ctx->sm_count : mla_ctx_workers(ctx);
   g->num_parts = mla_sched_num_parts(num_sm < 1 ? 1 : num_sm, g->q_len, d->num_heads);
   g->nocut_div = mla_sb_nocut_div(d->mode);
-  g->sched_ov = MLA_SCHED_FIXED_OVERHEAD;
-  g->sched_unit = MLA_SCHED_BLOCK;
-#ifdef MLA_DEV_SCHED_OV /* (dev timing only: another piece cost / block for the step's schedule, not the plan's) */
-  const char *ov_env = getenv("MLA_DEV_SCHED_OV"), *unit_env = getenv("MLA_DEV_SCHED_UNIT");
-  if (ov_env && atoi(ov_env) >= 1 && atoi(ov_env) <= 64) g->sched_ov = atoi(ov_env);
-  if (unit_env && (atoi(unit_env) == 64 || atoi(unit_env) == 128)) g->sched_unit = atoi(unit_env);
-#endif
+  mla_step_sched_rule(&g->sched_ov, &g->sched_unit);
   g->max_splits = g->batch_size + g->num_parts;
   return MLA_OK;
 }
