@@ -199,9 +199,107 @@ __device__ ChainCount chain_count(int bs, int32_t *nb, int32_t *steps, int32_t *
   return ChainCount{(int64_t)(v >> 14), (int64_t)(v & 0x3FFFu)};
 }
 
-__global__ void __launch_bounds__(kSchedThreads)
+// Cost prefix sums C [bs + 1] of kv_lens (c_i = ceil(kv_i / U) + OV) with
+// C[bs] = the total; returns the total, *longest = the longest request in
+// blocks. i0 / i1: this thread's requests. All threads.
+__device__ int64_t cost_prefix(const int32_t *kv_lens, int bs, int64_t OV, int64_t U, int i0, int i1, int64_t *C,
+                               int64_t *sums64, unsigned long long *longest_s, int64_t *longest) {
+  if (threadIdx.x == 0) *longest_s = 0;
+  __syncthreads();
+  int64_t local = 0, longest_local = 0;
+  for (int i = i0; i < i1; i++) {
+    const int64_t b = mla_sb_cdiv(kv_lens[i], U);
+    local += b + OV;
+    longest_local = b > longest_local ? b : longest_local;
+  }
+  atomicMax(longest_s, (unsigned long long)longest_local);
+  int64_t total;
+  int64_t run = block_exclusive_scan<int64_t>(local, sums64, &total);
+  for (int i = i0; i < i1; i++) {
+    C[i] = run;
+    run += mla_sb_cdiv(kv_lens[i], U) + OV;
+  }
+  if (threadIdx.x == 0) C[bs] = total;
+  __syncthreads();
+  *longest = (int64_t)*longest_s;
+  return total;
+}
+
+// The lowest budget the schedule may try: ceil(blocks / parts) (>= 1), or
+// FlashMLA's ceil(total / parts) if lower. Candidate j of the probe grid is
+// q = q_low + j.
+__device__ int64_t sched_q_low(int64_t total, int64_t blocks, int parts) {
+  const int64_t q_flash = mla_sb_cdiv(total, parts);
+  const int64_t lo0 = mla_sb_cdiv(blocks, parts) < 1 ? 1 : mla_sb_cdiv(blocks, parts);
+  return lo0 < q_flash ? lo0 : q_flash;
+}
+
+// The shared arrays of one whole-block trial (runs_at / runs_nocut and
+// chain_count) after C [bs + 1]: nb, steps, nx2, ct2 [bs] each.
+struct TrialSmem {
+  int32_t *nb, *steps, *nx2, *ct2;
+  uint32_t *count;
+};
+
+// One whole-block trial at Q: the parts and runs of the walk (cut-free with
+// nocut) on the chain from request 0. All threads.
+__device__ ChainCount trial_at(const int64_t *C, int bs, int64_t total, int64_t OV, int64_t Q, bool nocut,
+                               const TrialSmem &m) {
+  if (nocut) runs_nocut(C, bs, OV, Q, m.nb, m.steps);
+  else runs_at(C, bs, total, OV, Q, m.nb, m.steps);
+  return chain_count(bs, m.nb, m.steps, m.nx2, m.ct2, m.count);
+}
+
+// A trial at q (cut-free with whole) as the schedule block needs it: the
+// probe grid's answer when it has one (answers [MLA_STEP_SCHED_PROBES, 3],
+// shared), else the block's own. Block-uniform.
+__device__ ChainCount trial_or_probe(const int32_t *answers, int64_t q_low, int64_t q, bool whole, const int64_t *C,
+                                     int bs, int64_t total, int64_t OV, const TrialSmem &m) {
+  const int64_t j = q - q_low;
+  if (j >= 0 && j < MLA_STEP_SCHED_PROBES && answers[3 * j + (whole ? 2 : 0)] >= 0)
+    return ChainCount{answers[3 * j + (whole ? 2 : 0)], whole ? 0 : answers[3 * j + 1]};
+  return trial_at(C, bs, total, OV, q, whole, m);
+}
+
+// The probe grid: block j tries budget q = q_low + j, the cutting walk if q
+// <= FlashMLA's q (parts and runs) and the cut-free one if q may be asked
+// for it (longest <= q <= q_flash + q_flash / nocut_div: parts), into
+// probe[j] = {cut parts, cut runs, cut-free parts}, -1 where not tried.
+// Every budget mla_sb_sched_q can ask about lies in [q_low, q_flash +
+// q_flash / nocut_div]; the schedule block tries the ones past the grid.
+__global__ void __launch_bounds__(kSchedThreads, 1)
+    step_probe_kernel(const mla_step_geom g, const int32_t *__restrict__ kv_lens, int32_t *__restrict__ probe) {
+  extern __shared__ int64_t C[];  // [bs + 1], then the trial arrays
+  const int bs = g.batch_size, nt = blockDim.x, t = threadIdx.x, parts = g.num_parts;
+  const int64_t OV = g.sched_ov, U = g.sched_unit;
+  int32_t *nb = (int32_t *)(C + bs + 1);
+  __shared__ int64_t sums64[32];
+  __shared__ unsigned long long longest_s;
+  __shared__ uint32_t trial_count;
+  const TrialSmem m = {nb, nb + bs, nb + 2 * bs, nb + 3 * bs, &trial_count};
+  const int per = (bs + nt - 1) / nt, i0 = t * per, i1 = min(bs, i0 + per);
+  int64_t longest;
+  const int64_t total = cost_prefix(kv_lens, bs, OV, U, i0, i1, C, sums64, &longest_s, &longest);
+  const int64_t q_flash = mla_sb_cdiv(total, parts), q = sched_q_low(total, total - OV * bs, parts) + blockIdx.x;
+  int32_t cut_parts = -1, cut_runs = -1, whole_parts = -1;
+  if (q <= q_flash) {  // block-uniform
+    const ChainCount c = trial_at(C, bs, total, OV, q, false, m);
+    cut_parts = (int32_t)c.parts;
+    cut_runs = (int32_t)c.runs;
+  }
+  if (g.nocut_div > 0 && longest <= q && q <= q_flash + q_flash / g.nocut_div)
+    whole_parts = (int32_t)trial_at(C, bs, total, OV, q, true, m).parts;
+  if (t == 0) {
+    probe[3 * blockIdx.x] = cut_parts;
+    probe[3 * blockIdx.x + 1] = cut_runs;
+    probe[3 * blockIdx.x + 2] = whole_parts;
+  }
+}
+
+__global__ void __launch_bounds__(kSchedThreads, 1)
     step_schedule_kernel(const mla_step_geom g, int32_t *__restrict__ qo_indptr, int32_t *__restrict__ kv_lens,
-                         int32_t *__restrict__ sched_meta, int32_t *__restrict__ num_splits, int *bad) {
+                         int32_t *__restrict__ sched_meta, int32_t *__restrict__ num_splits,
+                         const int32_t *__restrict__ probe, int n_probe, int *bad) {
   extern __shared__ int64_t C[];                 // [bs + 1]
   const int bs = g.batch_size, nt = blockDim.x, t = threadIdx.x, parts = g.num_parts;
   const int64_t OV = g.sched_ov, U = g.sched_unit;  // a piece's cost in blocks; a block's tokens
@@ -217,6 +315,8 @@ __global__ void __launch_bounds__(kSchedThreads)
   __shared__ unsigned long long longest_s;
   __shared__ int32_t sums32[32];
   __shared__ int chain_len;
+  __shared__ int32_t answers[3 * MLA_STEP_SCHED_PROBES];  // the probe grid's [n_probe, 3], then -1
+  const TrialSmem m = {nb, steps, nx2, ct2, &trial_count};
 
   const int per = (bs + nt - 1) / nt, i0 = t * per, i1 = min(bs, i0 + per);
   if (g.varlen) {
@@ -236,23 +336,11 @@ __global__ void __launch_bounds__(kSchedThreads)
     __syncthreads();  // kv_lens as the costs below read them
   }
   // cost prefix sums, and the longest request in blocks
-  if (t == 0) longest_s = 0;
+  int64_t longest;
+  const int64_t total = cost_prefix(kv_lens, bs, OV, U, i0, i1, C, sums64, &longest_s, &longest);
+  for (int j = t; j < 3 * MLA_STEP_SCHED_PROBES; j += nt) answers[j] = j < 3 * n_probe ? probe[j] : -1;
   __syncthreads();
-  int64_t local = 0, longest_local = 0;
-  for (int i = i0; i < i1; i++) {
-    const int64_t b = mla_sb_cdiv(kv_lens[i], U);
-    local += b + OV;
-    longest_local = b > longest_local ? b : longest_local;
-  }
-  atomicMax(&longest_s, (unsigned long long)longest_local);
-  int64_t total;
-  int64_t run = block_exclusive_scan<int64_t>(local, sums64, &total);
-  for (int i = i0; i < i1; i++) {
-    C[i] = run;
-    run += mla_sb_cdiv(kv_lens[i], U) + OV;
-  }
-  if (t == 0) C[bs] = total;
-  __syncthreads();
+  const int64_t q_low = sched_q_low(total, total - OV * bs, parts);
   // Q: bisection between ceil(blocks / parts) and FlashMLA's ceil(total /
   // parts) (>= 1: total >= OV * bs), then FlashMLA's if the smallest that
   // fits cuts more pieces (bs + parts - runs), then the cut-free q' <= Q +
@@ -262,13 +350,11 @@ __global__ void __launch_bounds__(kSchedThreads)
   {
     const int64_t q_flash = mla_sb_cdiv(total, parts), blocks = total - (int64_t)OV * bs;
     const int64_t lo0 = mla_sb_cdiv(blocks, parts) < 1 ? 1 : mla_sb_cdiv(blocks, parts);
-    const int64_t longest = (int64_t)longest_s;  // (synced by the scan's and C's barriers)
     int64_t lo = lo0, hi = q_flash, pieces_hi = 0;
     if (lo > hi) lo = hi;
     while (lo < hi) {  // block-uniform
       const int64_t mid = lo + (hi - lo) / 2;
-      runs_at(C, bs, total, OV, mid, nb, steps);
-      const ChainCount c = chain_count(bs, nb, steps, nx2, ct2, &trial_count);
+      const ChainCount c = trial_or_probe(answers, q_low, mid, false, C, bs, total, OV, m);
       if (c.parts <= parts) {
         hi = mid;
         pieces_hi = bs + c.parts - c.runs;
@@ -278,31 +364,26 @@ __global__ void __launch_bounds__(kSchedThreads)
     }
     const int64_t q_fit = hi;  // the cut-free q is >= it (a walk that never cuts fills no part further)
     if (hi < q_flash) {  // (hi was a trial that fit)
-      runs_at(C, bs, total, OV, q_flash, nb, steps);
-      const ChainCount c = chain_count(bs, nb, steps, nx2, ct2, &trial_count);
+      const ChainCount c = trial_or_probe(answers, q_low, q_flash, false, C, bs, total, OV, m);
       if (pieces_hi > bs + c.parts - c.runs) {
         hi = q_flash;
         pieces_hi = bs + c.parts - c.runs;
       }
     } else if (g.nocut_div > 0) {  // q_flash without a trial: count its pieces
-      runs_at(C, bs, total, OV, hi, nb, steps);
-      const ChainCount c = chain_count(bs, nb, steps, nx2, ct2, &trial_count);
+      const ChainCount c = trial_or_probe(answers, q_low, hi, false, C, bs, total, OV, m);
       pieces_hi = bs + c.parts - c.runs;
     }
     const int64_t top = g.nocut_div > 0 ? hi + hi / g.nocut_div : hi;
-    if (g.nocut_div > 0 && pieces_hi > bs && longest <= top) {
-      runs_nocut(C, bs, OV, top, nb, steps);
-      if (chain_count(bs, nb, steps, nx2, ct2, &trial_count).parts <= parts) {
-        int64_t a = q_fit > longest ? q_fit : longest, b = top;
-        while (a < b) {  // block-uniform
-          const int64_t mid = a + (b - a) / 2;
-          runs_nocut(C, bs, OV, mid, nb, steps);
-          if (chain_count(bs, nb, steps, nx2, ct2, &trial_count).parts <= parts) b = mid;
-          else a = mid + 1;
-        }
-        nocut = true;
-        hi = b;
+    if (g.nocut_div > 0 && pieces_hi > bs && longest <= top &&
+        trial_or_probe(answers, q_low, top, true, C, bs, total, OV, m).parts <= parts) {
+      int64_t a = q_fit > longest ? q_fit : longest, b = top;
+      while (a < b) {  // block-uniform
+        const int64_t mid = a + (b - a) / 2;
+        if (trial_or_probe(answers, q_low, mid, true, C, bs, total, OV, m).parts <= parts) b = mid;
+        else a = mid + 1;
       }
+      nocut = true;
+      hi = b;
     }
     Q = hi;
   }
@@ -405,7 +486,18 @@ size_t schedule_smem(const mla_step_geom *g) {
   return sizeof(int64_t) * (bs + 1) + sizeof(int32_t) * (4 * bs + 2 * cap);
 }
 
-// The schedule kernel's dynamic shared memory opt-in, per device: raised
+// Probe blocks a step launches: every budget the schedule can ask about,
+// [q_low, q_flash + q_flash / nocut_div], bounded from the step's shape
+// (q_flash - q_low <= ceil(OV bs / parts) + 1, q_flash <= ceil(bs (ceil(
+// max_kv_len / U) + OV) / parts)), at most MLA_STEP_SCHED_PROBES.
+int probe_blocks(const mla_step_geom *g) {
+  const int64_t bs = g->batch_size, parts = g->num_parts, OV = g->sched_ov;
+  const int64_t q_max = mla_sb_cdiv(bs * (mla_sb_cdiv(g->max_kv_len, g->sched_unit) + OV), parts);
+  int64_t n = mla_sb_cdiv(OV * bs, parts) + 2 + (g->nocut_div > 0 ? q_max / g->nocut_div : 0);
+  return (int)(n < MLA_STEP_SCHED_PROBES ? n : MLA_STEP_SCHED_PROBES);
+}
+
+// The schedule kernels' dynamic shared memory opt-in, per device: raised
 // when a batch needs more than the device was last opted into, never
 // lowered (so a concurrent smaller batch cannot undo a larger one's), under
 // a lock taken only by batches past the 48 KiB default (thousands of rows).
@@ -417,10 +509,16 @@ cudaError_t raise_schedule_smem(int bytes) {
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   const bool tracked = dev >= 0 && dev < 64;
-  if (!tracked) return cudaFuncSetAttribute(step_schedule_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (!tracked) {
+    e = cudaFuncSetAttribute(step_schedule_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    return e != cudaSuccess ? e : cudaFuncSetAttribute(step_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                       bytes);
+  }
   pthread_mutex_lock(&g_sched_smem_mu);
   if (g_sched_smem[dev] < bytes) {
     e = cudaFuncSetAttribute(step_schedule_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(step_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e == cudaSuccess) g_sched_smem[dev] = bytes;
   }
   pthread_mutex_unlock(&g_sched_smem_mu);
@@ -432,8 +530,8 @@ cudaError_t raise_schedule_smem(int bytes) {
 extern "C" int mla_cuda_step_build(const mla_step_geom *g, const int32_t *req_to_token, const int32_t *req_ids,
                                    const int32_t *seq_lens, const int32_t *extend_lens, int32_t *qo_indptr,
                                    int32_t *kv_lens,
-                                   int32_t *block_table, int32_t *sched_meta, int32_t *num_splits, int *bad,
-                                   void *stream_) {
+                                   int32_t *block_table, int32_t *sched_meta, int32_t *num_splits,
+                                   int32_t *sched_probe, int *bad, void *stream_) {
   cudaStream_t stream = (cudaStream_t)stream_;
   if (g->batch_size < 1 || g->batch_size > MLA_CUDA_STEP_MAX_BS) return (int)cudaErrorInvalidValue;
   // chain_count packs the chain's parts, at most num_parts + (OV + 1) bs
@@ -450,6 +548,14 @@ extern "C" int mla_cuda_step_build(const mla_step_geom *g, const int32_t *req_to
     e = raise_schedule_smem((int)smem);
     if (e != cudaSuccess) return (int)e;
   }
-  step_schedule_kernel<<<1, kSchedThreads, smem, stream>>>(*g, qo_indptr, kv_lens, sched_meta, num_splits, bad);
+  // EXTEND's lengths are final only inside the schedule kernel (an over-full
+  // batch is emptied there): no probes
+  const int n_probe = g->varlen || !sched_probe ? 0 : probe_blocks(g);
+  if (n_probe > 0) {
+    step_probe_kernel<<<n_probe, kSchedThreads, smem, stream>>>(*g, kv_lens, sched_probe);
+    if ((e = cudaGetLastError()) != cudaSuccess) return (int)e;
+  }
+  step_schedule_kernel<<<1, kSchedThreads, smem, stream>>>(*g, qo_indptr, kv_lens, sched_meta, num_splits,
+                                                           n_probe > 0 ? sched_probe : nullptr, n_probe, bad);
   return (int)cudaGetLastError();
 }

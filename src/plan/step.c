@@ -6,6 +6,7 @@
  *   [qo_indptr bs+1][kv_lens bs][block_table bs x W][sched_meta parts x 8]
  *   [num_splits bs+1]
  *   CUDA: [o_accum S x R x 512 f32][lse_accum S x R f32] (none when S = 0)
+ *         [sched_probe MLA_STEP_SCHED_PROBES x 3 i32]
  *   CPU:  [kv_indptr bs+1][kv_indices bs x max_kv_len][CPU attention scratch]
  * with W = ceil(max_kv_len / P), R = q_len * H and S the kernels' partial
  * slots, 2 per part (../cuda/decode.h). */
@@ -34,6 +35,7 @@
 typedef struct step_layout {
   int32_t *qo_indptr, *kv_lens, *block_table, *sched_meta, *num_splits;
   float *o_accum, *lse_accum;              /* CUDA */
+  int32_t *sched_probe;                    /* CUDA: the schedule's answers per candidate budget */
   int32_t *kv_indptr, *kv_indices;         /* CPU */
   void *cpu_ws;                            /* CPU attention scratch */
   size_t cpu_ws_bytes;
@@ -160,6 +162,7 @@ static mla_status carve(mla_ctx *ctx, const mla_step_geom *g, int H, mla_ws *w, 
     const size_t slots = (size_t)mla_decode_partial_slots(g->num_parts);
     L->o_accum = slots ? mla_ws_take(w, sizeof(float) * slots * rows * MLA_LATENT) : NULL;
     L->lse_accum = slots ? mla_ws_take(w, sizeof(float) * slots * rows) : NULL;
+    L->sched_probe = mla_ws_take(w, sizeof(int32_t) * 3 * MLA_STEP_SCHED_PROBES);
     return MLA_OK;
   }
   L->kv_indptr = mla_ws_take(w, sizeof(int32_t) * (bs + 1));
@@ -333,7 +336,8 @@ mla_status mla_step_prepare(mla_ctx *ctx, const mla_step_desc *desc, const mla_k
 #ifdef MLA_WITH_CUDA
     const int e = mla_cuda_step_build(&gk, in->req_to_token, in->req_ids, in->seq_lens,
                                       gk.varlen ? in->extend_lens : NULL, L.qo_indptr, L.kv_lens,
-                                      L.block_table, L.sched_meta, L.num_splits, ctx->d_bad, ctx->stream);
+                                      L.block_table, L.sched_meta, L.num_splits, L.sched_probe, ctx->d_bad,
+                                      ctx->stream);
     if (e) return mla_cuda_fail(eb, fn, "step metadata kernels", e);
 #else
     return mla_fail(eb, MLA_ERR_UNSUPPORTED, fn, "built without CUDA");

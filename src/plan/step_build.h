@@ -163,6 +163,11 @@ static inline MLA_SB_HD int64_t mla_sb_sched_q(const int32_t *kv_lens /* [bs] */
   return hi;
 }
 
+/* Budgets q the device schedule evaluates at once before it chooses one
+ * (src/cuda/step.cu: a block per candidate, answers in the step workspace);
+ * a q outside them is tried by the choosing block itself. */
+#define MLA_STEP_SCHED_PROBES 512
+
 /* The cut-free divisor the library schedules mode's batches with: none in
  * EXTEND, whose step (a token bucket) and host plan (the real query counts)
  * must agree on the schedule (tests/test_step.c). */
