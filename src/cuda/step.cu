@@ -490,6 +490,8 @@ size_t schedule_smem(const mla_step_geom *g) {
 // [q_low, q_flash + q_flash / nocut_div], bounded from the step's shape
 // (q_flash - q_low <= ceil(OV bs / parts) + 1, q_flash <= ceil(bs (ceil(
 // max_kv_len / U) + OV) / parts)), at most MLA_STEP_SCHED_PROBES.
+constexpr int kProbeFromBatch = 65;  // the smallest batch the probe grid runs for (see the launcher)
+
 int probe_blocks(const mla_step_geom *g) {
   const int64_t bs = g->batch_size, parts = g->num_parts, OV = g->sched_ov;
   const int64_t q_max = mla_sb_cdiv(bs * (mla_sb_cdiv(g->max_kv_len, g->sched_unit) + OV), parts);
@@ -549,8 +551,10 @@ extern "C" int mla_cuda_step_build(const mla_step_geom *g, const int32_t *req_to
     if (e != cudaSuccess) return (int)e;
   }
   // EXTEND's lengths are final only inside the schedule kernel (an over-full
-  // batch is emptied there): no probes
-  const int n_probe = g->varlen || !sched_probe ? 0 : probe_blocks(g);
+  // batch is emptied there): no probes. Nor for batches of <= 64 rows, whose
+  // trials are short enough that the grid's launch costs more than it saves
+  // (H100, session 40: b=1 +5 us, b=64 uniform +2 us; b=128 -2 to -96 us).
+  const int n_probe = g->varlen || !sched_probe || g->batch_size < kProbeFromBatch ? 0 : probe_blocks(g);
   if (n_probe > 0) {
     step_probe_kernel<<<n_probe, kSchedThreads, smem, stream>>>(*g, kv_lens, sched_probe);
     if ((e = cudaGetLastError()) != cudaSuccess) return (int)e;
