@@ -348,10 +348,8 @@ __global__ void __launch_bounds__(kSchedThreads, 1)
   int64_t Q;
   bool nocut = false;
   {
-    const int64_t q_flash = mla_sb_cdiv(total, parts), blocks = total - (int64_t)OV * bs;
-    const int64_t lo0 = mla_sb_cdiv(blocks, parts) < 1 ? 1 : mla_sb_cdiv(blocks, parts);
-    int64_t lo = lo0, hi = q_flash, pieces_hi = 0;
-    if (lo > hi) lo = hi;
+    const int64_t q_flash = mla_sb_cdiv(total, parts);
+    int64_t lo = q_low, hi = q_flash, pieces_hi = 0;
     while (lo < hi) {  // block-uniform
       const int64_t mid = lo + (hi - lo) / 2;
       const ChainCount c = trial_or_probe(answers, q_low, mid, false, C, bs, total, OV, m);
