@@ -484,12 +484,12 @@ size_t schedule_smem(const mla_step_geom *g) {
   return sizeof(int64_t) * (bs + 1) + sizeof(int32_t) * (4 * bs + 2 * cap);
 }
 
+constexpr int kProbeFromBatch = 65;  // the smallest batch the probe grid runs for (see the launcher)
+
 // Probe blocks a step launches: every budget the schedule can ask about,
 // [q_low, q_flash + q_flash / nocut_div], bounded from the step's shape
 // (q_flash - q_low <= ceil(OV bs / parts) + 1, q_flash <= ceil(bs (ceil(
 // max_kv_len / U) + OV) / parts)), at most MLA_STEP_SCHED_PROBES.
-constexpr int kProbeFromBatch = 65;  // the smallest batch the probe grid runs for (see the launcher)
-
 int probe_blocks(const mla_step_geom *g) {
   const int64_t bs = g->batch_size, parts = g->num_parts, OV = g->sched_ov;
   const int64_t q_max = mla_sb_cdiv(bs * (mla_sb_cdiv(g->max_kv_len, g->sched_unit) + OV), parts);
