@@ -225,15 +225,6 @@ __device__ int64_t cost_prefix(const int32_t *kv_lens, int bs, int64_t OV, int64
   return total;
 }
 
-// The lowest budget the schedule may try: ceil(blocks / parts) (>= 1), or
-// FlashMLA's ceil(total / parts) if lower. Candidate j of the probe grid is
-// q = q_low + j.
-__device__ int64_t sched_q_low(int64_t total, int64_t blocks, int parts) {
-  const int64_t q_flash = mla_sb_cdiv(total, parts);
-  const int64_t lo0 = mla_sb_cdiv(blocks, parts) < 1 ? 1 : mla_sb_cdiv(blocks, parts);
-  return lo0 < q_flash ? lo0 : q_flash;
-}
-
 // The shared arrays of one whole-block trial (runs_at / runs_nocut and
 // chain_count) after C [bs + 1]: nb, steps, nx2, ct2 [bs] each.
 struct TrialSmem {
@@ -261,9 +252,10 @@ __device__ ChainCount trial_or_probe(const int32_t *answers, int64_t q_low, int6
   return trial_at(C, bs, total, OV, q, whole, m);
 }
 
-// The probe grid: block j tries budget q = q_low + j, the cutting walk if q
-// <= FlashMLA's q (parts and runs) and the cut-free one if q may be asked
-// for it (longest <= q <= q_flash + q_flash / nocut_div: parts), into
+// The probe grid: block j tries budget q = q_low + j (q_low:
+// mla_sb_sched_q_low), the cutting walk if q <= FlashMLA's q (parts and
+// runs) and the cut-free one if q may be asked for it (longest <= q <=
+// q_flash + q_flash / nocut_div: parts), into
 // probe[j] = {cut parts, cut runs, cut-free parts}, -1 where not tried.
 // Every budget mla_sb_sched_q can ask about lies in [q_low, q_flash +
 // q_flash / nocut_div]; the schedule block tries the ones past the grid.
@@ -280,7 +272,8 @@ __global__ void __launch_bounds__(kSchedThreads, 1)
   const int per = (bs + nt - 1) / nt, i0 = t * per, i1 = min(bs, i0 + per);
   int64_t longest;
   const int64_t total = cost_prefix(kv_lens, bs, OV, U, i0, i1, C, sums64, &longest_s, &longest);
-  const int64_t q_flash = mla_sb_cdiv(total, parts), q = sched_q_low(total, total - OV * bs, parts) + blockIdx.x;
+  const int64_t q_flash = mla_sb_cdiv(total, parts);
+  const int64_t q = mla_sb_sched_q_low(total, total - OV * bs, parts) + blockIdx.x;
   int32_t cut_parts = -1, cut_runs = -1, whole_parts = -1;
   if (q <= q_flash) {  // block-uniform
     const ChainCount c = trial_at(C, bs, total, OV, q, false, m);
@@ -340,7 +333,7 @@ __global__ void __launch_bounds__(kSchedThreads, 1)
   const int64_t total = cost_prefix(kv_lens, bs, OV, U, i0, i1, C, sums64, &longest_s, &longest);
   for (int j = t; j < 3 * MLA_STEP_SCHED_PROBES; j += nt) answers[j] = j < 3 * n_probe ? probe[j] : -1;
   __syncthreads();
-  const int64_t q_low = sched_q_low(total, total - OV * bs, parts);
+  const int64_t q_low = mla_sb_sched_q_low(total, total - OV * bs, parts);
   // Q: bisection between ceil(blocks / parts) and FlashMLA's ceil(total /
   // parts) (>= 1: total >= OV * bs), then FlashMLA's if the smallest that
   // fits cuts more pieces (bs + parts - runs), then the cut-free q' <= Q +
@@ -504,21 +497,22 @@ int probe_blocks(const mla_step_geom *g) {
 pthread_mutex_t g_sched_smem_mu = PTHREAD_MUTEX_INITIALIZER;
 int g_sched_smem[64];  // bytes opted into on device d (0..63; larger ordinals set it every time)
 
+// Both schedule kernels (the probe grid reads the same arrays) opted into bytes.
+cudaError_t set_schedule_smem(int bytes) {
+  cudaError_t e = cudaFuncSetAttribute(step_schedule_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e != cudaSuccess) return e;
+  return cudaFuncSetAttribute(step_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
 cudaError_t raise_schedule_smem(int bytes) {
   int dev = -1;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   const bool tracked = dev >= 0 && dev < 64;
-  if (!tracked) {
-    e = cudaFuncSetAttribute(step_schedule_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    return e != cudaSuccess ? e : cudaFuncSetAttribute(step_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                       bytes);
-  }
+  if (!tracked) return set_schedule_smem(bytes);
   pthread_mutex_lock(&g_sched_smem_mu);
   if (g_sched_smem[dev] < bytes) {
-    e = cudaFuncSetAttribute(step_schedule_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (e == cudaSuccess)
-      e = cudaFuncSetAttribute(step_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    e = set_schedule_smem(bytes);
     if (e == cudaSuccess) g_sched_smem[dev] = bytes;
   }
   pthread_mutex_unlock(&g_sched_smem_mu);
