@@ -95,6 +95,15 @@ static inline MLA_SB_HD int mla_sb_walk(const int32_t *kv_lens /* [bs] */, int b
   return req < bs ? -1 : 0;
 }
 
+/* The lowest budget the search for q tries: ceil(blocks / parts) (>= 1), or
+ * FlashMLA's ceil(total / parts) if that is lower (total = blocks + the
+ * pieces' cost). The device's probe grid numbers its candidates from it. */
+static inline MLA_SB_HD int64_t mla_sb_sched_q_low(int64_t total, int64_t blocks, int num_parts) {
+  const int64_t q_flash = mla_sb_cdiv(total, num_parts), lo = mla_sb_cdiv(blocks, num_parts);
+  const int64_t lo0 = lo < 1 ? 1 : lo;
+  return lo0 < q_flash ? lo0 : q_flash;
+}
+
 /* The schedule's q: the smallest that fits, found by bisection between a
  * bound no q below can beat (every part covers at most q blocks: q >=
  * ceil(blocks / parts)) and FlashMLA's q = ceil(total / parts), which always
@@ -114,15 +123,6 @@ static inline MLA_SB_HD int mla_sb_walk(const int32_t *kv_lens /* [bs] */, int b
  * faster; q' = q + 7..11 still gained 3.5-5.4 % at H = 128 and 0-2.6 % at
  * H = 16 (bench/RESULTS.md session 37). The device scheduler (src/cuda/
  * step.cu) makes the same choice from the same trial answers. Returns q. */
-/* The lowest budget the search for q tries: ceil(blocks / parts) (>= 1), or
- * FlashMLA's ceil(total / parts) if that is lower (total = blocks + the
- * pieces' cost). The device's probe grid numbers its candidates from it. */
-static inline MLA_SB_HD int64_t mla_sb_sched_q_low(int64_t total, int64_t blocks, int num_parts) {
-  const int64_t q_flash = mla_sb_cdiv(total, num_parts), lo = mla_sb_cdiv(blocks, num_parts);
-  const int64_t lo0 = lo < 1 ? 1 : lo;
-  return lo0 < q_flash ? lo0 : q_flash;
-}
-
 static inline MLA_SB_HD int64_t mla_sb_sched_q(const int32_t *kv_lens /* [bs] */, int bs, int num_parts,
                                                int64_t ov, int64_t unit, int nocut_div, int *nocut) {
   int64_t blocks = 0, longest = 0;
